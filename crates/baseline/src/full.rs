@@ -1,0 +1,87 @@
+//! `full`: all K/V of all layers on the device tier — the reference policy.
+//!
+//! Each layer owns a [`KvBuffer`] that grows by whole chunks, so a decode step writes its
+//! new entries in place and attends over a strided view of the buffer. With a device
+//! budget the policy fails before allocating past it and points to the offload policies.
+use candle_core::Tensor;
+use kvpolicy_core::{
+    attend, format_bytes, AttnStep, DeviceMeter, KvBuffer, KvError, KvPolicy, KvStats, PolicyOptions, Result,
+};
+
+/// Everything on the device: the reference policy.
+#[derive(Debug)]
+pub struct FullPolicy {
+    layers: Vec<KvBuffer>,
+    grow_tokens: usize,
+    meter: DeviceMeter,
+}
+
+impl FullPolicy {
+    /// A `full` policy with the options' growth chunk and device budget.
+    pub fn new(opts: &PolicyOptions) -> Self {
+        Self {
+            layers: Vec::new(),
+            grow_tokens: opts.grow_tokens,
+            meter: DeviceMeter::new(opts.device_kv_budget),
+        }
+    }
+}
+
+impl KvPolicy for FullPolicy {
+    fn name(&self) -> &str {
+        "full"
+    }
+
+    fn attend(&mut self, step: &AttnStep<'_>) -> Result<Tensor> {
+        while self.layers.len() <= step.layer {
+            self.layers.push(KvBuffer::new(self.grow_tokens));
+        }
+        let buf = &mut self.layers[step.layer];
+        if step.pos != buf.len() {
+            return Err(KvError::Step(format!(
+                "layer {} holds {} tokens but the step starts at position {}; call reset() before a new sequence",
+                step.layer,
+                buf.len(),
+                step.pos
+            )));
+        }
+        let grow = buf.growth_bytes(step.k)?;
+        if grow > 0 {
+            if !self.meter.fits(grow) {
+                return Err(KvError::BudgetExceeded {
+                    what: format!("growing layer {} to {} tokens", step.layer, buf.capacity_for(buf.len() + step.k.dim(2)?)),
+                    needed: format_bytes(grow),
+                    budget: format_bytes(self.meter.budget().unwrap_or(0)),
+                    in_use: format_bytes(self.meter.current()),
+                    hint: "`full` keeps every layer's KV on the device; use `--policy headwise` (or `layer`) to keep the cache in host memory".into(),
+                });
+            }
+            let old = buf.allocated_bytes();
+            self.meter.alloc(grow);
+            buf.append(step.k, step.v)?;
+            self.meter.free(old);
+        } else {
+            buf.append(step.k, step.v)?;
+        }
+        let (k, v) = buf.view(0, buf.len())?;
+        attend(step.q, &k, &v, step.pos, 0, step.spec)
+    }
+
+    fn seq_len(&self) -> usize {
+        self.layers.first().map(KvBuffer::len).unwrap_or(0)
+    }
+
+    fn reset(&mut self) {
+        self.layers.clear();
+        self.meter.reset();
+    }
+
+    fn stats(&self) -> KvStats {
+        KvStats {
+            device_kv_bytes: self.meter.current(),
+            device_kv_peak_bytes: self.meter.peak(),
+            kv_tokens: self.seq_len() as u64,
+            ..KvStats::default()
+        }
+    }
+}

@@ -1,0 +1,303 @@
+//! Exact scaled-dot-product attention, written once for every policy.
+//!
+//! * Queries of a step sit at absolute positions `q_pos..q_pos + t`; the keys handed in sit
+//!   at `k_pos..k_pos + s`. The causal and sliding-window masks are computed from those
+//!   absolute positions, so a prefill chunk that starts at an offset, a decode step, and a
+//!   piece of the cache (a token range, as in KVPR §3.2) all use the same code.
+//! * Grouped-query attention never repeats K/V per query head: the `g = n_heads /
+//!   n_kv_heads` query heads of one KV head are folded into the row dimension, so one
+//!   batched matmul serves the whole group (query head `h` uses KV head `h / g`, as HF's
+//!   `repeat_kv` does).
+//! * Logit soft-capping (`cap · tanh(s / cap)`, Gemma 2) is applied before masking.
+//! * [`attend_partial`] also returns the log-sum-exp of every query row, so attentions over
+//!   disjoint key sets merge exactly ([`merge_partials`]): this is what lets head-wise
+//!   offload (HeadInfer §3) and partial recompute (KVPR §3) attend over pieces.
+//!
+//! Scores are computed in the inputs' dtype and turned into probabilities in f32, as HF's
+//! eager attention does.
+use candle_core::{DType, Tensor, D};
+
+use crate::error::{KvError, Result};
+
+/// What a layer's attention computes: head counts, scale, causality, window and soft-cap.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AttnSpec {
+    /// Query heads.
+    pub n_heads: usize,
+    /// Key/value heads (divides `n_heads`).
+    pub n_kv_heads: usize,
+    /// Width of one head.
+    pub head_dim: usize,
+    /// Factor applied to `q·k` before the softmax (usually `1/sqrt(head_dim)`).
+    pub scale: f64,
+    /// Whether a query sees only keys at or before its own position.
+    pub causal: bool,
+    /// Sliding window: a query at position `p` sees keys at positions `> p - window`.
+    pub sliding_window: Option<usize>,
+    /// Attention-logit soft-cap (Gemma 2).
+    pub softcap: Option<f64>,
+}
+
+impl AttnSpec {
+    /// A causal attention with the usual `1/sqrt(head_dim)` scale, no window, no cap.
+    pub fn new(n_heads: usize, n_kv_heads: usize, head_dim: usize) -> Self {
+        Self {
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            scale: 1.0 / (head_dim as f64).sqrt(),
+            causal: true,
+            sliding_window: None,
+            softcap: None,
+        }
+    }
+
+    /// Query heads served by one KV head.
+    pub fn group_size(&self) -> usize {
+        self.n_heads / self.n_kv_heads.max(1)
+    }
+
+    /// First key position a query at `q_pos` can see (0 without a window).
+    pub fn window_start(&self, q_pos: usize) -> usize {
+        match self.sliding_window {
+            Some(w) if self.causal => (q_pos + 1).saturating_sub(w),
+            _ => 0,
+        }
+    }
+
+    /// Checks that the spec is self-consistent.
+    pub fn validate(&self) -> Result<()> {
+        if self.n_kv_heads == 0 || self.n_heads == 0 || self.n_heads % self.n_kv_heads != 0 {
+            return Err(KvError::Step(format!(
+                "{} query heads cannot be grouped over {} KV heads",
+                self.n_heads, self.n_kv_heads
+            )));
+        }
+        if self.sliding_window == Some(0) {
+            return Err(KvError::Step("a sliding window of 0 tokens".into()));
+        }
+        Ok(())
+    }
+}
+
+/// An attention over part of the keys: its normalised output and per-row log-sum-exp.
+#[derive(Clone, Debug)]
+pub struct Partial {
+    /// `(b, heads, t, head_dim)`, f32.
+    pub out: Tensor,
+    /// `(b, heads, t)`, f32; `-inf` where the row saw no key.
+    pub lse: Tensor,
+}
+
+/// The additive mask for queries at `q_pos..q_pos+t` over keys at `k_pos..k_pos+s`, or
+/// `None` when every query sees every key.
+pub fn mask_values(t: usize, s: usize, q_pos: usize, k_pos: usize, spec: &AttnSpec) -> Option<Vec<f32>> {
+    let visible = |i: usize, j: usize| {
+        let (qp, kp) = (q_pos + i, k_pos + j);
+        if !spec.causal {
+            return true;
+        }
+        kp <= qp && kp >= spec.window_start(qp)
+    };
+    let all = visible(0, s.saturating_sub(1))
+        && (s == 0 || visible(0, 0))
+        && (t == 0 || (visible(t - 1, 0) && visible(t - 1, s.saturating_sub(1))));
+    // Visibility is monotone along both axes: checking the corners decides "all visible".
+    if all {
+        return None;
+    }
+    let mut m = vec![0f32; t * s];
+    for i in 0..t {
+        for j in 0..s {
+            if !visible(i, j) {
+                m[i * s + j] = f32::NEG_INFINITY;
+            }
+        }
+    }
+    Some(m)
+}
+
+struct Scores {
+    /// `(b, n_kv, g*t, s)` in f32, masked and capped.
+    scores: Tensor,
+    dims: (usize, usize, usize, usize, usize, usize),
+}
+
+fn scores(q: &Tensor, k: &Tensor, q_pos: usize, k_pos: usize, spec: &AttnSpec) -> Result<Scores> {
+    let (b, nh, t, d) = q.dims4()?;
+    let (kb, nkv, s, kd) = k.dims4()?;
+    if kb != b || kd != d || nkv == 0 || nh % nkv != 0 {
+        return Err(KvError::Step(format!(
+            "queries {:?} do not fit keys {:?}",
+            q.dims(),
+            k.dims()
+        )));
+    }
+    let g = nh / nkv;
+    let q = q.contiguous()?.reshape((b, nkv, g * t, d))?;
+    let k = k.to_dtype(q.dtype())?;
+    let mut sc = q.matmul(&k.t()?)?.to_dtype(DType::F32)?;
+    sc = (sc * spec.scale)?;
+    if let Some(cap) = spec.softcap {
+        sc = ((sc / cap)?.tanh()? * cap)?;
+    }
+    if let Some(m) = mask_values(t, s, q_pos, k_pos, spec) {
+        let m = Tensor::from_vec(m, (t, s), q.device())?;
+        sc = sc.reshape((b, nkv, g, t, s))?.broadcast_add(&m)?.reshape((b, nkv, g * t, s))?;
+    }
+    Ok(Scores {
+        scores: sc,
+        dims: (b, nh, nkv, g, t, d),
+    })
+}
+
+/// Attention of `q` `(b, n_heads, t, d)` over `k`, `v` `(b, n_kv_heads, s, d)`; returns
+/// `(b, n_heads, t, d)` in the dtype of `q`. Queries sit at `q_pos..`, keys at `k_pos..`.
+pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, q_pos: usize, k_pos: usize, spec: &AttnSpec) -> Result<Tensor> {
+    let Scores { scores, dims } = scores(q, k, q_pos, k_pos, spec)?;
+    let (b, nh, _nkv, _g, t, d) = dims;
+    let p = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(v.dtype())?;
+    let o = p.matmul(v)?;
+    Ok(o.reshape((b, nh, t, d))?.to_dtype(q.dtype())?)
+}
+
+/// Like [`attend`] but returns the f32 output together with each row's log-sum-exp, so
+/// that attentions over disjoint key sets can be merged with [`merge_partials`].
+pub fn attend_partial(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    q_pos: usize,
+    k_pos: usize,
+    spec: &AttnSpec,
+) -> Result<Partial> {
+    let Scores { scores, dims } = scores(q, k, q_pos, k_pos, spec)?;
+    let (b, nh, _nkv, _g, t, d) = dims;
+    // A row that sees no key has max = -inf; clamping keeps exp() at 0 instead of NaN.
+    let m = scores.max_keepdim(D::Minus1)?.clamp(f32::MIN, f32::MAX)?;
+    let p = scores.broadcast_sub(&m)?.exp()?;
+    let l = p.sum_keepdim(D::Minus1)?;
+    let o = p.to_dtype(v.dtype())?.matmul(v)?.to_dtype(DType::F32)?;
+    let o = o.broadcast_div(&l.clamp(f32::MIN_POSITIVE, f32::MAX)?)?;
+    let lse = (m + l.log()?)?;
+    Ok(Partial {
+        out: o.reshape((b, nh, t, d))?,
+        lse: lse.reshape((b, nh, t))?,
+    })
+}
+
+/// Merges attentions over disjoint key sets into the attention over their union.
+pub fn merge_partials(parts: &[Partial]) -> Result<Partial> {
+    let Some(first) = parts.first() else {
+        return Err(KvError::Step("no partial attention to merge".into()));
+    };
+    if parts.len() == 1 {
+        return Ok(first.clone());
+    }
+    let mut max = first.lse.clone();
+    for p in &parts[1..] {
+        max = max.maximum(&p.lse)?;
+    }
+    let max = max.clamp(f32::MIN, f32::MAX)?;
+    let mut num: Option<Tensor> = None;
+    let mut den: Option<Tensor> = None;
+    for p in parts {
+        let w = (&p.lse - &max)?.exp()?;
+        let contrib = p.out.broadcast_mul(&w.unsqueeze(D::Minus1)?)?;
+        num = Some(match num {
+            None => contrib,
+            Some(n) => (n + contrib)?,
+        });
+        den = Some(match den {
+            None => w,
+            Some(d) => (d + w)?,
+        });
+    }
+    let (Some(num), Some(den)) = (num, den) else {
+        return Err(KvError::Step("no partial attention to merge".into()));
+    };
+    let out = num.broadcast_div(&den.clamp(f32::MIN_POSITIVE, f32::MAX)?.unsqueeze(D::Minus1)?)?;
+    let lse = (max + den.log()?)?;
+    Ok(Partial { out, lse })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    fn naive(q: &Tensor, k: &Tensor, v: &Tensor, q_pos: usize, spec: &AttnSpec) -> Result<Tensor> {
+        // Per query head, repeat KV explicitly, full mask from positions.
+        let (_b, nh, t, _d) = q.dims4()?;
+        let s = k.dim(2)?;
+        let g = spec.group_size();
+        let mut outs = Vec::new();
+        for h in 0..nh {
+            let qh = q.narrow(1, h, 1)?;
+            let kh = k.narrow(1, h / g, 1)?;
+            let vh = v.narrow(1, h / g, 1)?;
+            let mut sc = (qh.matmul(&kh.t()?)? * spec.scale)?;
+            if let Some(c) = spec.softcap {
+                sc = ((sc / c)?.tanh()? * c)?;
+            }
+            let mut m = vec![0f32; t * s];
+            for i in 0..t {
+                for j in 0..s {
+                    let qp = q_pos + i;
+                    let ok = j <= qp && spec.sliding_window.is_none_or(|w| qp - j < w);
+                    if !ok {
+                        m[i * s + j] = f32::NEG_INFINITY;
+                    }
+                }
+            }
+            let m = Tensor::from_vec(m, (1, 1, t, s), q.device())?;
+            let p = candle_nn::ops::softmax_last_dim(&sc.broadcast_add(&m)?)?;
+            outs.push(p.matmul(&vh)?);
+        }
+        Ok(Tensor::cat(&outs, 1)?)
+    }
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
+        Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
+    }
+
+    #[test]
+    fn matches_naive_with_gqa_window_softcap_and_offset() -> Result<()> {
+        let dev = Device::Cpu;
+        for (window, cap) in [(None, None), (Some(3), None), (None, Some(5.0)), (Some(4), Some(2.0))] {
+            let mut spec = AttnSpec::new(6, 2, 8);
+            spec.sliding_window = window;
+            spec.softcap = cap;
+            let (t, s) = (5, 12);
+            let q_pos = s - t;
+            let q = Tensor::randn(0f32, 2.0, (2, 6, t, 8), &dev)?;
+            let k = Tensor::randn(0f32, 2.0, (2, 2, s, 8), &dev)?;
+            let v = Tensor::randn(0f32, 1.0, (2, 2, s, 8), &dev)?;
+            let want = naive(&q, &k, &v, q_pos, &spec)?;
+            let got = attend(&q, &k, &v, q_pos, 0, &spec)?;
+            assert!(max_diff(&want, &got)? < 1e-5);
+            let part = attend_partial(&q, &k, &v, q_pos, 0, &spec)?;
+            assert!(max_diff(&want, &part.out)? < 1e-5);
+            // Split the keys at every point and merge: must equal the whole.
+            for cut in 0..=s {
+                let a = attend_partial(&q, &k.narrow(2, 0, cut)?, &v.narrow(2, 0, cut)?, q_pos, 0, &spec)?;
+                let b = attend_partial(&q, &k.narrow(2, cut, s - cut)?, &v.narrow(2, cut, s - cut)?, q_pos, cut, &spec)?;
+                let m = merge_partials(&[a, b])?;
+                assert!(max_diff(&want, &m.out)? < 1e-5, "cut {cut} window {window:?}");
+                assert!(max_diff(&part.lse, &m.lse)? < 1e-4);
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn mask_is_skipped_only_when_everything_is_visible() {
+        let spec = AttnSpec::new(1, 1, 4);
+        assert!(mask_values(1, 10, 9, 0, &spec).is_none());
+        assert!(mask_values(2, 10, 8, 0, &spec).is_some());
+        let mut w = spec.clone();
+        w.sliding_window = Some(4);
+        assert!(mask_values(1, 4, 9, 6, &w).is_none());
+        assert!(mask_values(1, 5, 9, 5, &w).is_some());
+    }
+}

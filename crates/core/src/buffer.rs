@@ -1,0 +1,171 @@
+//! A growable, preallocated K/V store for one layer (or one head range of a layer).
+//!
+//! Keys and values live in `(b, heads, capacity, head_dim)` tensors. New tokens are written
+//! in place with `slice_set`; when the capacity runs out it grows by whole chunks of
+//! `grow_tokens`, so a decode step never re-copies the cache (the stock candle models
+//! `cat` the whole cache every step). Views of the stored prefix are strided narrows of the
+//! buffers, which candle's matmul consumes without copying.
+use candle_core::{DType, Device, Tensor};
+
+use crate::error::{KvError, Result};
+
+/// Growable K/V storage with amortised in-place appends.
+#[derive(Debug, Clone)]
+pub struct KvBuffer {
+    k: Option<Tensor>,
+    v: Option<Tensor>,
+    len: usize,
+    capacity: usize,
+    grow_tokens: usize,
+}
+
+impl KvBuffer {
+    /// An empty buffer that grows by `grow_tokens` tokens at a time (at least 1).
+    pub fn new(grow_tokens: usize) -> Self {
+        Self {
+            k: None,
+            v: None,
+            len: 0,
+            capacity: 0,
+            grow_tokens: grow_tokens.max(1),
+        }
+    }
+
+    /// Tokens stored.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether nothing is stored.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Tokens that fit without growing.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// The capacity needed to hold `tokens` tokens under this buffer's growth rule.
+    pub fn capacity_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.grow_tokens) * self.grow_tokens
+    }
+
+    /// Bytes held by the K and V buffers (capacity, not length).
+    pub fn allocated_bytes(&self) -> u64 {
+        let one = |t: &Option<Tensor>| {
+            t.as_ref()
+                .map(|t| (t.elem_count() * t.dtype().size_in_bytes()) as u64)
+                .unwrap_or(0)
+        };
+        one(&self.k) + one(&self.v)
+    }
+
+    /// Bytes that holding `tokens` tokens of `(b, heads, _, head_dim)` in `dtype` needs.
+    pub fn bytes_for(&self, tokens: usize, b: usize, heads: usize, head_dim: usize, dtype: DType) -> u64 {
+        (2 * self.capacity_for(tokens) * b * heads * head_dim * dtype.size_in_bytes()) as u64
+    }
+
+    /// Bytes the next `append` of `t` tokens shaped like `k` would allocate while it grows
+    /// (the new buffers; the old ones are freed after the copy). 0 when no growth is needed.
+    pub fn growth_bytes(&self, k: &Tensor) -> Result<u64> {
+        let (b, h, t, d) = k.dims4()?;
+        if self.len + t <= self.capacity {
+            return Ok(0);
+        }
+        Ok(self.bytes_for(self.len + t, b, h, d, k.dtype()))
+    }
+
+    /// Appends `k`, `v` of shape `(b, heads, t, head_dim)` at the end.
+    pub fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<()> {
+        let (b, h, t, d) = k.dims4()?;
+        if v.dims4()? != (b, h, t, d) {
+            return Err(KvError::Step(format!(
+                "keys {:?} and values {:?} differ in shape",
+                k.dims(),
+                v.dims()
+            )));
+        }
+        if let Some(old) = &self.k {
+            let (ob, oh, _, od) = old.dims4()?;
+            if (ob, oh, od) != (b, h, d) || old.dtype() != k.dtype() {
+                return Err(KvError::Step(format!(
+                    "new keys {:?} ({:?}) do not fit the stored {:?} ({:?})",
+                    k.dims(),
+                    k.dtype(),
+                    old.dims(),
+                    old.dtype()
+                )));
+            }
+        }
+        if self.len + t > self.capacity {
+            self.grow(self.len + t, (b, h, d), k.dtype(), k.device())?;
+        }
+        let (Some(kb), Some(vb)) = (&self.k, &self.v) else {
+            return Err(KvError::Step("buffer missing after growth".into()));
+        };
+        kb.slice_set(&k.contiguous()?, 2, self.len)?;
+        vb.slice_set(&v.contiguous()?, 2, self.len)?;
+        self.len += t;
+        Ok(())
+    }
+
+    fn grow(&mut self, needed: usize, (b, h, d): (usize, usize, usize), dtype: DType, dev: &Device) -> Result<()> {
+        let cap = self.capacity_for(needed);
+        let nk = Tensor::zeros((b, h, cap, d), dtype, dev)?;
+        let nv = Tensor::zeros((b, h, cap, d), dtype, dev)?;
+        if let (Some(ok), Some(ov)) = (&self.k, &self.v) {
+            nk.slice_set(ok, 2, 0)?;
+            nv.slice_set(ov, 2, 0)?;
+        }
+        self.k = Some(nk);
+        self.v = Some(nv);
+        self.capacity = cap;
+        Ok(())
+    }
+
+    /// Views of keys and values at token positions `start..start+len` of the buffer.
+    pub fn view(&self, start: usize, len: usize) -> Result<(Tensor, Tensor)> {
+        match (&self.k, &self.v) {
+            (Some(k), Some(v)) if start + len <= self.len => Ok((k.narrow(2, start, len)?, v.narrow(2, start, len)?)),
+            _ => Err(KvError::Step(format!(
+                "asked for tokens {start}..{} but {} are stored",
+                start + len,
+                self.len
+            ))),
+        }
+    }
+
+    /// Drops everything stored and frees the buffers.
+    pub fn clear(&mut self) {
+        self.k = None;
+        self.v = None;
+        self.len = 0;
+        self.capacity = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grows_in_chunks_and_keeps_contents() -> Result<()> {
+        let dev = Device::Cpu;
+        let mut buf = KvBuffer::new(4);
+        let all = Tensor::arange(0f32, 2.0 * 3.0 * 11.0 * 2.0, &dev)?.reshape((2, 3, 11, 2))?;
+        let mut at = 0;
+        for t in [3, 1, 1, 5, 1] {
+            let piece = all.narrow(2, at, t)?;
+            buf.append(&piece, &piece)?;
+            at += t;
+            assert_eq!(buf.capacity(), at.div_ceil(4) * 4);
+        }
+        let (k, _) = buf.view(0, 11)?;
+        let diff = (k - &all)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+        assert_eq!(diff, 0.0);
+        assert_eq!(buf.allocated_bytes(), 2 * 2 * 3 * 12 * 2 * 4);
+        assert!(buf.view(5, 7).is_err());
+        Ok(())
+    }
+}

@@ -1,0 +1,29 @@
+//! `kvpolicy-core`: the boundary between model definitions and KV-cache policies.
+//!
+//! A model's attention layer hands every forward step of every layer to a [`KvPolicy`]
+//! as an [`AttnStep`]: the step's queries, its new keys and values, the layer's attention
+//! input (for policies that store activations instead of K/V, KVPR §3 and HybridServe §4),
+//! and a [`KvRegen`] handle that rebuilds K/V from such inputs. The policy decides where
+//! the cache lives and returns the attention output.
+//!
+//! The attention math ([`attention`]) is written once here — causal masks for a chunk at
+//! an offset, sliding windows, logit soft-capping, grouped-query attention without
+//! repeating K/V, and partial attentions that carry their log-sum-exp so that a policy may
+//! attend over pieces of the cache (head groups, token ranges) and merge them exactly.
+#![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+pub mod attention;
+pub mod buffer;
+pub mod error;
+pub mod policy;
+pub mod registry;
+pub mod size;
+pub mod stats;
+
+pub use attention::{attend, attend_partial, merge_partials, AttnSpec, Partial};
+pub use buffer::KvBuffer;
+pub use error::{KvError, Result};
+pub use policy::{AttnStep, KvPolicy, KvRegen};
+pub use registry::{PolicyBuilder, PolicyOptions, PolicyRegistry};
+pub use size::{format_bytes, parse_bytes};
+pub use stats::{DeviceMeter, KvStats};

@@ -1,0 +1,52 @@
+//! The boundary every model's attention layer calls: one [`AttnStep`] per layer and
+//! forward step, handed to a [`KvPolicy`].
+use candle_core::Tensor;
+
+use crate::attention::AttnSpec;
+use crate::error::Result;
+use crate::stats::KvStats;
+
+/// Rebuilds a layer's keys and values from its stored attention inputs (KVPR §3.1):
+/// `K = X·Wk (+b)`, `V = X·Wv (+b)`, then the positional encoding of K.
+pub trait KvRegen {
+    /// K and V, each `(b, n_kv_heads, t, head_dim)`, for inputs `x` `(b, t, hidden)` whose
+    /// first token sits at position `pos`.
+    fn regen(&self, x: &Tensor, pos: usize) -> Result<(Tensor, Tensor)>;
+    /// Floating-point operations that regenerating one token costs.
+    fn flops_per_token(&self) -> u64;
+}
+
+/// One attention evaluation of one layer for one forward step.
+pub struct AttnStep<'a> {
+    /// Layer index, from 0.
+    pub layer: usize,
+    /// Queries `(b, n_heads, t, head_dim)`, positional encoding applied.
+    pub q: &'a Tensor,
+    /// The step's new keys `(b, n_kv_heads, t, head_dim)`, positional encoding applied.
+    pub k: &'a Tensor,
+    /// The step's new values `(b, n_kv_heads, t, head_dim)`.
+    pub v: &'a Tensor,
+    /// The layer's attention input `(b, t, hidden)` (after the input norm).
+    pub x: &'a Tensor,
+    /// Position of the step's first token.
+    pub pos: usize,
+    /// What the attention computes.
+    pub spec: &'a AttnSpec,
+    /// Rebuilds this layer's K/V from stored inputs.
+    pub regen: &'a dyn KvRegen,
+}
+
+/// A KV-cache policy: stores each step's new K/V (or activations) where it decides and
+/// returns the exact attention output.
+pub trait KvPolicy: Send {
+    /// The registry name of the policy (`"full"`, `"headwise"`, …).
+    fn name(&self) -> &str;
+    /// Stores the step's new entries and returns the attention output `(b, n_heads, t, head_dim)`.
+    fn attend(&mut self, step: &AttnStep<'_>) -> Result<Tensor>;
+    /// Tokens cached (per layer).
+    fn seq_len(&self) -> usize;
+    /// Forgets every cached token and frees the buffers; counters restart.
+    fn reset(&mut self);
+    /// Memory and traffic counters.
+    fn stats(&self) -> KvStats;
+}

@@ -1,0 +1,71 @@
+//! Building a policy from its name at run time: `Box<dyn KvPolicy>` for CLIs and for users
+//! who pick a policy in configuration. Each policy crate registers its builders; the facade
+//! crate `kvpolicy` returns a registry that holds all of them.
+use candle_core::Device;
+
+use crate::error::{KvError, Result};
+use crate::policy::KvPolicy;
+
+/// Options every policy may read; each ignores what does not concern it.
+#[derive(Clone, Debug)]
+pub struct PolicyOptions {
+    /// The compute device (the device tier).
+    pub device: Device,
+    /// Byte budget of the device tier for KV buffers; `None` = unlimited.
+    pub device_kv_budget: Option<u64>,
+    /// Tokens by which preallocated buffers grow.
+    pub grow_tokens: usize,
+}
+
+impl Default for PolicyOptions {
+    fn default() -> Self {
+        Self {
+            device: Device::Cpu,
+            device_kv_budget: None,
+            grow_tokens: 256,
+        }
+    }
+}
+
+/// Builds a policy from options.
+pub type PolicyBuilder = fn(&PolicyOptions) -> Result<Box<dyn KvPolicy>>;
+
+/// Named policy builders.
+#[derive(Clone, Default)]
+pub struct PolicyRegistry {
+    entries: Vec<(&'static str, &'static str, PolicyBuilder)>,
+}
+
+impl PolicyRegistry {
+    /// An empty registry.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds (or replaces) a policy under `name`, with a one-line description.
+    pub fn register(&mut self, name: &'static str, description: &'static str, builder: PolicyBuilder) {
+        self.entries.retain(|(n, _, _)| *n != name);
+        self.entries.push((name, description, builder));
+    }
+
+    /// Registered names, in registration order.
+    pub fn names(&self) -> Vec<&'static str> {
+        self.entries.iter().map(|(n, _, _)| *n).collect()
+    }
+
+    /// Names with their descriptions.
+    pub fn describe(&self) -> Vec<(&'static str, &'static str)> {
+        self.entries.iter().map(|(n, d, _)| (*n, *d)).collect()
+    }
+
+    /// Builds the policy called `name`, or fails listing the valid names.
+    pub fn build(&self, name: &str, opts: &PolicyOptions) -> Result<Box<dyn KvPolicy>> {
+        match self.entries.iter().find(|(n, _, _)| *n == name) {
+            Some((_, _, b)) => b(opts),
+            None => Err(KvError::UnknownPolicy {
+                name: name.to_string(),
+                valid: self.names().join(", "),
+            }),
+        }
+    }
+}

@@ -1,0 +1,84 @@
+//! What a policy reports: device-tier bytes now and at peak, host-tier bytes, bytes moved
+//! each way, recompute work and time spent. Memory numbers are deterministic (they count
+//! allocated buffer bytes), so tests assert them exactly; times are for reports only.
+use serde::Serialize;
+
+/// Counters a policy keeps; every field is cumulative since the last `reset` except
+/// `device_kv_bytes`, `host_kv_bytes` and `kv_tokens`, which are current values.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct KvStats {
+    /// Bytes of KV (or activation) buffers held on the device tier now.
+    pub device_kv_bytes: u64,
+    /// Highest value `device_kv_bytes` reached, transient growth copies included.
+    pub device_kv_peak_bytes: u64,
+    /// Bytes of KV (or activation) buffers held on the host tier now.
+    pub host_kv_bytes: u64,
+    /// Bytes copied host→device.
+    pub h2d_bytes: u64,
+    /// Bytes copied device→host.
+    pub d2h_bytes: u64,
+    /// Floating-point operations spent regenerating K/V from stored activations.
+    pub recompute_flops: u64,
+    /// Tokens whose K/V were regenerated rather than transferred.
+    pub recompute_tokens: u64,
+    /// Tokens cached per layer.
+    pub kv_tokens: u64,
+    /// Seconds spent waiting for transfers that compute could not hide.
+    pub transfer_wait_s: f64,
+}
+
+/// Tracks the device tier's current and peak bytes against an optional budget.
+#[derive(Clone, Debug, Default)]
+pub struct DeviceMeter {
+    current: u64,
+    peak: u64,
+    budget: Option<u64>,
+}
+
+impl DeviceMeter {
+    /// A meter with an optional byte budget.
+    pub fn new(budget: Option<u64>) -> Self {
+        Self {
+            current: 0,
+            peak: 0,
+            budget,
+        }
+    }
+
+    /// The budget, if any.
+    pub fn budget(&self) -> Option<u64> {
+        self.budget
+    }
+
+    /// Bytes held now.
+    pub fn current(&self) -> u64 {
+        self.current
+    }
+
+    /// Highest bytes held.
+    pub fn peak(&self) -> u64 {
+        self.peak
+    }
+
+    /// Whether `extra` more bytes would stay within the budget.
+    pub fn fits(&self, extra: u64) -> bool {
+        self.budget.is_none_or(|b| self.current + extra <= b)
+    }
+
+    /// Records an allocation of `bytes`.
+    pub fn alloc(&mut self, bytes: u64) {
+        self.current += bytes;
+        self.peak = self.peak.max(self.current);
+    }
+
+    /// Records a release of `bytes`.
+    pub fn free(&mut self, bytes: u64) {
+        self.current = self.current.saturating_sub(bytes);
+    }
+
+    /// Forgets everything held (the peak too).
+    pub fn reset(&mut self) {
+        self.current = 0;
+        self.peak = 0;
+    }
+}

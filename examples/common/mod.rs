@@ -1,0 +1,253 @@
+//! The runner every example shares: flags (a contract other tools read), model loading,
+//! policy construction, generation, and the output files.
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device};
+use clap::Parser;
+use kvpolicy::models::{generate, load, resolve, ModelSpec, TextTokenizer};
+use kvpolicy::{build_policy, GenerateConfig, KvStats, PolicyOptions};
+use serde::Serialize;
+
+/// Flags shared by every example.
+#[derive(Parser, Debug)]
+#[command(about = "Generate text under a KV-cache policy", long_about = None)]
+pub struct Args {
+    /// KV policy: full (all on device), … (an unknown name lists the valid ones).
+    #[arg(long, default_value = "full")]
+    pub policy: String,
+    /// Prompt text (tokenized with the model's tokenizer).
+    #[arg(long, conflicts_with = "prompt_ids")]
+    pub prompt: Option<String>,
+    /// Wrap the prompt in the model's chat template as one user message.
+    #[arg(long, requires = "prompt")]
+    pub chat: bool,
+    /// Prompt as comma-separated token ids, e.g. 1,2,3 (no tokenizer needed).
+    #[arg(long, value_delimiter = ',')]
+    pub prompt_ids: Option<Vec<u32>>,
+    /// Tokens to generate after the prompt.
+    #[arg(long, default_value_t = 32)]
+    pub max_new_tokens: usize,
+    /// Sampling temperature; 0 means greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f64,
+    /// Nucleus sampling: keep the smallest token set whose probability reaches P.
+    #[arg(long)]
+    pub top_p: Option<f64>,
+    /// Seed of the sampler.
+    #[arg(long, default_value_t = 299_792_458)]
+    pub seed: u64,
+    /// Local HF model directory (config.json, *.safetensors, tokenizer.json).
+    #[arg(long, conflicts_with_all = ["model_id", "gguf"])]
+    pub model_dir: Option<PathBuf>,
+    /// Hub repository id (e.g. HuggingFaceTB/SmolLM2-135M-Instruct); honours HF_HOME and HF_HUB_OFFLINE.
+    #[arg(long, conflicts_with = "gguf")]
+    pub model_id: Option<String>,
+    /// Hub revision (branch, tag or commit) for --model-id.
+    #[arg(long, default_value = "main", requires = "model_id")]
+    pub revision: String,
+    /// GGUF model file (quantized weights; tokenizer rebuilt from its vocabulary).
+    #[arg(long)]
+    pub gguf: Option<PathBuf>,
+    /// tokenizer.json to use instead of the model's own.
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Activation/weight dtype for safetensors models: f32, f16 or bf16 (default: f32 on CPU, bf16 on CUDA).
+    #[arg(long)]
+    pub dtype: Option<String>,
+    /// Run on the CPU even when a GPU is available.
+    #[arg(long)]
+    pub cpu: bool,
+    /// Prompt tokens per prefill pass (0 = the whole prompt in one pass).
+    #[arg(long, default_value_t = 0)]
+    pub prefill_chunk: usize,
+    /// Teacher forcing: after the prompt, feed exactly these comma-separated ids, one decode step each.
+    #[arg(long, value_delimiter = ',')]
+    pub decode_ids: Option<Vec<u32>>,
+    /// Write {"prompt_ids": [...], "generated_ids": [...]} as JSON to FILE.
+    #[arg(long)]
+    pub ids_out: Option<PathBuf>,
+    /// Write float32 logits [rows, vocab] as .npy: every prompt position, then each decode step.
+    #[arg(long)]
+    pub dump_logits: Option<PathBuf>,
+    /// Write the policy's stats and timings as JSON to FILE.
+    #[arg(long)]
+    pub stats_out: Option<PathBuf>,
+}
+
+/// What --stats-out writes.
+#[derive(Serialize)]
+struct StatsOut<'a> {
+    #[serde(flatten)]
+    stats: KvStats,
+    policy: &'a str,
+    model: &'a str,
+    prefill_tokens: usize,
+    prefill_s: f64,
+    decode_tokens: usize,
+    decode_s: f64,
+}
+
+/// Parses the flags, runs, and maps errors to a message and exit code 1.
+pub fn main(example: &str) -> ExitCode {
+    let args = Args::parse();
+    match run(&args, example) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn parse_dtype(s: Option<&str>, dev: &Device) -> Result<DType> {
+    Ok(match s {
+        None if dev.is_cuda() => DType::BF16,
+        None | Some("f32") => DType::F32,
+        Some("f16") => DType::F16,
+        Some("bf16") => DType::BF16,
+        Some(other) => bail!("unknown --dtype `{other}`; use f32, f16 or bf16"),
+    })
+}
+
+/// Writes `bytes` to `path` through a temporary file, so a failure leaves nothing half-written.
+fn write_atomic(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    let name = path.file_name().context("output path has no file name")?;
+    let tmp = path.with_file_name(format!(".{}.partial", name.to_string_lossy()));
+    let r = write(&tmp).and_then(|()| std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display())));
+    if r.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    r
+}
+
+fn run(args: &Args, _example: &str) -> Result<()> {
+    let device = if args.cpu { Device::Cpu } else { Device::cuda_if_available(0)? };
+    let dtype = parse_dtype(args.dtype.as_deref(), &device)?;
+    // Fail on a bad policy name before loading anything.
+    let opts = PolicyOptions {
+        device: device.clone(),
+        ..PolicyOptions::default()
+    };
+    let mut policy = build_policy(&args.policy, &opts)?;
+
+    let spec = match (&args.model_dir, &args.model_id, &args.gguf) {
+        (Some(d), _, _) => ModelSpec::Dir(d.clone()),
+        (_, Some(id), _) => ModelSpec::Hub {
+            id: id.clone(),
+            revision: args.revision.clone(),
+        },
+        (_, _, Some(g)) => ModelSpec::Gguf(g.clone()),
+        _ => ModelSpec::Default,
+    };
+    let files = resolve(&spec)?;
+    let loaded = load(&files, &device, dtype, args.tokenizer.as_deref())?;
+    let model = loaded.model;
+    let tok = loaded.tokenizer;
+
+    let prompt_ids = match (&args.prompt_ids, &args.prompt) {
+        (Some(ids), _) => ids.clone(),
+        (None, p) => {
+            let tok = tok
+                .as_ref()
+                .context("this model has no tokenizer; pass --prompt-ids, or --tokenizer tokenizer.json")?;
+            let text = p.as_deref().unwrap_or("The capital of France is");
+            if args.chat {
+                tok.encode_raw(&tok.apply_chat_template(text)?)?
+            } else {
+                tok.encode(text)?
+            }
+        }
+    };
+
+    let cfg = GenerateConfig {
+        prefill_chunk: args.prefill_chunk,
+        max_new_tokens: args.max_new_tokens,
+        temperature: args.temperature,
+        top_p: args.top_p,
+        seed: args.seed,
+        decode_ids: args.decode_ids.clone(),
+        collect_logits: args.dump_logits.is_some(),
+        stop_at_eos: true,
+    };
+    let mut printer = Printer::new(tok.as_ref());
+    let gen = generate(model.as_ref(), policy.as_mut(), &prompt_ids, &cfg, &mut |t| {
+        printer.push(t);
+        Ok(())
+    })?;
+    printer.finish();
+
+    let info = model.info();
+    let stats = policy.stats();
+    eprintln!(
+        "{} prompt tokens in {:.2}s ({:.1} tok/s); {} decode steps in {:.2}s ({:.1} tok/s); policy {}; device KV peak {}",
+        gen.prefill_tokens,
+        gen.prefill_s,
+        gen.prefill_tokens as f64 / gen.prefill_s.max(1e-9),
+        gen.decode_tokens,
+        gen.decode_s,
+        gen.decode_tokens as f64 / gen.decode_s.max(1e-9),
+        policy.name(),
+        kvpolicy::core::format_bytes(stats.device_kv_peak_bytes),
+    );
+    if let Some(path) = &args.ids_out {
+        let v = serde_json::json!({"prompt_ids": gen.prompt_ids, "generated_ids": gen.generated_ids});
+        write_atomic(path, |p| Ok(std::fs::write(p, serde_json::to_string(&v)?)?))?;
+    }
+    if let (Some(path), Some(logits)) = (&args.dump_logits, &gen.logits) {
+        write_atomic(path, |p| Ok(logits.to_dtype(DType::F32)?.write_npy(p)?))?;
+    }
+    if let Some(path) = &args.stats_out {
+        let out = StatsOut {
+            stats,
+            policy: policy.name(),
+            model: &info.source,
+            prefill_tokens: gen.prefill_tokens,
+            prefill_s: gen.prefill_s,
+            decode_tokens: gen.decode_tokens,
+            decode_s: gen.decode_s,
+        };
+        write_atomic(path, |p| Ok(std::fs::write(p, serde_json::to_string_pretty(&out)?)?))?;
+    }
+    Ok(())
+}
+
+/// Streams generated text to stdout (or ids when the model has no tokenizer).
+struct Printer<'a> {
+    tok: Option<&'a TextTokenizer>,
+    ids: Vec<u32>,
+    shown: usize,
+}
+
+impl<'a> Printer<'a> {
+    fn new(tok: Option<&'a TextTokenizer>) -> Self {
+        Self { tok, ids: Vec::new(), shown: 0 }
+    }
+
+    fn push(&mut self, id: u32) {
+        self.ids.push(id);
+        let mut out = std::io::stdout().lock();
+        match self.tok {
+            Some(t) => {
+                // Decode the whole continuation and print what is new: multi-byte characters
+                // split across tokens come out whole.
+                if let Ok(text) = t.decode(&self.ids) {
+                    if text.len() > self.shown && text.is_char_boundary(self.shown) && !text.ends_with('\u{FFFD}') {
+                        let _ = write!(out, "{}", &text[self.shown..]);
+                        self.shown = text.len();
+                    }
+                }
+            }
+            None => {
+                let _ = write!(out, "{id} ");
+            }
+        }
+        let _ = out.flush();
+    }
+
+    fn finish(&self) {
+        println!();
+    }
+}

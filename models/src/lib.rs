@@ -1,0 +1,28 @@
+//! `kvpolicy-models`: model definitions whose attention calls a [`kvpolicy_core::KvPolicy`],
+//! with loading (local safetensors directories, the hub, GGUF), tokenizers and the
+//! generation loop.
+//!
+//! One shared [`attention::Attention`] owns the projections, the positional encoding and the
+//! policy call; each model file wires norms, MLP and embeddings around it.
+#![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+pub mod attention;
+pub mod config;
+pub mod error;
+pub mod generate;
+pub mod gguf;
+pub mod layers;
+pub mod llama;
+pub mod model;
+pub mod rope;
+pub mod source;
+pub mod tokenizer;
+
+pub use config::LlamaConfig;
+pub use error::{ModelError, Result};
+pub use generate::{generate, prefill, validate_request, GenerateConfig, Generation};
+pub use gguf::GgufFile;
+pub use llama::Llama;
+pub use model::{CausalLm, LogitsMode, ModelInfo};
+pub use source::{load, resolve, Loaded, ModelFiles, ModelSpec};
+pub use tokenizer::TextTokenizer;

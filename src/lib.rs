@@ -1,0 +1,44 @@
+//! # kvpolicy
+//!
+//! Long-context LLM inference in small accelerator memory, by plugging KV-cache *policies*
+//! into real model definitions on [Candle](https://github.com/huggingface/candle).
+//!
+//! Every model's attention layer calls one [`KvPolicy`]; a policy decides where keys,
+//! values and layer activations live and how attention over them is evaluated, and every
+//! policy returns the same logits as [`full`](kvpolicy_baseline::FullPolicy).
+//!
+//! ```no_run
+//! use kvpolicy::{build_policy, PolicyOptions};
+//! let policy = build_policy("full", &PolicyOptions::default())?;
+//! assert_eq!(policy.name(), "full");
+//! # Ok::<(), kvpolicy::KvError>(())
+//! ```
+#![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+pub use kvpolicy_baseline as baseline;
+pub use kvpolicy_core as core;
+pub use kvpolicy_models as models;
+
+pub use kvpolicy_core::{
+    attend, attend_partial, merge_partials, parse_bytes, AttnSpec, AttnStep, KvError, KvPolicy, KvRegen, KvStats,
+    PolicyOptions, PolicyRegistry,
+};
+pub use kvpolicy_models::{CausalLm, GenerateConfig, Generation, LogitsMode, ModelError, ModelInfo, ModelSpec};
+
+/// A registry holding every policy of this workspace.
+pub fn registry() -> PolicyRegistry {
+    let mut reg = PolicyRegistry::new();
+    kvpolicy_baseline::register(&mut reg);
+    reg
+}
+
+/// Builds the policy called `name` (e.g. `"full"`); an unknown name is an error listing the
+/// valid ones.
+pub fn build_policy(name: &str, opts: &PolicyOptions) -> Result<Box<dyn KvPolicy>, KvError> {
+    registry().build(name, opts)
+}
+
+/// Names of every policy of this workspace.
+pub fn policy_names() -> Vec<&'static str> {
+    registry().names()
+}
