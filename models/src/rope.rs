@@ -55,7 +55,7 @@ pub enum RopeStyle {
 /// RoPE for one head width.
 #[derive(Clone, Debug)]
 pub struct Rope {
-    inv_freq: Vec<f64>,
+    inv_freq: Vec<f32>,
     style: RopeStyle,
 }
 
@@ -63,27 +63,30 @@ impl Rope {
     /// RoPE over `head_dim` with the given frequencies and layout.
     pub fn new(cfg: &RopeConfig, head_dim: usize, style: RopeStyle) -> Self {
         let half = head_dim / 2;
-        let mut inv_freq: Vec<f64> = (0..half)
-            .map(|i| 1.0 / cfg.theta.powf((2 * i) as f64 / head_dim as f64))
+        // f32 arithmetic throughout, as HF (`_compute_default_rope_parameters`) and candle do:
+        // this model family amplifies one-ulp differences in cos/sin through quantized matmuls.
+        let mut inv_freq: Vec<f32> = (0..half)
+            .map(|i| 1f32 / (cfg.theta as f32).powf((2 * i) as f32 / head_dim as f32))
             .collect();
         match &cfg.scaling {
             RopeScaling::None => {}
-            RopeScaling::Linear { factor } => inv_freq.iter_mut().for_each(|f| *f /= factor),
+            RopeScaling::Linear { factor } => inv_freq.iter_mut().for_each(|f| *f /= *factor as f32),
             RopeScaling::Llama3 {
                 factor,
                 low_freq_factor,
                 high_freq_factor,
                 original_max_position_embeddings,
             } => {
-                let old = *original_max_position_embeddings as f64;
-                let low_wavelen = old / low_freq_factor;
-                let high_wavelen = old / high_freq_factor;
+                let (factor, low, high) = (*factor as f32, *low_freq_factor as f32, *high_freq_factor as f32);
+                let old = *original_max_position_embeddings as f32;
+                let low_wavelen = old / low;
+                let high_wavelen = old / high;
                 for f in inv_freq.iter_mut() {
-                    let wavelen = 2.0 * std::f64::consts::PI / *f;
+                    let wavelen = 2.0 * std::f32::consts::PI / *f;
                     if wavelen > low_wavelen {
                         *f /= factor;
                     } else if wavelen >= high_wavelen {
-                        let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                        let smooth = (old / wavelen - low) / (high - low);
                         *f = (1.0 - smooth) * *f / factor + smooth * *f;
                     }
                 }
@@ -91,7 +94,7 @@ impl Rope {
         }
         if let Some(ff) = &cfg.freq_factors {
             for (f, d) in inv_freq.iter_mut().zip(ff) {
-                *f /= *d as f64;
+                *f /= *d;
             }
         }
         Self { inv_freq, style }
@@ -104,9 +107,9 @@ impl Rope {
         let mut sin = Vec::with_capacity(t * half);
         for p in pos..pos + t {
             for f in &self.inv_freq {
-                let a = p as f64 * f;
-                cos.push(a.cos() as f32);
-                sin.push(a.sin() as f32);
+                let a = p as f32 * (*f as f32);
+                cos.push(a.cos());
+                sin.push(a.sin());
             }
         }
         let cos = Tensor::from_vec(cos, (t, half), dev)?.to_dtype(dtype)?;

@@ -1,0 +1,83 @@
+//! Helpers shared by the integration tests: fixture locations, the default model, diffs.
+#![allow(dead_code)]
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use candle_core::{DType, Device, Tensor};
+use kvpolicy::models::source::{default_files, ModelFiles};
+use kvpolicy::models::{load, resolve, Loaded, ModelSpec};
+
+/// `tests/fixtures/NAME`.
+pub fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests").join("fixtures").join(name)
+}
+
+/// Names of the HF reference fixtures (directories with config.json).
+pub fn hf_fixtures() -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(fixture(""))
+        .map(|rd| {
+            rd.filter_map(|e| e.ok())
+                .filter(|e| e.path().join("config.json").is_file())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+/// Prompt and decode ids of a fixture.
+pub fn fixture_ids(name: &str) -> Result<(Vec<u32>, Vec<u32>)> {
+    let text = std::fs::read_to_string(fixture(name).join("ids.json"))?;
+    let v: serde_json::Value = serde_json::from_str(&text)?;
+    let get = |k: &str| -> Result<Vec<u32>> {
+        Ok(serde_json::from_value(v.get(k).context("missing key")?.clone())?)
+    };
+    Ok((get("prompt_ids")?, get("decode_ids")?))
+}
+
+/// The HF teacher-forced logits of a fixture `(rows, vocab)`.
+pub fn fixture_logits(name: &str) -> Result<Tensor> {
+    Ok(Tensor::read_npy(fixture(name).join("logits.npy"))?)
+}
+
+/// Loads a fixture model in f32 on the CPU.
+pub fn load_fixture(name: &str) -> Result<Loaded> {
+    let files = resolve(&ModelSpec::Dir(fixture(name)))?;
+    Ok(load(&files, &Device::Cpu, DType::F32, None)?)
+}
+
+/// The default model's GGUF path (CI installs it before the tests run; see .ci/run).
+pub fn default_gguf() -> Result<PathBuf> {
+    match default_files()? {
+        ModelFiles::Gguf(p) => Ok(p),
+        other => anyhow::bail!("the default model resolved to {other:?}, not the GGUF the references were made from"),
+    }
+}
+
+/// Largest absolute difference.
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
+    Ok((a.to_dtype(DType::F32)? - b.to_dtype(DType::F32)?)?
+        .abs()?
+        .flatten_all()?
+        .max(0)?
+        .to_scalar::<f32>()?)
+}
+
+/// The built example binary `name` (cargo builds examples before running tests).
+pub fn example_bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap_or_default();
+    let dir = exe.parent().and_then(Path::parent).map(Path::to_path_buf).unwrap_or_default();
+    dir.join("examples").join(name)
+}
+
+/// The llama.cpp references for the default model.
+pub fn llamacpp_refs() -> Result<serde_json::Value> {
+    let text = std::fs::read_to_string(fixture("smollm2_llamacpp.json"))?;
+    Ok(serde_json::from_str(&text)?)
+}
+
+/// Ids in a JSON array.
+pub fn ids_of(v: &serde_json::Value) -> Result<Vec<u32>> {
+    Ok(serde_json::from_value(v.clone())?)
+}
