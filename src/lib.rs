@@ -20,10 +20,12 @@ pub use kvpolicy_core as core;
 pub use kvpolicy_models as models;
 
 pub use kvpolicy_core::{
-    attend, attend_partial, merge_partials, parse_bytes, AttnSpec, AttnStep, KvError, KvPolicy, KvRegen, KvStats,
-    PolicyOptions, PolicyRegistry,
+    attend, attend_partial, merge_partials, parse_bytes, AttnSpec, AttnStep, KvError, KvPolicy,
+    KvRegen, KvStats, PolicyOptions, PolicyRegistry,
 };
-pub use kvpolicy_models::{CausalLm, GenerateConfig, Generation, LogitsMode, ModelError, ModelInfo, ModelSpec};
+pub use kvpolicy_models::{
+    CausalLm, GenerateConfig, Generation, LogitsMode, ModelError, ModelInfo, ModelSpec,
+};
 
 /// A registry holding every policy of this workspace.
 pub fn registry() -> PolicyRegistry {

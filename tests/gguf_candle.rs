@@ -32,17 +32,24 @@ fn logits_match_candle_quantized_llama() -> Result<()> {
     let decode = common::ids_of(&g["generated_ids"])?;
 
     let ids = Tensor::new(prompt.as_slice(), &dev)?.unsqueeze(0)?;
-    let a = ours.forward(&ids, 0, policy.as_mut(), LogitsMode::Last)?.flatten_all()?;
+    let a = ours
+        .forward(&ids, 0, policy.as_mut(), LogitsMode::Last)?
+        .flatten_all()?;
     let b = stock.forward(&ids, 0)?.flatten_all()?;
     let mut worst = common::max_abs_diff(&a, &b)?;
     for (i, &t) in decode.iter().take(24).enumerate() {
         let ids = Tensor::new(&[t], &dev)?.unsqueeze(0)?;
         let pos = prompt.len() + i;
-        let a = ours.forward(&ids, pos, policy.as_mut(), LogitsMode::Last)?.flatten_all()?;
+        let a = ours
+            .forward(&ids, pos, policy.as_mut(), LogitsMode::Last)?
+            .flatten_all()?;
         let b = stock.forward(&ids, pos)?.flatten_all()?;
         worst = worst.max(common::max_abs_diff(&a, &b)?);
     }
     println!("max |ours - candle quantized_llama| = {worst:.2e}");
-    assert!(worst < 1e-3, "logits differ from candle-transformers by {worst}");
+    assert!(
+        worst < 1e-3,
+        "logits differ from candle-transformers by {worst}"
+    );
     Ok(())
 }

@@ -64,7 +64,11 @@ fn greedy_follows_llamacpp() -> Result<()> {
         let agree = got.iter().zip(&want).take_while(|(a, b)| a == b).count();
         println!("prompt {n}: free-running greedy equals llama.cpp for {agree} of {STEPS} tokens");
         if n == 0 {
-            assert_eq!(&got[..], &want[..STEPS], "prompt 0 must agree for {STEPS} tokens");
+            assert_eq!(
+                &got[..],
+                &want[..STEPS],
+                "prompt 0 must agree for {STEPS} tokens"
+            );
         }
 
         // Teacher-forced along llama.cpp's sequence.
@@ -79,18 +83,25 @@ fn greedy_follows_llamacpp() -> Result<()> {
         let mut near_ties = Vec::new();
         for (i, &tok) in want.iter().take(STEPS).enumerate() {
             let row = logits.i(prompt.len() - 1 + i)?.to_vec1::<f32>()?;
-            let (best, best_v) = row
-                .iter()
-                .enumerate()
-                .fold((0, f32::MIN), |acc, (j, &v)| if v > acc.1 { (j, v) } else { acc });
+            let (best, best_v) =
+                row.iter().enumerate().fold(
+                    (0, f32::MIN),
+                    |acc, (j, &v)| if v > acc.1 { (j, v) } else { acc },
+                );
             if best as u32 != tok {
                 let gap = best_v - row[tok as usize];
-                assert!(gap < NEAR_TIE, "prompt {n} step {i}: we prefer {best} over llama.cpp's {tok} by {gap} logits");
+                assert!(
+                    gap < NEAR_TIE,
+                    "prompt {n} step {i}: we prefer {best} over llama.cpp's {tok} by {gap} logits"
+                );
                 near_ties.push((i, gap));
             }
         }
         println!("prompt {n}: teacher-forced, near-tie disagreements (step, gap): {near_ties:?}");
-        assert!(near_ties.len() <= 1, "prompt {n}: too many disagreements {near_ties:?}");
+        assert!(
+            near_ties.len() <= 1,
+            "prompt {n}: too many disagreements {near_ties:?}"
+        );
     }
     Ok(())
 }

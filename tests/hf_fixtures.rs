@@ -19,8 +19,16 @@ fn run(name: &str, chunk: usize) -> Result<f32> {
         collect_logits: true,
         ..GenerateConfig::default()
     };
-    let gen = generate(loaded.model.as_ref(), policy.as_mut(), &prompt, &cfg, &mut |_| Ok(()))?;
-    let got = gen.logits.ok_or_else(|| anyhow::anyhow!("no logits collected"))?;
+    let gen = generate(
+        loaded.model.as_ref(),
+        policy.as_mut(),
+        &prompt,
+        &cfg,
+        &mut |_| Ok(()),
+    )?;
+    let got = gen
+        .logits
+        .ok_or_else(|| anyhow::anyhow!("no logits collected"))?;
     let want = common::fixture_logits(name)?;
     assert_eq!(got.dims(), want.dims(), "{name}: logits shape");
     common::max_abs_diff(&got, &want)

@@ -116,7 +116,9 @@ fn parse_dtype(s: Option<&str>, dev: &Device) -> Result<DType> {
 fn write_atomic(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
     let name = path.file_name().context("output path has no file name")?;
     let tmp = path.with_file_name(format!(".{}.partial", name.to_string_lossy()));
-    let r = write(&tmp).and_then(|()| std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display())));
+    let r = write(&tmp).and_then(|()| {
+        std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))
+    });
     if r.is_err() {
         let _ = std::fs::remove_file(&tmp);
     }
@@ -124,7 +126,11 @@ fn write_atomic(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<
 }
 
 fn run(args: &Args, _example: &str) -> Result<()> {
-    let device = if args.cpu { Device::Cpu } else { Device::cuda_if_available(0)? };
+    let device = if args.cpu {
+        Device::Cpu
+    } else {
+        Device::cuda_if_available(0)?
+    };
     let dtype = parse_dtype(args.dtype.as_deref(), &device)?;
     // Fail on a bad policy name before loading anything.
     let opts = PolicyOptions {
@@ -150,9 +156,9 @@ fn run(args: &Args, _example: &str) -> Result<()> {
     let prompt_ids = match (&args.prompt_ids, &args.prompt) {
         (Some(ids), _) => ids.clone(),
         (None, p) => {
-            let tok = tok
-                .as_ref()
-                .context("this model has no tokenizer; pass --prompt-ids, or --tokenizer tokenizer.json")?;
+            let tok = tok.as_ref().context(
+                "this model has no tokenizer; pass --prompt-ids, or --tokenizer tokenizer.json",
+            )?;
             let text = p.as_deref().unwrap_or("The capital of France is");
             if args.chat {
                 tok.encode_raw(&tok.apply_chat_template(text)?)?
@@ -173,10 +179,16 @@ fn run(args: &Args, _example: &str) -> Result<()> {
         stop_at_eos: true,
     };
     let mut printer = Printer::new(tok.as_ref());
-    let gen = generate(model.as_ref(), policy.as_mut(), &prompt_ids, &cfg, &mut |t| {
-        printer.push(t);
-        Ok(())
-    })?;
+    let gen = generate(
+        model.as_ref(),
+        policy.as_mut(),
+        &prompt_ids,
+        &cfg,
+        &mut |t| {
+            printer.push(t);
+            Ok(())
+        },
+    )?;
     printer.finish();
 
     let info = model.info();
@@ -193,7 +205,8 @@ fn run(args: &Args, _example: &str) -> Result<()> {
         kvpolicy::core::format_bytes(stats.device_kv_peak_bytes),
     );
     if let Some(path) = &args.ids_out {
-        let v = serde_json::json!({"prompt_ids": gen.prompt_ids, "generated_ids": gen.generated_ids});
+        let v =
+            serde_json::json!({"prompt_ids": gen.prompt_ids, "generated_ids": gen.generated_ids});
         write_atomic(path, |p| Ok(std::fs::write(p, serde_json::to_string(&v)?)?))?;
     }
     if let (Some(path), Some(logits)) = (&args.dump_logits, &gen.logits) {
@@ -209,7 +222,9 @@ fn run(args: &Args, _example: &str) -> Result<()> {
             decode_tokens: gen.decode_tokens,
             decode_s: gen.decode_s,
         };
-        write_atomic(path, |p| Ok(std::fs::write(p, serde_json::to_string_pretty(&out)?)?))?;
+        write_atomic(path, |p| {
+            Ok(std::fs::write(p, serde_json::to_string_pretty(&out)?)?)
+        })?;
     }
     Ok(())
 }
@@ -223,7 +238,11 @@ struct Printer<'a> {
 
 impl<'a> Printer<'a> {
     fn new(tok: Option<&'a TextTokenizer>) -> Self {
-        Self { tok, ids: Vec::new(), shown: 0 }
+        Self {
+            tok,
+            ids: Vec::new(),
+            shown: 0,
+        }
     }
 
     fn push(&mut self, id: u32) {
@@ -234,7 +253,10 @@ impl<'a> Printer<'a> {
                 // Decode the whole continuation and print what is new: multi-byte characters
                 // split across tokens come out whole.
                 if let Ok(text) = t.decode(&self.ids) {
-                    if text.len() > self.shown && text.is_char_boundary(self.shown) && !text.ends_with('\u{FFFD}') {
+                    if text.len() > self.shown
+                        && text.is_char_boundary(self.shown)
+                        && !text.ends_with('\u{FFFD}')
+                    {
                         let _ = write!(out, "{}", &text[self.shown..]);
                         self.shown = text.len();
                     }

@@ -131,7 +131,10 @@ impl LlamaConfig {
     pub fn validate(&self) -> Result<()> {
         let h = self.num_attention_heads;
         if h == 0 {
-            return Err(ModelError::config("num_attention_heads", "must be at least 1"));
+            return Err(ModelError::config(
+                "num_attention_heads",
+                "must be at least 1",
+            ));
         }
         let kv = self.n_kv_heads();
         if kv == 0 || h % kv != 0 {
@@ -143,11 +146,17 @@ impl LlamaConfig {
         if self.head_dim.is_none() && self.hidden_size % h != 0 {
             return Err(ModelError::config(
                 "hidden_size",
-                format!("{} is not a multiple of num_attention_heads = {h}", self.hidden_size),
+                format!(
+                    "{} is not a multiple of num_attention_heads = {h}",
+                    self.hidden_size
+                ),
             ));
         }
         if self.head_dim() % 2 != 0 {
-            return Err(ModelError::config("head_dim", "RoPE needs an even head width"));
+            return Err(ModelError::config(
+                "head_dim",
+                "RoPE needs an even head width",
+            ));
         }
         self.rope()?;
         Ok(())
@@ -173,7 +182,12 @@ impl LlamaConfig {
 /// Interprets a `rope_scaling` / `rope_parameters` block.
 pub fn rope_scaling_from(p: &RopeParams, prefix: &str) -> Result<RopeScaling> {
     let need = |v: Option<f64>, name: &str| {
-        v.ok_or_else(|| ModelError::config(format!("{prefix}.{name}"), "required by this rope_type but missing"))
+        v.ok_or_else(|| {
+            ModelError::config(
+                format!("{prefix}.{name}"),
+                "required by this rope_type but missing",
+            )
+        })
     };
     match p.rope_type.as_deref().unwrap_or("default") {
         "default" => Ok(RopeScaling::None),
@@ -184,16 +198,20 @@ pub fn rope_scaling_from(p: &RopeParams, prefix: &str) -> Result<RopeScaling> {
             factor: need(p.factor, "factor")?,
             low_freq_factor: need(p.low_freq_factor, "low_freq_factor")?,
             high_freq_factor: need(p.high_freq_factor, "high_freq_factor")?,
-            original_max_position_embeddings: p.original_max_position_embeddings.ok_or_else(|| {
-                ModelError::config(
-                    format!("{prefix}.original_max_position_embeddings"),
-                    "required by rope_type llama3 but missing",
-                )
-            })?,
+            original_max_position_embeddings: p.original_max_position_embeddings.ok_or_else(
+                || {
+                    ModelError::config(
+                        format!("{prefix}.original_max_position_embeddings"),
+                        "required by rope_type llama3 but missing",
+                    )
+                },
+            )?,
         }),
         other => Err(ModelError::config(
             format!("{prefix}.rope_type"),
-            format!("`{other}` is not supported; supported RoPE types are default, linear and llama3"),
+            format!(
+                "`{other}` is not supported; supported RoPE types are default, linear and llama3"
+            ),
         )),
     }
 }

@@ -56,6 +56,18 @@ pub enum ModelError {
 /// Result type of this crate.
 pub type Result<T> = std::result::Result<T, ModelError>;
 
+/// The message of a candle error without the backtrace candle attaches when
+/// `RUST_BACKTRACE` is set (a user-facing load error should not dump one).
+pub fn candle_message(e: &candle_core::Error) -> String {
+    match e {
+        candle_core::Error::WithBacktrace { inner, .. } => candle_message(inner),
+        candle_core::Error::Context { inner, context } => {
+            format!("{context}: {}", candle_message(inner))
+        }
+        other => other.to_string(),
+    }
+}
+
 impl ModelError {
     /// An I/O error on `path`.
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {

@@ -4,7 +4,7 @@
 //! than the model's positions is an error, not a crash mid-way.
 use std::time::Instant;
 
-use candle_core::{Tensor, D};
+use candle_core::Tensor;
 use candle_transformers::generation::{LogitsProcessor, Sampling};
 use kvpolicy_core::KvPolicy;
 
@@ -71,11 +71,16 @@ pub struct Generation {
 pub fn validate_request(info: &ModelInfo, prompt: &[u32], cfg: &GenerateConfig) -> Result<()> {
     if prompt.is_empty() {
         return Err(ModelError::Input(
-            "the prompt is empty; give --prompt TEXT or --prompt-ids with at least one token".into(),
+            "the prompt is empty; give --prompt TEXT or --prompt-ids with at least one token"
+                .into(),
         ));
     }
     let check = |ids: &[u32], what: &str| -> Result<()> {
-        if let Some((i, id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= info.vocab_size) {
+        if let Some((i, id)) = ids
+            .iter()
+            .enumerate()
+            .find(|(_, &id)| id as usize >= info.vocab_size)
+        {
             return Err(ModelError::Input(format!(
                 "{what} token {i} is id {id}, but the vocabulary has {} tokens (ids 0..{})",
                 info.vocab_size,
@@ -100,7 +105,9 @@ pub fn validate_request(info: &ModelInfo, prompt: &[u32], cfg: &GenerateConfig) 
             info.max_positions
         )));
     }
-    if !(cfg.temperature >= 0.0) || cfg.top_p.is_some_and(|p| !(p > 0.0 && p <= 1.0)) {
+    let temperature_ok = cfg.temperature.is_finite() && cfg.temperature >= 0.0;
+    let top_p_ok = cfg.top_p.is_none_or(|p| p > 0.0 && p <= 1.0);
+    if !temperature_ok || !top_p_ok {
         return Err(ModelError::Input(
             "--temperature must be ≥ 0 and --top-p in (0, 1]".into(),
         ));
@@ -123,7 +130,11 @@ pub fn prefill(
 ) -> Result<(Tensor, Option<Tensor>)> {
     let info = model.info();
     let chunk = if chunk == 0 { prompt.len() } else { chunk };
-    let mode = if collect { LogitsMode::All } else { LogitsMode::Last };
+    let mode = if collect {
+        LogitsMode::All
+    } else {
+        LogitsMode::Last
+    };
     let mut rows = Vec::new();
     let mut last = None;
     let mut pos = 0;
@@ -138,7 +149,11 @@ pub fn prefill(
         pos += piece.len();
     }
     let last = last.ok_or_else(|| ModelError::Input("the prompt is empty".into()))?;
-    let all = if collect { Some(Tensor::cat(&rows, 0)?) } else { None };
+    let all = if collect {
+        Some(Tensor::cat(&rows, 0)?)
+    } else {
+        None
+    };
     Ok((last, all))
 }
 
@@ -153,7 +168,8 @@ pub fn generate(
     let info = model.info().clone();
     validate_request(&info, prompt, cfg)?;
     let start = Instant::now();
-    let (mut last, prompt_rows) = prefill(model, policy, prompt, cfg.prefill_chunk, cfg.collect_logits)?;
+    let (mut last, prompt_rows) =
+        prefill(model, policy, prompt, cfg.prefill_chunk, cfg.collect_logits)?;
     let prefill_s = start.elapsed().as_secs_f64();
     let mut rows: Vec<Tensor> = prompt_rows.into_iter().collect();
     let mut generated = Vec::new();
@@ -172,7 +188,7 @@ pub fn generate(
             for (i, &tok) in ids.iter().enumerate() {
                 on_token(tok)?;
                 generated.push(tok);
-                last = step(tok, prompt.len() + i, &mut rows)?;
+                step(tok, prompt.len() + i, &mut rows)?;
                 decode_tokens += 1;
             }
         }
@@ -208,7 +224,6 @@ pub fn generate(
     } else {
         None
     };
-    let _ = last.argmax(D::Minus1);
     Ok(Generation {
         prompt_ids: prompt.to_vec(),
         generated_ids: generated,

@@ -21,7 +21,9 @@ pub struct GgufFile {
 
 impl std::fmt::Debug for GgufFile {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("GgufFile").field("path", &self.path).finish()
+        f.debug_struct("GgufFile")
+            .field("path", &self.path)
+            .finish()
     }
 }
 
@@ -46,17 +48,24 @@ impl GgufFile {
         let file_len = file.metadata().map_err(|e| ModelError::io(path, e))?.len();
         let mut reader = BufReader::new(file);
         let mut magic = [0u8; 4];
-        let got = reader.read(&mut magic).map_err(|e| ModelError::io(path, e))?;
+        let got = reader
+            .read(&mut magic)
+            .map_err(|e| ModelError::io(path, e))?;
         if got < 4 || &magic != b"GGUF" {
             return Err(ModelError::Gguf {
                 path: path.to_path_buf(),
                 message: "is not a GGUF file (it does not start with the GGUF magic bytes); pass a .gguf model with --gguf, or a safetensors directory with --model-dir".into(),
             });
         }
-        reader.seek(SeekFrom::Start(0)).map_err(|e| ModelError::io(path, e))?;
+        reader
+            .seek(SeekFrom::Start(0))
+            .map_err(|e| ModelError::io(path, e))?;
         let content = Content::read(&mut reader).map_err(|e| ModelError::Gguf {
             path: path.to_path_buf(),
-            message: format!("has a damaged or truncated GGUF header ({e}); download the file again"),
+            message: format!(
+                "has a damaged or truncated GGUF header ({}); download the file again",
+                crate::error::candle_message(&e)
+            ),
         })?;
         for (name, info) in &content.tensor_infos {
             let elems = info.shape.elem_count() as u64;
@@ -137,7 +146,9 @@ impl GgufFile {
 
     /// An optional u32 metadata value.
     pub fn meta_u32_opt(&self, key: &str) -> Option<u32> {
-        self.meta(key).and_then(as_u64).and_then(|v| u32::try_from(v).ok())
+        self.meta(key)
+            .and_then(as_u64)
+            .and_then(|v| u32::try_from(v).ok())
     }
 
     /// A float metadata value with a default.
@@ -210,9 +221,12 @@ impl GgufFile {
             return Err(self.corrupt(format!("lacks the tensor `{name}`")));
         }
         let mut r = self.reader.borrow_mut();
-        self.content
-            .tensor(&mut *r, name, device)
-            .map_err(|e| self.corrupt(format!("cannot read tensor `{name}`: {e}")))
+        self.content.tensor(&mut *r, name, device).map_err(|e| {
+            self.corrupt(format!(
+                "cannot read tensor `{name}`: {}",
+                crate::error::candle_message(&e)
+            ))
+        })
     }
 
     /// Reads a tensor and dequantizes it to f32.

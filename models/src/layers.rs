@@ -71,7 +71,11 @@ impl RmsNorm {
     /// Normalises the last dimension of `x`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let w = self.weight.to_dtype(x.dtype())?;
-        Ok(candle_nn::ops::rms_norm(&x.contiguous()?, &w, self.eps as f32)?)
+        Ok(candle_nn::ops::rms_norm(
+            &x.contiguous()?,
+            &w,
+            self.eps as f32,
+        )?)
     }
 }
 

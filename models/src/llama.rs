@@ -37,11 +37,20 @@ pub struct Llama {
 fn weights_err(path: &Path) -> impl Fn(candle_core::Error) -> ModelError + '_ {
     move |e| ModelError::Weights {
         path: path.to_path_buf(),
-        message: format!("{e}; check that config.json belongs to these weights"),
+        message: format!(
+            "{}; check that config.json belongs to these weights",
+            crate::error::candle_message(&e)
+        ),
     }
 }
 
-fn dense(vb: &VarBuilder, inp: usize, out: usize, bias: bool, name: &str) -> candle_core::Result<Linear> {
+fn dense(
+    vb: &VarBuilder,
+    inp: usize,
+    out: usize,
+    bias: bool,
+    name: &str,
+) -> candle_core::Result<Linear> {
     let l = if bias {
         candle_nn::linear(inp, out, vb.pp(name))?
     } else {
@@ -53,10 +62,20 @@ fn dense(vb: &VarBuilder, inp: usize, out: usize, bias: bool, name: &str) -> can
 impl Llama {
     /// Builds the model from HF-named weights (`model.layers.N.self_attn.q_proj.weight`, …).
     /// `path` names the weights in error messages.
-    pub fn from_varbuilder(cfg: &LlamaConfig, vb: VarBuilder, path: &Path, source: &str) -> Result<Self> {
+    pub fn from_varbuilder(
+        cfg: &LlamaConfig,
+        vb: VarBuilder,
+        path: &Path,
+        source: &str,
+    ) -> Result<Self> {
         cfg.validate()?;
         let err = weights_err(path);
-        let (h, nh, nkv, hd) = (cfg.hidden_size, cfg.num_attention_heads, cfg.n_kv_heads(), cfg.head_dim());
+        let (h, nh, nkv, hd) = (
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.n_kv_heads(),
+            cfg.head_dim(),
+        );
         let rope = Rope::new(&cfg.rope()?, hd, RopeStyle::Half);
         let m = vb.pp("model");
         let embed = candle_nn::embedding(cfg.vocab_size, h, m.pp("embed_tokens")).map_err(&err)?;
@@ -82,7 +101,10 @@ impl Llama {
                 down: dense(&p, cfg.intermediate_size, h, mb, "down_proj").map_err(&err)?,
             };
             let norm = |name: &str| -> Result<RmsNorm> {
-                Ok(RmsNorm::new(l.pp(name).get(h, "weight").map_err(&err)?, cfg.rms_norm_eps))
+                Ok(RmsNorm::new(
+                    l.pp(name).get(h, "weight").map_err(&err)?,
+                    cfg.rms_norm_eps,
+                ))
             };
             layers.push(Block {
                 attn_norm: norm("input_layernorm")?,
@@ -91,7 +113,10 @@ impl Llama {
                 mlp,
             });
         }
-        let norm = RmsNorm::new(m.pp("norm").get(h, "weight").map_err(&err)?, cfg.rms_norm_eps);
+        let norm = RmsNorm::new(
+            m.pp("norm").get(h, "weight").map_err(&err)?,
+            cfg.rms_norm_eps,
+        );
         let lm_head = if cfg.tie_word_embeddings || !vb.contains_tensor("lm_head.weight") {
             Linear::Dense(candle_nn::Linear::new(embed.embeddings().clone(), None))
         } else {
@@ -109,8 +134,15 @@ impl Llama {
             hidden: h,
             dtype: vb.dtype(),
             device: vb.device().clone(),
-            bos: cfg.bos_token_id.as_ref().and_then(|b| b.to_vec().first().copied()),
-            eos: cfg.eos_token_id.as_ref().map(|e| e.to_vec()).unwrap_or_default(),
+            bos: cfg
+                .bos_token_id
+                .as_ref()
+                .and_then(|b| b.to_vec().first().copied()),
+            eos: cfg
+                .eos_token_id
+                .as_ref()
+                .map(|e| e.to_vec())
+                .unwrap_or_default(),
         };
         Ok(Self {
             embed,
@@ -140,7 +172,9 @@ impl Llama {
         }
         let hd = g.meta_usize_or(&key("rope.dimension_count"), h / nh)?;
         let freq_factors = if g.has_tensor("rope_freqs.weight") {
-            let t = g.tensor("rope_freqs.weight", &Device::Cpu)?.dequantize(&Device::Cpu)?;
+            let t = g
+                .tensor("rope_freqs.weight", &Device::Cpu)?
+                .dequantize(&Device::Cpu)?;
             Some(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
         } else {
             None
@@ -154,13 +188,18 @@ impl Llama {
         let embed_q = g.tensor("token_embd.weight", device)?;
         let (vocab, emb_w) = embed_q.shape().dims2()?;
         if emb_w != h {
-            return Err(g.corrupt(format!("token_embd.weight is {vocab}×{emb_w} but the embedding width is {h}")));
+            return Err(g.corrupt(format!(
+                "token_embd.weight is {vocab}×{emb_w} but the embedding width is {h}"
+            )));
         }
         let embed = candle_nn::Embedding::new(embed_q.dequantize(device)?, h);
         let ql = |name: String, out: usize, inp: usize| -> Result<Linear> {
             let t = g.tensor(&name, device)?;
             if t.shape().dims() != [out, inp] {
-                return Err(g.corrupt(format!("{name} has shape {:?}, expected [{out}, {inp}]", t.shape().dims())));
+                return Err(g.corrupt(format!(
+                    "{name} has shape {:?}, expected [{out}, {inp}]",
+                    t.shape().dims()
+                )));
             }
             Ok(Linear::Quant {
                 w: QMatMul::from_qtensor(t)?,
@@ -172,7 +211,9 @@ impl Llama {
         let ffn = |g: &GgufFile, i: usize| -> Result<usize> {
             let name = format!("blk.{i}.ffn_up.weight");
             g.tensor_dims(&name).and_then(|d| {
-                d.first().copied().ok_or_else(|| g.corrupt(format!("{name} has no dimensions")))
+                d.first()
+                    .copied()
+                    .ok_or_else(|| g.corrupt(format!("{name} has no dimensions")))
             })
         };
         let mut layers = Vec::with_capacity(n_layers);
@@ -193,7 +234,10 @@ impl Llama {
                 down: ql(format!("blk.{i}.ffn_down.weight"), h, ff)?,
             };
             layers.push(Block {
-                attn_norm: RmsNorm::new(g.dense(&format!("blk.{i}.attn_norm.weight"), device)?, eps),
+                attn_norm: RmsNorm::new(
+                    g.dense(&format!("blk.{i}.attn_norm.weight"), device)?,
+                    eps,
+                ),
                 attn,
                 mlp_norm: RmsNorm::new(g.dense(&format!("blk.{i}.ffn_norm.weight"), device)?, eps),
                 mlp,
@@ -219,7 +263,10 @@ impl Llama {
             dtype: DType::F32,
             device: device.clone(),
             bos: g.meta_u32_opt("tokenizer.ggml.bos_token_id"),
-            eos: g.meta_u32_opt("tokenizer.ggml.eos_token_id").into_iter().collect(),
+            eos: g
+                .meta_u32_opt("tokenizer.ggml.eos_token_id")
+                .into_iter()
+                .collect(),
         };
         Ok(Self {
             embed,
@@ -236,7 +283,13 @@ impl CausalLm for Llama {
         &self.info
     }
 
-    fn forward(&self, ids: &Tensor, pos: usize, policy: &mut dyn KvPolicy, mode: LogitsMode) -> Result<Tensor> {
+    fn forward(
+        &self,
+        ids: &Tensor,
+        pos: usize,
+        policy: &mut dyn KvPolicy,
+        mode: LogitsMode,
+    ) -> Result<Tensor> {
         let (_b, t) = ids.dims2()?;
         let mut h = self.embed.forward(ids)?;
         for block in &self.layers {

@@ -50,5 +50,11 @@ pub trait CausalLm: Send + Sync {
     /// Shape and identity.
     fn info(&self) -> &ModelInfo;
     /// Runs tokens `ids` `(b, t)` whose first token sits at `pos`, returning f32 logits.
-    fn forward(&self, ids: &Tensor, pos: usize, policy: &mut dyn KvPolicy, mode: LogitsMode) -> Result<Tensor>;
+    fn forward(
+        &self,
+        ids: &Tensor,
+        pos: usize,
+        policy: &mut dyn KvPolicy,
+        mode: LogitsMode,
+    ) -> Result<Tensor>;
 }

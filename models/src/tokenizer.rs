@@ -53,8 +53,9 @@ fn special_text(v: Option<&serde_json::Value>) -> String {
 impl TextTokenizer {
     /// Loads `tokenizer.json`, with `tokenizer_config.json` (chat template, BOS/EOS) if given.
     pub fn from_files(tokenizer: &Path, config: Option<&Path>) -> Result<Self> {
-        let inner = Tokenizer::from_file(tokenizer)
-            .map_err(|e| ModelError::Tokenizer(format!("cannot load {}: {e}", tokenizer.display())))?;
+        let inner = Tokenizer::from_file(tokenizer).map_err(|e| {
+            ModelError::Tokenizer(format!("cannot load {}: {e}", tokenizer.display()))
+        })?;
         let mut me = Self {
             inner,
             post_process: true,
@@ -65,8 +66,9 @@ impl TextTokenizer {
         };
         if let Some(cfg) = config {
             let text = std::fs::read_to_string(cfg).map_err(|e| ModelError::io(cfg, e))?;
-            let v: serde_json::Value = serde_json::from_str(&text)
-                .map_err(|e| ModelError::Tokenizer(format!("{} is not valid JSON: {e}", cfg.display())))?;
+            let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
+                ModelError::Tokenizer(format!("{} is not valid JSON: {e}", cfg.display()))
+            })?;
             me.chat_template = match v.get("chat_template") {
                 Some(serde_json::Value::String(s)) => Some(s.clone()),
                 Some(serde_json::Value::Array(list)) => list
@@ -102,14 +104,20 @@ impl TextTokenizer {
             .collect();
         let merges: Vec<(String, String)> = merges
             .iter()
-            .filter_map(|m| m.split_once(' ').map(|(a, b)| (a.to_string(), b.to_string())))
+            .filter_map(|m| {
+                m.split_once(' ')
+                    .map(|(a, b)| (a.to_string(), b.to_string()))
+            })
             .collect();
         let bpe = BPE::builder()
             .vocab_and_merges(vocab, merges)
             .build()
             .map_err(tok_err)?;
-        let pre = g.meta_str("tokenizer.ggml.pre").unwrap_or_else(|| "default".into());
-        let byte_level = |regex: bool| PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, regex));
+        let pre = g
+            .meta_str("tokenizer.ggml.pre")
+            .unwrap_or_else(|| "default".into());
+        let byte_level =
+            |regex: bool| PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, regex));
         let split = |re: &str| -> Result<PreTokenizerWrapper> {
             let pat = SplitPattern::Regex(re.to_string());
             Ok(PreTokenizerWrapper::Split(
@@ -158,7 +166,10 @@ impl TextTokenizer {
 
     /// Token ids of `text`, with the special tokens the model expects at the start.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self.inner.encode(text, self.post_process).map_err(tok_err)?;
+        let enc = self
+            .inner
+            .encode(text, self.post_process)
+            .map_err(tok_err)?;
         let mut ids = Vec::with_capacity(enc.len() + 1);
         ids.extend(self.bos_prepend);
         ids.extend_from_slice(enc.get_ids());
@@ -196,9 +207,15 @@ impl TextTokenizer {
         };
         let mut env = minijinja::Environment::new();
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
-        });
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> std::result::Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    msg,
+                ))
+            },
+        );
         env.add_template("chat", tpl)
             .map_err(|e| ModelError::Tokenizer(format!("the chat template does not parse: {e}")))?;
         let t = env.get_template("chat").map_err(tok_err)?;

@@ -9,7 +9,10 @@ use kvpolicy::models::{load, resolve, Loaded, ModelSpec};
 
 /// `tests/fixtures/NAME`.
 pub fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests").join("fixtures").join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests")
+        .join("fixtures")
+        .join(name)
 }
 
 /// Names of the HF reference fixtures (directories with config.json).
@@ -31,7 +34,9 @@ pub fn fixture_ids(name: &str) -> Result<(Vec<u32>, Vec<u32>)> {
     let text = std::fs::read_to_string(fixture(name).join("ids.json"))?;
     let v: serde_json::Value = serde_json::from_str(&text)?;
     let get = |k: &str| -> Result<Vec<u32>> {
-        Ok(serde_json::from_value(v.get(k).context("missing key")?.clone())?)
+        Ok(serde_json::from_value(
+            v.get(k).context("missing key")?.clone(),
+        )?)
     };
     Ok((get("prompt_ids")?, get("decode_ids")?))
 }
@@ -51,7 +56,9 @@ pub fn load_fixture(name: &str) -> Result<Loaded> {
 pub fn default_gguf() -> Result<PathBuf> {
     match default_files()? {
         ModelFiles::Gguf(p) => Ok(p),
-        other => anyhow::bail!("the default model resolved to {other:?}, not the GGUF the references were made from"),
+        other => anyhow::bail!(
+            "the default model resolved to {other:?}, not the GGUF the references were made from"
+        ),
     }
 }
 
@@ -67,7 +74,11 @@ pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
 /// The built example binary `name` (cargo builds examples before running tests).
 pub fn example_bin(name: &str) -> PathBuf {
     let exe = std::env::current_exe().unwrap_or_default();
-    let dir = exe.parent().and_then(Path::parent).map(Path::to_path_buf).unwrap_or_default();
+    let dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .map(Path::to_path_buf)
+        .unwrap_or_default();
     dir.join("examples").join(name)
 }
 

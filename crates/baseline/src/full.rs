@@ -5,7 +5,7 @@
 //! budget the policy fails before allocating past it and points to the offload policies.
 use candle_core::Tensor;
 use kvpolicy_core::{
-    attend, format_bytes, AttnStep, DeviceMeter, KvBuffer, KvError, KvPolicy, KvStats, PolicyOptions, Result,
+    attend, AttnStep, DeviceMeter, KvBuffer, KvError, KvPolicy, KvStats, PolicyOptions, Result,
 };
 
 /// Everything on the device: the reference policy.
@@ -50,10 +50,10 @@ impl KvPolicy for FullPolicy {
             if !self.meter.fits(grow) {
                 return Err(KvError::BudgetExceeded {
                     what: format!("growing layer {} to {} tokens", step.layer, buf.capacity_for(buf.len() + step.k.dim(2)?)),
-                    needed: format_bytes(grow),
-                    budget: format_bytes(self.meter.budget().unwrap_or(0)),
-                    in_use: format_bytes(self.meter.current()),
-                    hint: "`full` keeps every layer's KV on the device; use `--policy headwise` (or `layer`) to keep the cache in host memory".into(),
+                    needed: grow,
+                    budget: self.meter.budget().unwrap_or(0),
+                    in_use: self.meter.current(),
+                    hint: "`full` keeps every layer's KV on the device; use `--policy headwise` (or `layer`) to keep the cache in host memory",
                 });
             }
             let old = buf.allocated_bytes();

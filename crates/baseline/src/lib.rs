@@ -12,7 +12,9 @@ use kvpolicy_core::PolicyRegistry;
 
 /// Registers this crate's policies.
 pub fn register(reg: &mut PolicyRegistry) {
-    reg.register("full", "every layer's K/V on the device (the reference)", |o| {
-        Ok(Box::new(FullPolicy::new(o)))
-    });
+    reg.register(
+        "full",
+        "every layer's K/V on the device (the reference)",
+        |o| Ok(Box::new(FullPolicy::new(o))),
+    );
 }

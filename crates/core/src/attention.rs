@@ -91,7 +91,13 @@ pub struct Partial {
 
 /// The additive mask for queries at `q_pos..q_pos+t` over keys at `k_pos..k_pos+s`, or
 /// `None` when every query sees every key.
-pub fn mask_values(t: usize, s: usize, q_pos: usize, k_pos: usize, spec: &AttnSpec) -> Option<Vec<f32>> {
+pub fn mask_values(
+    t: usize,
+    s: usize,
+    q_pos: usize,
+    k_pos: usize,
+    spec: &AttnSpec,
+) -> Option<Vec<f32>> {
     let visible = |i: usize, j: usize| {
         let (qp, kp) = (q_pos + i, k_pos + j);
         if !spec.causal {
@@ -143,7 +149,10 @@ fn scores(q: &Tensor, k: &Tensor, q_pos: usize, k_pos: usize, spec: &AttnSpec) -
     }
     if let Some(m) = mask_values(t, s, q_pos, k_pos, spec) {
         let m = Tensor::from_vec(m, (t, s), q.device())?;
-        sc = sc.reshape((b, nkv, g, t, s))?.broadcast_add(&m)?.reshape((b, nkv, g * t, s))?;
+        sc = sc
+            .reshape((b, nkv, g, t, s))?
+            .broadcast_add(&m)?
+            .reshape((b, nkv, g * t, s))?;
     }
     Ok(Scores {
         scores: sc,
@@ -153,7 +162,14 @@ fn scores(q: &Tensor, k: &Tensor, q_pos: usize, k_pos: usize, spec: &AttnSpec) -
 
 /// Attention of `q` `(b, n_heads, t, d)` over `k`, `v` `(b, n_kv_heads, s, d)`; returns
 /// `(b, n_heads, t, d)` in the dtype of `q`. Queries sit at `q_pos..`, keys at `k_pos..`.
-pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, q_pos: usize, k_pos: usize, spec: &AttnSpec) -> Result<Tensor> {
+pub fn attend(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    q_pos: usize,
+    k_pos: usize,
+    spec: &AttnSpec,
+) -> Result<Tensor> {
     let Scores { scores, dims } = scores(q, k, q_pos, k_pos, spec)?;
     let (b, nh, _nkv, _g, t, d) = dims;
     let p = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(v.dtype())?;
@@ -171,6 +187,14 @@ pub fn attend_partial(
     k_pos: usize,
     spec: &AttnSpec,
 ) -> Result<Partial> {
+    if k.dim(2)? == 0 {
+        // No keys: contributes nothing to a merge.
+        let (b, nh, t, d) = q.dims4()?;
+        return Ok(Partial {
+            out: Tensor::zeros((b, nh, t, d), DType::F32, q.device())?,
+            lse: Tensor::full(f32::NEG_INFINITY, (b, nh, t), q.device())?,
+        });
+    }
     let Scores { scores, dims } = scores(q, k, q_pos, k_pos, spec)?;
     let (b, nh, _nkv, _g, t, d) = dims;
     // A row that sees no key has max = -inf; clamping keeps exp() at 0 instead of NaN.
@@ -216,7 +240,10 @@ pub fn merge_partials(parts: &[Partial]) -> Result<Partial> {
     let (Some(num), Some(den)) = (num, den) else {
         return Err(KvError::Step("no partial attention to merge".into()));
     };
-    let out = num.broadcast_div(&den.clamp(f32::MIN_POSITIVE, f32::MAX)?.unsqueeze(D::Minus1)?)?;
+    let out = num.broadcast_div(
+        &den.clamp(f32::MIN_POSITIVE, f32::MAX)?
+            .unsqueeze(D::Minus1)?,
+    )?;
     let lse = (max + den.log()?)?;
     Ok(Partial { out, lse })
 }
@@ -264,7 +291,12 @@ mod tests {
     #[test]
     fn matches_naive_with_gqa_window_softcap_and_offset() -> Result<()> {
         let dev = Device::Cpu;
-        for (window, cap) in [(None, None), (Some(3), None), (None, Some(5.0)), (Some(4), Some(2.0))] {
+        for (window, cap) in [
+            (None, None),
+            (Some(3), None),
+            (None, Some(5.0)),
+            (Some(4), Some(2.0)),
+        ] {
             let mut spec = AttnSpec::new(6, 2, 8);
             spec.sliding_window = window;
             spec.softcap = cap;
@@ -280,10 +312,27 @@ mod tests {
             assert!(max_diff(&want, &part.out)? < 1e-5);
             // Split the keys at every point and merge: must equal the whole.
             for cut in 0..=s {
-                let a = attend_partial(&q, &k.narrow(2, 0, cut)?, &v.narrow(2, 0, cut)?, q_pos, 0, &spec)?;
-                let b = attend_partial(&q, &k.narrow(2, cut, s - cut)?, &v.narrow(2, cut, s - cut)?, q_pos, cut, &spec)?;
+                let a = attend_partial(
+                    &q,
+                    &k.narrow(2, 0, cut)?,
+                    &v.narrow(2, 0, cut)?,
+                    q_pos,
+                    0,
+                    &spec,
+                )?;
+                let b = attend_partial(
+                    &q,
+                    &k.narrow(2, cut, s - cut)?,
+                    &v.narrow(2, cut, s - cut)?,
+                    q_pos,
+                    cut,
+                    &spec,
+                )?;
                 let m = merge_partials(&[a, b])?;
-                assert!(max_diff(&want, &m.out)? < 1e-5, "cut {cut} window {window:?}");
+                assert!(
+                    max_diff(&want, &m.out)? < 1e-5,
+                    "cut {cut} window {window:?}"
+                );
                 assert!(max_diff(&part.lse, &m.lse)? < 1e-4);
             }
         }

@@ -62,7 +62,14 @@ impl KvBuffer {
     }
 
     /// Bytes that holding `tokens` tokens of `(b, heads, _, head_dim)` in `dtype` needs.
-    pub fn bytes_for(&self, tokens: usize, b: usize, heads: usize, head_dim: usize, dtype: DType) -> u64 {
+    pub fn bytes_for(
+        &self,
+        tokens: usize,
+        b: usize,
+        heads: usize,
+        head_dim: usize,
+        dtype: DType,
+    ) -> u64 {
         (2 * self.capacity_for(tokens) * b * heads * head_dim * dtype.size_in_bytes()) as u64
     }
 
@@ -110,7 +117,13 @@ impl KvBuffer {
         Ok(())
     }
 
-    fn grow(&mut self, needed: usize, (b, h, d): (usize, usize, usize), dtype: DType, dev: &Device) -> Result<()> {
+    fn grow(
+        &mut self,
+        needed: usize,
+        (b, h, d): (usize, usize, usize),
+        dtype: DType,
+        dev: &Device,
+    ) -> Result<()> {
         let cap = self.capacity_for(needed);
         let nk = Tensor::zeros((b, h, cap, d), dtype, dev)?;
         let nv = Tensor::zeros((b, h, cap, d), dtype, dev)?;
@@ -127,7 +140,9 @@ impl KvBuffer {
     /// Views of keys and values at token positions `start..start+len` of the buffer.
     pub fn view(&self, start: usize, len: usize) -> Result<(Tensor, Tensor)> {
         match (&self.k, &self.v) {
-            (Some(k), Some(v)) if start + len <= self.len => Ok((k.narrow(2, start, len)?, v.narrow(2, start, len)?)),
+            (Some(k), Some(v)) if start + len <= self.len => {
+                Ok((k.narrow(2, start, len)?, v.narrow(2, start, len)?))
+            }
             _ => Err(KvError::Step(format!(
                 "asked for tokens {start}..{} but {} are stored",
                 start + len,
@@ -162,7 +177,11 @@ mod tests {
             assert_eq!(buf.capacity(), at.div_ceil(4) * 4);
         }
         let (k, _) = buf.view(0, 11)?;
-        let diff = (k - &all)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+        let diff = (k - &all)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f32>()?;
         assert_eq!(diff, 0.0);
         assert_eq!(buf.allocated_bytes(), 2 * 2 * 3 * 12 * 2 * 4);
         assert!(buf.view(5, 7).is_err());

@@ -24,19 +24,22 @@ pub enum KvError {
     },
     /// The device tier would exceed its byte budget.
     #[error(
-        "device KV budget exceeded: {what} needs {needed} but the budget is {budget} ({in_use} already in use); {hint}"
+        "device KV budget exceeded: {what} needs {} but the budget is {} ({} already in use); {hint}",
+        crate::size::format_bytes(*.needed),
+        crate::size::format_bytes(*.budget),
+        crate::size::format_bytes(*.in_use)
     )]
     BudgetExceeded {
         /// What was being allocated.
         what: String,
-        /// Bytes it needs, human readable.
-        needed: String,
-        /// The configured budget, human readable.
-        budget: String,
-        /// Bytes already held, human readable.
-        in_use: String,
+        /// Bytes it needs.
+        needed: u64,
+        /// The configured budget in bytes.
+        budget: u64,
+        /// Bytes already held.
+        in_use: u64,
         /// What the user can do about it.
-        hint: String,
+        hint: &'static str,
     },
     /// The step handed to a policy does not fit what the policy holds.
     #[error("inconsistent attention step: {0}")]

@@ -43,7 +43,12 @@ impl PolicyRegistry {
     }
 
     /// Adds (or replaces) a policy under `name`, with a one-line description.
-    pub fn register(&mut self, name: &'static str, description: &'static str, builder: PolicyBuilder) {
+    pub fn register(
+        &mut self,
+        name: &'static str,
+        description: &'static str,
+        builder: PolicyBuilder,
+    ) {
         self.entries.retain(|(n, _, _)| *n != name);
         self.entries.push((name, description, builder));
     }

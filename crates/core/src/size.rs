@@ -27,7 +27,11 @@ pub fn parse_bytes(input: &str) -> Result<u64> {
         "mib" => 1024.0 * 1024.0,
         "gib" => 1024.0 * 1024.0 * 1024.0,
         "tib" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
-        _ => return Err(bad("the unit is not one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB")),
+        _ => {
+            return Err(bad(
+                "the unit is not one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB",
+            ))
+        }
     };
     let bytes = value * mult;
     if !bytes.is_finite() || bytes < 1.0 || bytes > u64::MAX as f64 {
@@ -70,7 +74,8 @@ mod tests {
         for bad in ["", "MiB", "12 parsecs", "0", "-5MB", "1.2.3GB"] {
             let err = parse_bytes(bad).err().map(|e| e.to_string());
             assert!(
-                err.as_deref().is_some_and(|e| e.contains("cannot parse the size")),
+                err.as_deref()
+                    .is_some_and(|e| e.contains("cannot parse the size")),
                 "{bad:?} gave {err:?}"
             );
         }

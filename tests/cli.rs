@@ -1,0 +1,256 @@
+//! The example CLI as other tools use it: output files in the documented formats, and every
+//! bad input answered with a clear message, a non-zero exit, no panic and no output file.
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use anyhow::Result;
+use candle_core::Tensor;
+
+fn llama(args: &[&str]) -> Result<Output> {
+    let bin = common::example_bin("llama");
+    anyhow::ensure!(bin.is_file(), "example binary missing at {}", bin.display());
+    Ok(Command::new(bin)
+        .args(args)
+        .env("HF_HUB_OFFLINE", "1")
+        .output()?)
+}
+
+/// Runs, expects failure with `needle` in stderr, no panic, and `out` not written.
+fn fails_with(args: &[&str], needle: &str) -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let out = dir.path().join("ids.json");
+    let mut all: Vec<&str> = args.to_vec();
+    let out_s = out.to_string_lossy().into_owned();
+    all.extend(["--ids-out", &out_s]);
+    let o = llama(&all)?;
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{args:?} succeeded; stderr: {err}");
+    assert_eq!(
+        o.status.code(),
+        Some(1),
+        "{args:?}: exit code; stderr: {err}"
+    );
+    assert!(
+        err.contains(needle),
+        "{args:?}: stderr lacks {needle:?}:\n{err}"
+    );
+    assert!(!err.contains("panicked"), "{args:?} panicked:\n{err}");
+    assert!(!out.exists(), "{args:?} left an output file behind");
+    assert_eq!(
+        std::fs::read_dir(dir.path())?.count(),
+        0,
+        "{args:?} left files behind"
+    );
+    Ok(())
+}
+
+fn fixture_dir() -> String {
+    common::fixture("llama_gqa").to_string_lossy().into_owned()
+}
+
+#[test]
+fn writes_logits_ids_and_stats_in_the_documented_formats() -> Result<()> {
+    let name = "llama_gqa";
+    let (prompt, decode) = common::fixture_ids(name)?;
+    let join = |v: &[u32]| v.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+    let dir = tempfile::tempdir()?;
+    let p = |f: &str| dir.path().join(f).to_string_lossy().into_owned();
+    let o = llama(&[
+        "--model-dir",
+        &fixture_dir(),
+        "--prompt-ids",
+        &join(&prompt),
+        "--decode-ids",
+        &join(&decode),
+        "--prefill-chunk",
+        "5",
+        "--dump-logits",
+        &p("l.npy"),
+        "--ids-out",
+        &p("ids.json"),
+        "--stats-out",
+        &p("s.json"),
+    ])?;
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let got = Tensor::read_npy(p("l.npy"))?;
+    let want = common::fixture_logits(name)?;
+    assert_eq!(got.dims(), want.dims());
+    assert!(common::max_abs_diff(&got, &want)? <= 1e-4);
+    let ids: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(p("ids.json"))?)?;
+    assert_eq!(common::ids_of(&ids["prompt_ids"])?, prompt);
+    assert_eq!(common::ids_of(&ids["generated_ids"])?, decode);
+    let stats: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(p("s.json"))?)?;
+    for key in [
+        "policy",
+        "model",
+        "prefill_tokens",
+        "prefill_s",
+        "decode_tokens",
+        "decode_s",
+        "device_kv_peak_bytes",
+        "h2d_bytes",
+        "d2h_bytes",
+        "host_kv_bytes",
+    ] {
+        assert!(stats.get(key).is_some(), "stats lack {key}: {stats}");
+    }
+    assert_eq!(stats["policy"], "full");
+    assert_eq!(stats["prefill_tokens"], prompt.len());
+    assert_eq!(stats["decode_tokens"], decode.len());
+    Ok(())
+}
+
+#[test]
+fn unknown_policy_lists_the_valid_ones() -> Result<()> {
+    fails_with(
+        &[
+            "--model-dir",
+            &fixture_dir(),
+            "--prompt-ids",
+            "1",
+            "--policy",
+            "bogus",
+        ],
+        "unknown KV policy `bogus`; valid policies are: full",
+    )
+}
+
+#[test]
+fn missing_model_files() -> Result<()> {
+    fails_with(
+        &["--gguf", "/nonexistent/model.gguf", "--prompt-ids", "1"],
+        "cannot access /nonexistent/model.gguf",
+    )?;
+    fails_with(
+        &["--model-dir", "/nonexistent-dir", "--prompt-ids", "1"],
+        "has no config.json",
+    )
+}
+
+#[test]
+fn non_gguf_and_truncated_gguf() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let junk = dir.path().join("junk.gguf");
+    std::fs::write(&junk, b"this is not a model at all")?;
+    let junk_s = junk.to_string_lossy().into_owned();
+    fails_with(
+        &["--gguf", &junk_s, "--prompt-ids", "1"],
+        "is not a GGUF file",
+    )?;
+
+    let full = std::fs::read(common::default_gguf()?)?;
+    for (cut, needle) in [
+        (2_000_000usize, "is truncated: tensor"),
+        (100_000, "damaged or truncated GGUF header"),
+    ] {
+        let t = dir.path().join(format!("cut{cut}.gguf"));
+        std::fs::write(&t, &full[..cut])?;
+        fails_with(
+            &["--gguf", &t.to_string_lossy(), "--prompt-ids", "1"],
+            needle,
+        )?;
+    }
+    Ok(())
+}
+
+fn copy_fixture(to: &Path) -> Result<()> {
+    std::fs::create_dir_all(to)?;
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(common::fixture("llama_gqa").join(f), to.join(f))?;
+    }
+    Ok(())
+}
+
+#[test]
+fn config_that_disagrees_with_the_weights() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let m = dir.path().join("m");
+    copy_fixture(&m)?;
+    let cfg = std::fs::read_to_string(m.join("config.json"))?
+        .replace("\"intermediate_size\": 112", "\"intermediate_size\": 128");
+    std::fs::write(m.join("config.json"), cfg)?;
+    fails_with(
+        &["--model-dir", &m.to_string_lossy(), "--prompt-ids", "1"],
+        "check that config.json belongs to these weights",
+    )?;
+
+    let cfg = std::fs::read_to_string(common::fixture("llama_gqa").join("config.json"))?.replace(
+        "\"rope_scaling\": null",
+        "\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0}",
+    );
+    std::fs::write(m.join("config.json"), cfg)?;
+    fails_with(
+        &["--model-dir", &m.to_string_lossy(), "--prompt-ids", "1"],
+        "field `rope_scaling.rope_type`: `yarn` is not supported",
+    )
+}
+
+#[test]
+fn truncated_safetensors() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let m = dir.path().join("m");
+    copy_fixture(&m)?;
+    let w = std::fs::read(m.join("model.safetensors"))?;
+    std::fs::write(m.join("model.safetensors"), &w[..w.len() / 2])?;
+    fails_with(
+        &["--model-dir", &m.to_string_lossy(), "--prompt-ids", "1"],
+        "is truncated",
+    )
+}
+
+#[test]
+fn token_ids_outside_the_vocabulary() -> Result<()> {
+    fails_with(
+        &["--model-dir", &fixture_dir(), "--prompt-ids", "1,999"],
+        "prompt token 1 is id 999, but the vocabulary has 384 tokens",
+    )?;
+    fails_with(
+        &[
+            "--model-dir",
+            &fixture_dir(),
+            "--prompt-ids",
+            "1",
+            "--decode-ids",
+            "5,384",
+        ],
+        "decode token 1 is id 384",
+    )
+}
+
+#[test]
+fn empty_prompt() -> Result<()> {
+    fails_with(
+        &[
+            "--gguf",
+            &common::default_gguf()?.to_string_lossy(),
+            "--prompt",
+            "",
+        ],
+        "the prompt is empty",
+    )
+}
+
+#[test]
+fn longer_than_the_model_positions() -> Result<()> {
+    fails_with(
+        &[
+            "--model-dir",
+            &fixture_dir(),
+            "--prompt-ids",
+            "1,2,3",
+            "--max-new-tokens",
+            "200",
+        ],
+        "exceeds the model's 128 positions",
+    )
+}
+
+#[test]
+fn prompt_text_without_a_tokenizer() -> Result<()> {
+    fails_with(
+        &["--model-dir", &fixture_dir(), "--prompt", "hello"],
+        "this model has no tokenizer",
+    )
+}
