@@ -17,11 +17,12 @@
 
 pub use kvpolicy_baseline as baseline;
 pub use kvpolicy_core as core;
+pub use kvpolicy_headwise as headwise;
 pub use kvpolicy_models as models;
 
 pub use kvpolicy_core::{
-    attend, attend_partial, merge_partials, parse_bytes, AttnSpec, AttnStep, KvError, KvPolicy,
-    KvRegen, KvStats, PolicyOptions, PolicyRegistry,
+    attend, attend_partial, merge_partials, parse_bytes, AttnSpec, AttnStep, HeadGroup, KvError,
+    KvPolicy, KvRegen, KvShape, KvStats, PolicyOptions, PolicyRegistry,
 };
 pub use kvpolicy_models::{
     CausalLm, GenerateConfig, Generation, LogitsMode, ModelError, ModelInfo, ModelSpec,
@@ -31,6 +32,7 @@ pub use kvpolicy_models::{
 pub fn registry() -> PolicyRegistry {
     let mut reg = PolicyRegistry::new();
     kvpolicy_baseline::register(&mut reg);
+    kvpolicy_headwise::register(&mut reg);
     reg
 }
 

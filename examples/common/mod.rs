@@ -8,14 +8,14 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
 use clap::Parser;
 use kvpolicy::models::{generate, load, resolve, ModelSpec, TextTokenizer};
-use kvpolicy::{build_policy, GenerateConfig, KvStats, PolicyOptions};
+use kvpolicy::{build_policy, GenerateConfig, HeadGroup, KvStats, PolicyOptions};
 use serde::Serialize;
 
 /// Flags shared by every example.
 #[derive(Parser, Debug)]
 #[command(about = "Generate text under a KV-cache policy", long_about = None)]
 pub struct Args {
-    /// KV policy: full (all on device), … (an unknown name lists the valid ones).
+    /// KV policy: full (all on device), layer (layer-wise offload), headwise (head-wise offload); an unknown name lists the valid ones.
     #[arg(long, default_value = "full")]
     pub policy: String,
     /// Prompt text (tokenized with the model's tokenizer).
@@ -57,6 +57,18 @@ pub struct Args {
     /// Activation/weight dtype for safetensors models: f32, f16 or bf16 (default: f32 on CPU, bf16 on CUDA).
     #[arg(long)]
     pub dtype: Option<String>,
+    /// Build the model from --config with random weights, generated on the device (for benchmarks at real scale).
+    #[arg(long, requires = "config", conflicts_with_all = ["model_dir", "model_id", "gguf"])]
+    pub random_weights: bool,
+    /// config.json for --random-weights.
+    #[arg(long, requires = "random_weights")]
+    pub config: Option<PathBuf>,
+    /// KV heads per head group for `headwise`: a divisor of the model's KV heads, or auto.
+    #[arg(long, default_value = "auto")]
+    pub head_group: HeadGroup,
+    /// Device-tier byte budget for KV buffers, e.g. 64MiB or 2GB (default: unlimited).
+    #[arg(long, value_parser = parse_budget)]
+    pub device_kv_budget: Option<u64>,
     /// Run on the CPU even when a GPU is available.
     #[arg(long)]
     pub cpu: bool,
@@ -102,6 +114,10 @@ pub fn main(example: &str) -> ExitCode {
     }
 }
 
+fn parse_budget(s: &str) -> std::result::Result<u64, String> {
+    kvpolicy::parse_bytes(s).map_err(|e| e.to_string())
+}
+
 fn parse_dtype(s: Option<&str>, dev: &Device) -> Result<DType> {
     Ok(match s {
         None if dev.is_cuda() => DType::BF16,
@@ -135,11 +151,17 @@ fn run(args: &Args, _example: &str) -> Result<()> {
     // Fail on a bad policy name before loading anything.
     let opts = PolicyOptions {
         device: device.clone(),
+        device_kv_budget: args.device_kv_budget,
+        head_group: args.head_group,
         ..PolicyOptions::default()
     };
     let mut policy = build_policy(&args.policy, &opts)?;
 
     let spec = match (&args.model_dir, &args.model_id, &args.gguf) {
+        _ if args.random_weights => ModelSpec::Random {
+            config: args.config.clone().context("--random-weights needs --config FILE")?,
+            seed: args.seed,
+        },
         (Some(d), _, _) => ModelSpec::Dir(d.clone()),
         (_, Some(id), _) => ModelSpec::Hub {
             id: id.clone(),

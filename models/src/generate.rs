@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use candle_core::Tensor;
 use candle_transformers::generation::{LogitsProcessor, Sampling};
-use kvpolicy_core::KvPolicy;
+use kvpolicy_core::{KvPolicy, KvShape};
 
 use crate::error::{ModelError, Result};
 use crate::model::{CausalLm, LogitsMode, ModelInfo};
@@ -115,6 +115,19 @@ pub fn validate_request(info: &ModelInfo, prompt: &[u32], cfg: &GenerateConfig) 
     Ok(())
 }
 
+/// The cache shape `info`'s model needs for `batch` sequences of up to `max_tokens` tokens.
+pub fn kv_shape(info: &ModelInfo, batch: usize, max_tokens: usize) -> KvShape {
+    KvShape {
+        n_layers: info.n_layers,
+        n_heads: info.n_heads,
+        n_kv_heads: info.n_kv_heads,
+        head_dim: info.head_dim,
+        batch,
+        dtype: info.dtype,
+        max_tokens,
+    }
+}
+
 fn ids_tensor(ids: &[u32], info: &ModelInfo) -> Result<Tensor> {
     Ok(Tensor::new(ids, &info.device)?.unsqueeze(0)?)
 }
@@ -167,6 +180,8 @@ pub fn generate(
 ) -> Result<Generation> {
     let info = model.info().clone();
     validate_request(&info, prompt, cfg)?;
+    let new = cfg.decode_ids.as_ref().map_or(cfg.max_new_tokens, Vec::len);
+    policy.prepare(&kv_shape(&info, 1, prompt.len() + new))?;
     let start = Instant::now();
     let (mut last, prompt_rows) =
         prefill(model, policy, prompt, cfg.prefill_chunk, cfg.collect_logits)?;

@@ -14,6 +14,7 @@ pub mod gguf;
 pub mod layers;
 pub mod llama;
 pub mod model;
+pub mod random;
 pub mod rope;
 pub mod source;
 pub mod tokenizer;

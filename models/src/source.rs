@@ -46,6 +46,13 @@ pub enum ModelSpec {
     Gguf(PathBuf),
     /// SmolLM2-135M-Instruct from the first source that has it.
     Default,
+    /// Random weights for a config.json (seeded).
+    Random {
+        /// config.json.
+        config: PathBuf,
+        /// Seed of the weights.
+        seed: u64,
+    },
 }
 
 /// Files of a resolved model.
@@ -64,6 +71,13 @@ pub enum ModelFiles {
     },
     /// A GGUF file.
     Gguf(PathBuf),
+    /// Random weights for a config.json.
+    Random {
+        /// config.json.
+        config: PathBuf,
+        /// Seed of the weights.
+        seed: u64,
+    },
 }
 
 /// The cache directory of this project: `$KVPOLICY_CACHE`, else `<user cache>/kvpolicy`.
@@ -278,6 +292,15 @@ pub fn resolve(spec: &ModelSpec) -> Result<ModelFiles> {
             Ok(ModelFiles::Gguf(p.clone()))
         }
         ModelSpec::Default => default_files(),
+        ModelSpec::Random { config, seed } => {
+            if !config.is_file() {
+                return Err(ModelError::io(config, std::io::Error::new(std::io::ErrorKind::NotFound, "no such file")));
+            }
+            Ok(ModelFiles::Random {
+                config: config.clone(),
+                seed: *seed,
+            })
+        }
     }
 }
 
@@ -330,6 +353,21 @@ pub fn load(
                 .or_else(|| tokenizer.clone());
             let tokenizer = match tok_path {
                 Some(p) => Some(TextTokenizer::from_files(&p, tokenizer_config.as_deref())?),
+                None => None,
+            };
+            Ok(Loaded {
+                model: Box::new(model),
+                tokenizer,
+            })
+        }
+        ModelFiles::Random { config, seed } => {
+            let text = std::fs::read_to_string(config).map_err(|e| ModelError::io(config, e))?;
+            let cfg = LlamaConfig::from_json(&text)?;
+            let vb = crate::random::random_varbuilder(dtype, device, *seed)?;
+            let src = format!("random weights for {}", config.display());
+            let model = Llama::from_varbuilder(&cfg, vb, config, &src)?;
+            let tokenizer = match tokenizer_override {
+                Some(p) => Some(TextTokenizer::from_files(p, None)?),
                 None => None,
             };
             Ok(Loaded {

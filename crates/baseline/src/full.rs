@@ -5,7 +5,7 @@
 //! budget the policy fails before allocating past it and points to the offload policies.
 use candle_core::Tensor;
 use kvpolicy_core::{
-    attend, AttnStep, DeviceMeter, KvBuffer, KvError, KvPolicy, KvStats, PolicyOptions, Result,
+    attend, AttnStep, DeviceMeter, KvBuffer, KvError, KvPolicy, KvShape, KvStats, PolicyOptions, Result,
 };
 
 /// Everything on the device: the reference policy.
@@ -30,6 +30,24 @@ impl FullPolicy {
 impl KvPolicy for FullPolicy {
     fn name(&self) -> &str {
         "full"
+    }
+
+    fn prepare(&mut self, shape: &KvShape) -> Result<()> {
+        if let Some(budget) = self.meter.budget() {
+            let probe = KvBuffer::new(self.grow_tokens);
+            let cap = probe.capacity_for(shape.max_tokens);
+            let need = shape.n_layers as u64 * shape.kv_bytes(shape.n_kv_heads, cap);
+            if need > budget {
+                return Err(KvError::BudgetExceeded {
+                    what: format!("all {} layers' KV for {} tokens", shape.n_layers, shape.max_tokens),
+                    needed: need,
+                    budget,
+                    in_use: 0,
+                    hint: "`full` keeps every layer's KV on the device; use `--policy headwise` (or `layer`) to keep the cache in host memory",
+                });
+            }
+        }
+        Ok(())
     }
 
     fn attend(&mut self, step: &AttnStep<'_>) -> Result<Tensor> {

@@ -15,15 +15,19 @@
 pub mod attention;
 pub mod buffer;
 pub mod error;
+pub mod offload;
 pub mod policy;
 pub mod registry;
 pub mod size;
 pub mod stats;
+pub mod transfer;
 
 pub use attention::{attend, attend_partial, merge_partials, AttnSpec, Partial};
 pub use buffer::KvBuffer;
 pub use error::{KvError, Result};
-pub use policy::{AttnStep, KvPolicy, KvRegen};
-pub use registry::{PolicyBuilder, PolicyOptions, PolicyRegistry};
+pub use offload::{OffloadPolicy, Grouping};
+pub use policy::{AttnStep, KvPolicy, KvRegen, KvShape};
+pub use registry::{HeadGroup, PolicyBuilder, PolicyOptions, PolicyRegistry};
 pub use size::{format_bytes, parse_bytes};
 pub use stats::{DeviceMeter, KvStats};
+pub use transfer::{engine_for, CopyJob, CpuTransferEngine, SyncTransferEngine, Ticket, TransferEngine};

@@ -1,6 +1,6 @@
 //! The boundary every model's attention layer calls: one [`AttnStep`] per layer and
 //! forward step, handed to a [`KvPolicy`].
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 
 use crate::attention::AttnSpec;
 use crate::error::Result;
@@ -36,11 +36,43 @@ pub struct AttnStep<'a> {
     pub regen: &'a dyn KvRegen,
 }
 
+/// The cache shape a policy will serve, known before the first step.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KvShape {
+    /// Decoder layers.
+    pub n_layers: usize,
+    /// Query heads.
+    pub n_heads: usize,
+    /// KV heads.
+    pub n_kv_heads: usize,
+    /// Head width.
+    pub head_dim: usize,
+    /// Sequences per step.
+    pub batch: usize,
+    /// Dtype of K/V.
+    pub dtype: DType,
+    /// Most tokens the run will cache (prompt + generation).
+    pub max_tokens: usize,
+}
+
+impl KvShape {
+    /// Bytes of K and V for `tokens` tokens of `heads` heads (one layer).
+    pub fn kv_bytes(&self, heads: usize, tokens: usize) -> u64 {
+        (2 * self.batch * heads * tokens * self.head_dim * self.dtype.size_in_bytes()) as u64
+    }
+}
+
 /// A KV-cache policy: stores each step's new K/V (or activations) where it decides and
 /// returns the exact attention output.
 pub trait KvPolicy: Send {
     /// The registry name of the policy (`"full"`, `"headwise"`, …).
     fn name(&self) -> &str;
+    /// Checks the options against the model and sizes what can be sized before the first
+    /// step, so that a budget or option that cannot work fails before any compute.
+    fn prepare(&mut self, shape: &KvShape) -> Result<()> {
+        let _ = shape;
+        Ok(())
+    }
     /// Stores the step's new entries and returns the attention output `(b, n_heads, t, head_dim)`.
     fn attend(&mut self, step: &AttnStep<'_>) -> Result<Tensor>;
     /// Tokens cached (per layer).

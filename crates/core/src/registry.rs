@@ -6,6 +6,28 @@ use candle_core::Device;
 use crate::error::{KvError, Result};
 use crate::policy::KvPolicy;
 
+/// How many KV heads a head-wise unit holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HeadGroup {
+    /// Chosen from the device budget and the context length (HeadInfer §3.3).
+    Auto,
+    /// A fixed number of KV heads (must divide the model's KV heads).
+    Fixed(usize),
+}
+
+impl std::str::FromStr for HeadGroup {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        if s.eq_ignore_ascii_case("auto") {
+            return Ok(Self::Auto);
+        }
+        match s.parse::<usize>() {
+            Ok(n) if n > 0 => Ok(Self::Fixed(n)),
+            _ => Err(format!("`{s}` is neither `auto` nor a positive number of KV heads")),
+        }
+    }
+}
+
 /// Options every policy may read; each ignores what does not concern it.
 #[derive(Clone, Debug)]
 pub struct PolicyOptions {
@@ -15,6 +37,8 @@ pub struct PolicyOptions {
     pub device_kv_budget: Option<u64>,
     /// Tokens by which preallocated buffers grow.
     pub grow_tokens: usize,
+    /// KV heads per head-wise unit (`headwise`).
+    pub head_group: HeadGroup,
 }
 
 impl Default for PolicyOptions {
@@ -23,6 +47,7 @@ impl Default for PolicyOptions {
             device: Device::Cpu,
             device_kv_budget: None,
             grow_tokens: 256,
+            head_group: HeadGroup::Auto,
         }
     }
 }

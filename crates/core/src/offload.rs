@@ -1,0 +1,447 @@
+//! Offloaded K/V with ping-pong device buffers: the machinery shared by layer-wise offload
+//! (FlexGen; HF's offloaded cache) and head-wise offload (HeadInfer §3.2).
+//!
+//! Every layer's keys and values live on the host tier in preallocated `(b, kv_heads, cap,
+//! head_dim)` buffers that grow in large chunks, so one KV head's tokens are one contiguous
+//! range. The device tier holds only two buffers, each sized for one *unit* — a group of
+//! KV heads of one layer at the current capacity. Units are visited in order (layer 0 group
+//! 0, layer 0 group 1, …, layer 1 group 0, …). While attention runs on a unit in one buffer,
+//! the next unit's history is copied host→device into the other buffer, and the unit's new
+//! entries are copied device→host behind it. A unit of all KV heads of a layer is layer-wise
+//! offload; smaller units cut device memory by `kv_heads / group` more.
+//!
+//! Attention per unit is exact: heads are independent, and a unit's query heads are those
+//! its KV heads serve under grouped-query attention. Per decode step the whole stored
+//! history moves host→device once and only the step's new entries move back. With a sliding
+//! window only the window's range moves.
+use candle_core::{DType, Device, Tensor};
+
+use crate::attention::{attend, AttnSpec};
+use crate::error::{KvError, Result};
+use crate::policy::{AttnStep, KvPolicy, KvShape};
+use crate::registry::{HeadGroup, PolicyOptions};
+use crate::stats::{DeviceMeter, KvStats};
+use crate::transfer::{engine_for, CopyJob, Ticket, TransferEngine};
+
+/// Contexts below this keep all heads of a layer in one unit under `auto` without a budget;
+/// each doubling beyond halves the unit (HeadInfer §3.3's adaptive head grouping).
+pub const AUTO_ALL_HEADS_BELOW: usize = 500_000;
+
+/// How KV heads are grouped into units.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Grouping {
+    /// One unit per layer (layer-wise offload).
+    Layer,
+    /// Units of KV heads (head-wise offload).
+    Heads(HeadGroup),
+}
+
+#[derive(Debug)]
+struct HostLayer {
+    k: Tensor,
+    v: Tensor,
+    cap: usize,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Prefetch {
+    layer: usize,
+    group: usize,
+    buf: usize,
+    start: usize,
+    len: usize,
+    ticket: Ticket,
+}
+
+/// Offloaded KV with a ping-pong pair of device buffers (see the module docs).
+pub struct OffloadPolicy {
+    name: &'static str,
+    grouping: Grouping,
+    grow_tokens: usize,
+    device: Device,
+    host: Device,
+    engine: Box<dyn TransferEngine>,
+    shape: Option<KvShape>,
+    layers: Vec<Option<HostLayer>>,
+    lens: Vec<usize>,
+    specs: Vec<Option<AttnSpec>>,
+    group: usize,
+    bufs: [Option<(Tensor, Tensor)>; 2],
+    buf_cap: usize,
+    prefetched: Option<Prefetch>,
+    meter: DeviceMeter,
+    stats: KvStats,
+}
+
+impl std::fmt::Debug for OffloadPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OffloadPolicy")
+            .field("name", &self.name)
+            .field("grouping", &self.grouping)
+            .field("group", &self.group)
+            .finish()
+    }
+}
+
+fn divisors_desc(n: usize) -> Vec<usize> {
+    (1..=n).rev().filter(|d| n % d == 0).collect()
+}
+
+impl OffloadPolicy {
+    /// An offload policy registered as `name`, host tier in CPU memory.
+    pub fn new(name: &'static str, grouping: Grouping, opts: &PolicyOptions) -> Result<Self> {
+        Ok(Self {
+            name,
+            grouping,
+            grow_tokens: opts.grow_tokens.max(1),
+            device: opts.device.clone(),
+            host: Device::Cpu,
+            engine: engine_for(&opts.device)?,
+            shape: None,
+            layers: Vec::new(),
+            lens: Vec::new(),
+            specs: Vec::new(),
+            group: 0,
+            bufs: [None, None],
+            buf_cap: 0,
+            prefetched: None,
+            meter: DeviceMeter::new(opts.device_kv_budget),
+            stats: KvStats::default(),
+        })
+    }
+
+    /// Replaces the transfer engine (tests inject failing or synchronous engines).
+    pub fn with_engine(mut self, engine: Box<dyn TransferEngine>) -> Self {
+        self.engine = engine;
+        self
+    }
+
+    /// KV heads per unit now (0 before the first step).
+    pub fn group_size(&self) -> usize {
+        self.group
+    }
+
+    fn capacity_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.grow_tokens) * self.grow_tokens
+    }
+
+    fn bad_option(&self, message: String) -> KvError {
+        KvError::InvalidOption {
+            policy: self.name.to_string(),
+            message,
+        }
+    }
+
+    /// Device bytes of the two buffers for `group` heads at capacity `cap`.
+    fn buffers_bytes(shape: &KvShape, group: usize, cap: usize) -> u64 {
+        2 * shape.kv_bytes(group, cap)
+    }
+
+    /// The unit size for a context needing `cap` tokens of buffer.
+    fn choose_group(&self, shape: &KvShape, cap: usize, context: usize) -> Result<usize> {
+        let nkv = shape.n_kv_heads;
+        let budget = self.meter.budget();
+        let fits = |g: usize| budget.is_none_or(|b| Self::buffers_bytes(shape, g, cap) <= b);
+        let too_small = |g: usize| KvError::BudgetExceeded {
+            what: format!(
+                "two device buffers for {g} KV head(s) at {cap} tokens ({} layer(s), {} head(s) each)",
+                shape.n_layers, nkv
+            ),
+            needed: Self::buffers_bytes(shape, g, cap),
+            budget: budget.unwrap_or(0),
+            in_use: 0,
+            hint: "the budget is smaller than one head group's buffers; raise --device-kv-budget or use a smaller --head-group",
+        };
+        let group = match self.grouping {
+            Grouping::Layer => nkv,
+            Grouping::Heads(HeadGroup::Fixed(n)) => {
+                if n > nkv || nkv % n != 0 {
+                    let ok: Vec<String> = divisors_desc(nkv).iter().rev().map(usize::to_string).collect();
+                    return Err(self.bad_option(format!(
+                        "--head-group {n} does not divide the model's {nkv} KV heads; use one of {} or auto",
+                        ok.join(", ")
+                    )));
+                }
+                n
+            }
+            Grouping::Heads(HeadGroup::Auto) => match budget {
+                Some(_) => divisors_desc(nkv).into_iter().find(|&g| fits(g)).ok_or_else(|| too_small(1))?,
+                None => {
+                    let mut target = nkv;
+                    let mut limit = AUTO_ALL_HEADS_BELOW;
+                    while context >= limit && target > 1 {
+                        target /= 2;
+                        limit = limit.saturating_mul(2);
+                    }
+                    divisors_desc(nkv).into_iter().find(|&g| g <= target.max(1)).unwrap_or(1)
+                }
+            },
+        };
+        if !fits(group) {
+            return Err(too_small(group));
+        }
+        Ok(group)
+    }
+
+    fn ensure_buffers(&mut self, shape: &KvShape, tokens: usize, context: usize) -> Result<()> {
+        let cap = self.capacity_for(tokens);
+        if cap <= self.buf_cap && self.group != 0 {
+            return Ok(());
+        }
+        let group = self.choose_group(shape, cap, context)?;
+        self.stats.transfer_wait_s += self.engine.wait_all()?;
+        self.prefetched = None;
+        // The buffers are scratch (refilled from the host every step): free, then allocate.
+        let old = self.meter.current();
+        self.meter.free(old);
+        self.bufs = [None, None];
+        let dims = (shape.batch, group, cap, shape.head_dim);
+        for b in self.bufs.iter_mut() {
+            *b = Some((
+                Tensor::zeros(dims, shape.dtype, &self.device)?,
+                Tensor::zeros(dims, shape.dtype, &self.device)?,
+            ));
+        }
+        self.meter.alloc(Self::buffers_bytes(shape, group, cap));
+        self.buf_cap = cap;
+        self.group = group;
+        Ok(())
+    }
+
+    fn ensure_host(&mut self, layer: usize, shape: &KvShape, tokens: usize) -> Result<()> {
+        while self.layers.len() <= layer {
+            self.layers.push(None);
+            self.lens.push(0);
+            self.specs.push(None);
+        }
+        let have = self.layers[layer].as_ref().map(|h| h.cap).unwrap_or(0);
+        if tokens <= have {
+            return Ok(());
+        }
+        // Pending write-backs target the old buffers: let them land before copying. A
+        // completed prefetch stays valid: it copied from the old buffers' unchanged prefix.
+        self.stats.transfer_wait_s += self.engine.wait_all()?;
+        // Host storage grows in large chunks (8× the device growth step).
+        let chunk = self.grow_tokens * 8;
+        let cap = tokens.div_ceil(chunk) * chunk;
+        let dims = (shape.batch, shape.n_kv_heads, cap, shape.head_dim);
+        let k = Tensor::zeros(dims, shape.dtype, &self.host)?;
+        let v = Tensor::zeros(dims, shape.dtype, &self.host)?;
+        if let Some(old) = &self.layers[layer] {
+            k.slice_set(&old.k, 2, 0)?;
+            v.slice_set(&old.v, 2, 0)?;
+            self.stats.host_kv_bytes -= shape.kv_bytes(shape.n_kv_heads, old.cap);
+        }
+        self.stats.host_kv_bytes += shape.kv_bytes(shape.n_kv_heads, cap);
+        self.layers[layer] = Some(HostLayer { k, v, cap });
+        Ok(())
+    }
+
+    /// Copy jobs bringing tokens `start..start+len` of `group` into buffer `buf`.
+    fn load_jobs(&self, layer: usize, group: usize, buf: usize, start: usize, len: usize) -> Result<Vec<CopyJob>> {
+        let (Some(Some(host)), Some((kb, vb))) = (self.layers.get(layer), &self.bufs[buf]) else {
+            return Err(KvError::Step(format!("layer {layer} has no stored KV to load")));
+        };
+        let batch = kb.dim(0)?;
+        let mut jobs = Vec::with_capacity(2 * batch * self.group);
+        for bi in 0..batch {
+            for j in 0..self.group {
+                let h = group * self.group + j;
+                for (src, dst) in [(&host.k, kb), (&host.v, vb)] {
+                    jobs.push(CopyJob {
+                        src: src.narrow(0, bi, 1)?.narrow(1, h, 1)?.narrow(2, start, len)?,
+                        dst: dst.narrow(0, bi, 1)?.narrow(1, j, 1)?,
+                        dim: 2,
+                        offset: 0,
+                    });
+                }
+            }
+        }
+        Ok(jobs)
+    }
+
+    fn submit(&mut self, jobs: Vec<CopyJob>, h2d: bool) -> Result<Ticket> {
+        let bytes: u64 = jobs.iter().map(CopyJob::bytes).sum();
+        if h2d {
+            self.stats.h2d_bytes += bytes;
+        } else {
+            self.stats.d2h_bytes += bytes;
+        }
+        self.engine.submit(jobs)
+    }
+
+    /// Makes unit (layer, group)'s history `start..start+len` resident; returns its buffer.
+    fn take_unit(&mut self, layer: usize, group: usize, start: usize, len: usize) -> Result<usize> {
+        if let Some(p) = self.prefetched.take() {
+            self.stats.transfer_wait_s += self.engine.wait(p.ticket)?;
+            if (p.layer, p.group, p.start, p.len) == (layer, group, start, len) {
+                return Ok(p.buf);
+            }
+        }
+        if len > 0 {
+            let jobs = self.load_jobs(layer, group, 0, start, len)?;
+            let t = self.submit(jobs, true)?;
+            self.stats.transfer_wait_s += self.engine.wait(t)?;
+        }
+        Ok(0)
+    }
+
+    /// Starts copying the unit after (layer, group) into buffer `buf`, if it is known.
+    fn prefetch_next(&mut self, layer: usize, group: usize, groups: usize, pos: usize, buf: usize) -> Result<()> {
+        let (nl, ng) = if group + 1 < groups {
+            (layer, group + 1)
+        } else {
+            (layer + 1, 0)
+        };
+        let (Some(&len_next), Some(Some(spec))) = (self.lens.get(nl), self.specs.get(nl)) else {
+            return Ok(());
+        };
+        if len_next != pos || (nl != layer && self.layers.get(nl).is_none_or(Option::is_none)) {
+            return Ok(());
+        }
+        let start = spec.window_start(pos);
+        let len = pos - start;
+        if len == 0 {
+            return Ok(());
+        }
+        let jobs = self.load_jobs(nl, ng, buf, start, len)?;
+        let ticket = self.submit(jobs, true)?;
+        self.prefetched = Some(Prefetch {
+            layer: nl,
+            group: ng,
+            buf,
+            start,
+            len,
+            ticket,
+        });
+        Ok(())
+    }
+
+    fn shape_for(&mut self, step: &AttnStep<'_>) -> Result<KvShape> {
+        let (b, nkv, t, d) = step.k.dims4()?;
+        let n_layers = self.lens.len().max(step.layer + 1);
+        let shape = match &self.shape {
+            Some(s) if (s.batch, s.n_kv_heads, s.head_dim, s.dtype) == (b, nkv, d, step.k.dtype()) => {
+                KvShape { n_layers: s.n_layers.max(n_layers), ..s.clone() }
+            }
+            _ => KvShape {
+                n_layers,
+                n_heads: step.spec.n_heads,
+                n_kv_heads: nkv,
+                head_dim: d,
+                batch: b,
+                dtype: step.k.dtype(),
+                max_tokens: step.pos + t,
+            },
+        };
+        self.shape = Some(shape.clone());
+        Ok(shape)
+    }
+}
+
+impl KvPolicy for OffloadPolicy {
+    fn name(&self) -> &str {
+        self.name
+    }
+
+    fn prepare(&mut self, shape: &KvShape) -> Result<()> {
+        let cap = self.capacity_for(shape.max_tokens);
+        self.choose_group(shape, cap, shape.max_tokens)?;
+        self.shape = Some(shape.clone());
+        Ok(())
+    }
+
+    fn attend(&mut self, step: &AttnStep<'_>) -> Result<Tensor> {
+        let shape = self.shape_for(step)?;
+        let (layer, pos) = (step.layer, step.pos);
+        let t = step.k.dim(2)?;
+        self.ensure_host(layer, &shape, pos + t)?;
+        if self.lens[layer] != pos {
+            return Err(KvError::Step(format!(
+                "layer {layer} holds {} tokens but the step starts at position {pos}; call reset() before a new sequence",
+                self.lens[layer]
+            )));
+        }
+        self.specs[layer] = Some(step.spec.clone());
+        let start = step.spec.window_start(pos);
+        let hist = pos - start;
+        self.ensure_buffers(&shape, hist + t, pos + t)?;
+        let gs = self.group;
+        let groups = shape.n_kv_heads / gs;
+        let q_per_group = gs * step.spec.group_size();
+        let mut outs = Vec::with_capacity(groups);
+        for g in 0..groups {
+            let buf = self.take_unit(layer, g, start, hist)?;
+            self.prefetch_next(layer, g, groups, pos, 1 - buf)?;
+            let (kb, vb) = self.bufs[buf]
+                .clone()
+                .ok_or_else(|| KvError::Step("device buffers missing".into()))?;
+            let kn = step.k.narrow(1, g * gs, gs)?.contiguous()?;
+            let vn = step.v.narrow(1, g * gs, gs)?.contiguous()?;
+            kb.slice_set(&kn, 2, hist)?;
+            vb.slice_set(&vn, 2, hist)?;
+            let q = step.q.narrow(1, g * q_per_group, q_per_group)?;
+            let k = kb.narrow(2, 0, hist + t)?;
+            let v = vb.narrow(2, 0, hist + t)?;
+            outs.push(attend(&q, &k, &v, pos, start, step.spec)?);
+            // Write the unit's new entries back to the host tier behind the compute.
+            let host = self.layers[layer]
+                .as_ref()
+                .ok_or_else(|| KvError::Step("host layer missing".into()))?;
+            let mut jobs = Vec::with_capacity(2 * shape.batch * gs);
+            for bi in 0..shape.batch {
+                for j in 0..gs {
+                    for (src, dst) in [(&kn, &host.k), (&vn, &host.v)] {
+                        jobs.push(CopyJob {
+                            src: src.narrow(0, bi, 1)?.narrow(1, j, 1)?.to_device(&self.host)?,
+                            dst: dst.narrow(0, bi, 1)?.narrow(1, g * gs + j, 1)?,
+                            dim: 2,
+                            offset: pos,
+                        });
+                    }
+                }
+            }
+            self.submit(jobs, false)?;
+        }
+        self.lens[layer] += t;
+        self.stats.kv_tokens = self.lens.first().copied().unwrap_or(0) as u64;
+        Ok(if outs.len() == 1 {
+            outs.swap_remove(0)
+        } else {
+            Tensor::cat(&outs, 1)?
+        })
+    }
+
+    fn seq_len(&self) -> usize {
+        self.lens.first().copied().unwrap_or(0)
+    }
+
+    fn reset(&mut self) {
+        let _ = self.engine.wait_all();
+        self.layers.clear();
+        self.lens.clear();
+        self.specs.clear();
+        self.bufs = [None, None];
+        self.buf_cap = 0;
+        self.group = 0;
+        self.prefetched = None;
+        self.meter.reset();
+        self.stats = KvStats::default();
+        if let Some(s) = &mut self.shape {
+            s.n_layers = 0;
+        }
+    }
+
+    fn stats(&self) -> KvStats {
+        KvStats {
+            device_kv_bytes: self.meter.current(),
+            device_kv_peak_bytes: self.meter.peak(),
+            ..self.stats.clone()
+        }
+    }
+}
+
+/// Bytes a dtype element takes (re-exported for policy crates' size math).
+pub fn dtype_bytes(dtype: DType) -> usize {
+    dtype.size_in_bytes()
+}

@@ -1,0 +1,232 @@
+//! Moving K/V ranges between the host tier and the device tier.
+//!
+//! A [`TransferEngine`] takes batches of [`CopyJob`]s and returns a [`Ticket`] to wait on.
+//! [`CpuTransferEngine`] runs the copies on a worker thread, so a prefetch overlaps compute
+//! even on a CPU-only machine (HeadInfer §3.2's ping-pong schedule); jobs run in submission
+//! order, so a write-back always lands before a later prefetch of the same range.
+//! [`SyncTransferEngine`] copies at submission (the fallback for devices without a copy
+//! stream until the CUDA engine exists).
+use std::sync::mpsc::{channel, Sender};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use candle_core::Tensor;
+
+use crate::error::{KvError, Result};
+
+/// Copy `src` into `dst` at `offset` along `dim` (`dst.slice_set(src, dim, offset)`), moving
+/// `src` to `dst`'s device first. `src` must be contiguous; `dst` is a contiguous buffer (or a
+/// contiguous narrow of one).
+#[derive(Debug, Clone)]
+pub struct CopyJob {
+    /// Source range.
+    pub src: Tensor,
+    /// Destination buffer.
+    pub dst: Tensor,
+    /// Dimension along which `offset` counts.
+    pub dim: usize,
+    /// Offset in `dst` along `dim`.
+    pub offset: usize,
+}
+
+impl CopyJob {
+    /// Bytes this job moves.
+    pub fn bytes(&self) -> u64 {
+        (self.src.elem_count() * self.src.dtype().size_in_bytes()) as u64
+    }
+
+    /// Performs the copy.
+    pub fn run(&self) -> Result<()> {
+        let src = self.src.to_device(self.dst.device())?;
+        self.dst.slice_set(&src, self.dim, self.offset)?;
+        Ok(())
+    }
+}
+
+/// A handle on a submitted batch of copies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Ticket(pub u64);
+
+/// Moves ranges between tiers, possibly asynchronously.
+pub trait TransferEngine: Send {
+    /// Queues `jobs`; they run in order after every earlier submission.
+    fn submit(&mut self, jobs: Vec<CopyJob>) -> Result<Ticket>;
+    /// Blocks until `ticket` (and everything before it) is done; returns the seconds waited.
+    fn wait(&mut self, ticket: Ticket) -> Result<f64>;
+    /// Blocks until everything submitted is done.
+    fn wait_all(&mut self) -> Result<f64>;
+}
+
+/// Copies at submission time.
+#[derive(Debug, Default)]
+pub struct SyncTransferEngine {
+    next: u64,
+}
+
+impl TransferEngine for SyncTransferEngine {
+    fn submit(&mut self, jobs: Vec<CopyJob>) -> Result<Ticket> {
+        for j in &jobs {
+            j.run()?;
+        }
+        self.next += 1;
+        Ok(Ticket(self.next))
+    }
+
+    fn wait(&mut self, _ticket: Ticket) -> Result<f64> {
+        Ok(0.0)
+    }
+
+    fn wait_all(&mut self) -> Result<f64> {
+        Ok(0.0)
+    }
+}
+
+#[derive(Default)]
+struct Progress {
+    done: u64,
+    error: Option<String>,
+}
+
+/// Runs copies on a background thread.
+pub struct CpuTransferEngine {
+    tx: Option<Sender<(u64, Vec<CopyJob>)>>,
+    state: Arc<(Mutex<Progress>, Condvar)>,
+    submitted: u64,
+    worker: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for CpuTransferEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CpuTransferEngine").field("submitted", &self.submitted).finish()
+    }
+}
+
+impl CpuTransferEngine {
+    /// Starts the worker thread.
+    pub fn new() -> Result<Self> {
+        let (tx, rx) = channel::<(u64, Vec<CopyJob>)>();
+        let state = Arc::new((Mutex::new(Progress::default()), Condvar::new()));
+        let st = Arc::clone(&state);
+        let worker = std::thread::Builder::new()
+            .name("kv-transfer".into())
+            .spawn(move || {
+                for (id, jobs) in rx {
+                    let mut err = None;
+                    for j in &jobs {
+                        if let Err(e) = j.run() {
+                            err = Some(e.to_string());
+                            break;
+                        }
+                    }
+                    let (lock, cv) = &*st;
+                    if let Ok(mut p) = lock.lock() {
+                        p.done = id;
+                        if p.error.is_none() {
+                            p.error = err;
+                        }
+                    }
+                    cv.notify_all();
+                }
+            })
+            .map_err(|e| KvError::Step(format!("cannot start the transfer thread: {e}")))?;
+        Ok(Self {
+            tx: Some(tx),
+            state,
+            submitted: 0,
+            worker: Some(worker),
+        })
+    }
+
+    fn wait_for(&mut self, id: u64) -> Result<f64> {
+        let start = Instant::now();
+        let (lock, cv) = &*self.state;
+        let mut p = lock
+            .lock()
+            .map_err(|_| KvError::Step("the transfer thread panicked".into()))?;
+        while p.done < id && p.error.is_none() {
+            p = cv
+                .wait(p)
+                .map_err(|_| KvError::Step("the transfer thread panicked".into()))?;
+        }
+        if let Some(e) = p.error.take() {
+            return Err(KvError::Step(format!("a transfer failed: {e}")));
+        }
+        Ok(start.elapsed().as_secs_f64())
+    }
+}
+
+impl TransferEngine for CpuTransferEngine {
+    fn submit(&mut self, jobs: Vec<CopyJob>) -> Result<Ticket> {
+        self.submitted += 1;
+        let tx = self
+            .tx
+            .as_ref()
+            .ok_or_else(|| KvError::Step("the transfer engine is shut down".into()))?;
+        tx.send((self.submitted, jobs))
+            .map_err(|_| KvError::Step("the transfer thread has stopped".into()))?;
+        Ok(Ticket(self.submitted))
+    }
+
+    fn wait(&mut self, ticket: Ticket) -> Result<f64> {
+        self.wait_for(ticket.0)
+    }
+
+    fn wait_all(&mut self) -> Result<f64> {
+        self.wait_for(self.submitted)
+    }
+}
+
+impl Drop for CpuTransferEngine {
+    fn drop(&mut self) {
+        self.tx = None;
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+    }
+}
+
+/// The engine suited to a device: a worker thread on the CPU, synchronous copies elsewhere.
+pub fn engine_for(device: &candle_core::Device) -> Result<Box<dyn TransferEngine>> {
+    if device.is_cpu() {
+        Ok(Box::new(CpuTransferEngine::new()?))
+    } else {
+        Ok(Box::new(SyncTransferEngine::default()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn copies_in_order_in_the_background() -> Result<()> {
+        let dev = Device::Cpu;
+        let dst = Tensor::zeros((1, 2, 8, 3), candle_core::DType::F32, &dev)?;
+        let mut eng = CpuTransferEngine::new()?;
+        let a = Tensor::ones((1, 1, 4, 3), candle_core::DType::F32, &dev)?;
+        let b = (Tensor::ones((1, 1, 4, 3), candle_core::DType::F32, &dev)? * 2.0)?;
+        let head1 = dst.narrow(1, 1, 1)?;
+        let t1 = eng.submit(vec![CopyJob { src: a, dst: head1.clone(), dim: 2, offset: 2 }])?;
+        let t2 = eng.submit(vec![CopyJob { src: b, dst: head1, dim: 2, offset: 4 }])?;
+        assert!(t2 > t1);
+        eng.wait(t2)?;
+        let v = dst.narrow(1, 1, 1)?.flatten_all()?.to_vec1::<f32>()?;
+        let want: Vec<f32> = (0..8).flat_map(|i| [match i { 2 | 3 => 1.0, 4..=7 => 2.0, _ => 0.0 }; 3]).collect();
+        assert_eq!(v, want);
+        assert_eq!(dst.narrow(1, 0, 1)?.sum_all()?.to_scalar::<f32>()?, 0.0);
+        Ok(())
+    }
+
+    #[test]
+    fn a_failed_copy_is_reported() -> Result<()> {
+        let dev = Device::Cpu;
+        let dst = Tensor::zeros((1, 1, 2, 3), candle_core::DType::F32, &dev)?;
+        let src = Tensor::ones((1, 1, 4, 3), candle_core::DType::F32, &dev)?;
+        let mut eng = CpuTransferEngine::new()?;
+        eng.submit(vec![CopyJob { src, dst, dim: 2, offset: 0 }])?;
+        assert!(eng.wait_all().is_err());
+        Ok(())
+    }
+}
