@@ -254,3 +254,110 @@ fn prompt_text_without_a_tokenizer() -> Result<()> {
         "this model has no tokenizer",
     )
 }
+
+#[test]
+fn offload_option_errors() -> Result<()> {
+    let f = fixture_dir();
+    fails_with(
+        &[
+            "--model-dir",
+            &f,
+            "--prompt-ids",
+            "1",
+            "--policy",
+            "headwise",
+            "--device-kv-budget",
+            "12 parsecs",
+        ],
+        "cannot parse the size `12 parsecs`",
+    )?;
+    fails_with(
+        &[
+            "--model-dir",
+            &f,
+            "--prompt-ids",
+            "1",
+            "--policy",
+            "headwise",
+            "--head-group",
+            "3",
+        ],
+        "--head-group 3 does not divide the model's 2 KV heads",
+    )?;
+    fails_with(
+        &[
+            "--model-dir",
+            &f,
+            "--prompt-ids",
+            "1",
+            "--policy",
+            "headwise",
+            "--head-group",
+            "zero",
+        ],
+        "neither `auto` nor a positive number",
+    )?;
+    fails_with(
+        &[
+            "--model-dir",
+            &f,
+            "--prompt-ids",
+            "1",
+            "--policy",
+            "headwise",
+            "--device-kv-budget",
+            "1KiB",
+        ],
+        "budget is smaller than one head group's buffers",
+    )?;
+    fails_with(
+        &[
+            "--model-dir",
+            &f,
+            "--prompt-ids",
+            "1",
+            "--policy",
+            "full",
+            "--device-kv-budget",
+            "1KiB",
+        ],
+        "use `--policy headwise`",
+    )
+}
+
+#[test]
+fn random_weights_from_a_config() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let stats = dir.path().join("s.json");
+    let cfg = common::fixture("llama3_rope").join("config.json");
+    let o = llama(&[
+        "--random-weights",
+        "--config",
+        &cfg.to_string_lossy(),
+        "--prompt-ids",
+        "1,2,3,4",
+        "--max-new-tokens",
+        "3",
+        "--policy",
+        "headwise",
+        "--head-group",
+        "1",
+        "--stats-out",
+        &stats.to_string_lossy(),
+    ])?;
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let s: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(stats)?)?;
+    assert_eq!(s["policy"], "headwise");
+    assert!(s["h2d_bytes"].as_u64().is_some_and(|b| b > 0), "{s}");
+    assert!(s["d2h_bytes"].as_u64().is_some_and(|b| b > 0), "{s}");
+    fails_with(
+        &[
+            "--random-weights",
+            "--config",
+            "/nonexistent.json",
+            "--prompt-ids",
+            "1",
+        ],
+        "cannot access /nonexistent.json",
+    )
+}

@@ -159,7 +159,10 @@ fn run(args: &Args, _example: &str) -> Result<()> {
 
     let spec = match (&args.model_dir, &args.model_id, &args.gguf) {
         _ if args.random_weights => ModelSpec::Random {
-            config: args.config.clone().context("--random-weights needs --config FILE")?,
+            config: args
+                .config
+                .clone()
+                .context("--random-weights needs --config FILE")?,
             seed: args.seed,
         },
         (Some(d), _, _) => ModelSpec::Dir(d.clone()),

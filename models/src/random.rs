@@ -12,14 +12,26 @@ pub struct RandomWeights {
 }
 
 impl SimpleBackend for RandomWeights {
-    fn get(&self, s: Shape, name: &str, _h: candle_nn::Init, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+    fn get(
+        &self,
+        s: Shape,
+        name: &str,
+        _h: candle_nn::Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<Tensor> {
         if name.contains("norm") {
             return Tensor::ones(s, dtype, dev);
         }
         Tensor::randn(0f32, self.std as f32, s, dev)?.to_dtype(dtype)
     }
 
-    fn get_unchecked(&self, name: &str, _dtype: DType, _dev: &Device) -> candle_core::Result<Tensor> {
+    fn get_unchecked(
+        &self,
+        name: &str,
+        _dtype: DType,
+        _dev: &Device,
+    ) -> candle_core::Result<Tensor> {
         candle_core::bail!("random weights need a shape for `{name}`")
     }
 
@@ -30,7 +42,15 @@ impl SimpleBackend for RandomWeights {
 
 /// A var builder of random weights (std 0.02, the usual initializer range) on `device`,
 /// seeded so that runs repeat.
-pub fn random_varbuilder(dtype: DType, device: &Device, seed: u64) -> candle_core::Result<VarBuilder<'static>> {
+pub fn random_varbuilder(
+    dtype: DType,
+    device: &Device,
+    seed: u64,
+) -> candle_core::Result<VarBuilder<'static>> {
     device.set_seed(seed)?;
-    Ok(VarBuilder::from_backend(Box::new(RandomWeights { std: 0.02 }), dtype, device.clone()))
+    Ok(VarBuilder::from_backend(
+        Box::new(RandomWeights { std: 0.02 }),
+        dtype,
+        device.clone(),
+    ))
 }

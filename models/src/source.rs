@@ -294,7 +294,10 @@ pub fn resolve(spec: &ModelSpec) -> Result<ModelFiles> {
         ModelSpec::Default => default_files(),
         ModelSpec::Random { config, seed } => {
             if !config.is_file() {
-                return Err(ModelError::io(config, std::io::Error::new(std::io::ErrorKind::NotFound, "no such file")));
+                return Err(ModelError::io(
+                    config,
+                    std::io::Error::new(std::io::ErrorKind::NotFound, "no such file"),
+                ));
             }
             Ok(ModelFiles::Random {
                 config: config.clone(),

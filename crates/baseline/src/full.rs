@@ -5,7 +5,8 @@
 //! budget the policy fails before allocating past it and points to the offload policies.
 use candle_core::Tensor;
 use kvpolicy_core::{
-    attend, AttnStep, DeviceMeter, KvBuffer, KvError, KvPolicy, KvShape, KvStats, PolicyOptions, Result,
+    attend, AttnStep, DeviceMeter, KvBuffer, KvError, KvPolicy, KvShape, KvStats, PolicyOptions,
+    Result,
 };
 
 /// Everything on the device: the reference policy.

@@ -25,9 +25,11 @@ pub mod transfer;
 pub use attention::{attend, attend_partial, merge_partials, AttnSpec, Partial};
 pub use buffer::KvBuffer;
 pub use error::{KvError, Result};
-pub use offload::{OffloadPolicy, Grouping};
+pub use offload::{Grouping, OffloadPolicy};
 pub use policy::{AttnStep, KvPolicy, KvRegen, KvShape};
 pub use registry::{HeadGroup, PolicyBuilder, PolicyOptions, PolicyRegistry};
 pub use size::{format_bytes, parse_bytes};
 pub use stats::{DeviceMeter, KvStats};
-pub use transfer::{engine_for, CopyJob, CpuTransferEngine, SyncTransferEngine, Ticket, TransferEngine};
+pub use transfer::{
+    engine_for, CopyJob, CpuTransferEngine, SyncTransferEngine, Ticket, TransferEngine,
+};

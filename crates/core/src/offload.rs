@@ -142,7 +142,8 @@ impl OffloadPolicy {
         let nkv = shape.n_kv_heads;
         let budget = self.meter.budget();
         let fits = |g: usize| budget.is_none_or(|b| Self::buffers_bytes(shape, g, cap) <= b);
-        let too_small = |g: usize| KvError::BudgetExceeded {
+        let too_small = |g: usize| {
+            KvError::BudgetExceeded {
             what: format!(
                 "two device buffers for {g} KV head(s) at {cap} tokens ({} layer(s), {} head(s) each)",
                 shape.n_layers, nkv
@@ -151,12 +152,17 @@ impl OffloadPolicy {
             budget: budget.unwrap_or(0),
             in_use: 0,
             hint: "the budget is smaller than one head group's buffers; raise --device-kv-budget or use a smaller --head-group",
+        }
         };
         let group = match self.grouping {
             Grouping::Layer => nkv,
             Grouping::Heads(HeadGroup::Fixed(n)) => {
                 if n > nkv || nkv % n != 0 {
-                    let ok: Vec<String> = divisors_desc(nkv).iter().rev().map(usize::to_string).collect();
+                    let ok: Vec<String> = divisors_desc(nkv)
+                        .iter()
+                        .rev()
+                        .map(usize::to_string)
+                        .collect();
                     return Err(self.bad_option(format!(
                         "--head-group {n} does not divide the model's {nkv} KV heads; use one of {} or auto",
                         ok.join(", ")
@@ -165,7 +171,10 @@ impl OffloadPolicy {
                 n
             }
             Grouping::Heads(HeadGroup::Auto) => match budget {
-                Some(_) => divisors_desc(nkv).into_iter().find(|&g| fits(g)).ok_or_else(|| too_small(1))?,
+                Some(_) => divisors_desc(nkv)
+                    .into_iter()
+                    .find(|&g| fits(g))
+                    .ok_or_else(|| too_small(1))?,
                 None => {
                     let mut target = nkv;
                     let mut limit = AUTO_ALL_HEADS_BELOW;
@@ -173,7 +182,10 @@ impl OffloadPolicy {
                         target /= 2;
                         limit = limit.saturating_mul(2);
                     }
-                    divisors_desc(nkv).into_iter().find(|&g| g <= target.max(1)).unwrap_or(1)
+                    divisors_desc(nkv)
+                        .into_iter()
+                        .find(|&g| g <= target.max(1))
+                        .unwrap_or(1)
                 }
             },
         };
@@ -238,9 +250,18 @@ impl OffloadPolicy {
     }
 
     /// Copy jobs bringing tokens `start..start+len` of `group` into buffer `buf`.
-    fn load_jobs(&self, layer: usize, group: usize, buf: usize, start: usize, len: usize) -> Result<Vec<CopyJob>> {
+    fn load_jobs(
+        &self,
+        layer: usize,
+        group: usize,
+        buf: usize,
+        start: usize,
+        len: usize,
+    ) -> Result<Vec<CopyJob>> {
         let (Some(Some(host)), Some((kb, vb))) = (self.layers.get(layer), &self.bufs[buf]) else {
-            return Err(KvError::Step(format!("layer {layer} has no stored KV to load")));
+            return Err(KvError::Step(format!(
+                "layer {layer} has no stored KV to load"
+            )));
         };
         let batch = kb.dim(0)?;
         let mut jobs = Vec::with_capacity(2 * batch * self.group);
@@ -249,7 +270,10 @@ impl OffloadPolicy {
                 let h = group * self.group + j;
                 for (src, dst) in [(&host.k, kb), (&host.v, vb)] {
                     jobs.push(CopyJob {
-                        src: src.narrow(0, bi, 1)?.narrow(1, h, 1)?.narrow(2, start, len)?,
+                        src: src
+                            .narrow(0, bi, 1)?
+                            .narrow(1, h, 1)?
+                            .narrow(2, start, len)?,
                         dst: dst.narrow(0, bi, 1)?.narrow(1, j, 1)?,
                         dim: 2,
                         offset: 0,
@@ -287,7 +311,14 @@ impl OffloadPolicy {
     }
 
     /// Starts copying the unit after (layer, group) into buffer `buf`, if it is known.
-    fn prefetch_next(&mut self, layer: usize, group: usize, groups: usize, pos: usize, buf: usize) -> Result<()> {
+    fn prefetch_next(
+        &mut self,
+        layer: usize,
+        group: usize,
+        groups: usize,
+        pos: usize,
+        buf: usize,
+    ) -> Result<()> {
         let (nl, ng) = if group + 1 < groups {
             (layer, group + 1)
         } else {
@@ -321,8 +352,13 @@ impl OffloadPolicy {
         let (b, nkv, t, d) = step.k.dims4()?;
         let n_layers = self.lens.len().max(step.layer + 1);
         let shape = match &self.shape {
-            Some(s) if (s.batch, s.n_kv_heads, s.head_dim, s.dtype) == (b, nkv, d, step.k.dtype()) => {
-                KvShape { n_layers: s.n_layers.max(n_layers), ..s.clone() }
+            Some(s)
+                if (s.batch, s.n_kv_heads, s.head_dim, s.dtype) == (b, nkv, d, step.k.dtype()) =>
+            {
+                KvShape {
+                    n_layers: s.n_layers.max(n_layers),
+                    ..s.clone()
+                }
             }
             _ => KvShape {
                 n_layers,
@@ -393,7 +429,7 @@ impl KvPolicy for OffloadPolicy {
                 for j in 0..gs {
                     for (src, dst) in [(&kn, &host.k), (&vn, &host.v)] {
                         jobs.push(CopyJob {
-                            src: src.narrow(0, bi, 1)?.narrow(1, j, 1)?.to_device(&self.host)?,
+                            src: src.narrow(0, bi, 1)?.narrow(1, j, 1)?,
                             dst: dst.narrow(0, bi, 1)?.narrow(1, g * gs + j, 1)?,
                             dim: 2,
                             offset: pos,

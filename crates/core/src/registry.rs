@@ -23,7 +23,9 @@ impl std::str::FromStr for HeadGroup {
         }
         match s.parse::<usize>() {
             Ok(n) if n > 0 => Ok(Self::Fixed(n)),
-            _ => Err(format!("`{s}` is neither `auto` nor a positive number of KV heads")),
+            _ => Err(format!(
+                "`{s}` is neither `auto` nor a positive number of KV heads"
+            )),
         }
     }
 }

@@ -38,7 +38,13 @@ impl CopyJob {
 
     /// Performs the copy.
     pub fn run(&self) -> Result<()> {
-        let src = self.src.to_device(self.dst.device())?;
+        // candle's `to_device` copies a view's whole storage; compact the view first so only
+        // its own bytes cross devices.
+        let src = if self.src.device().same_device(self.dst.device()) {
+            self.src.clone()
+        } else {
+            self.src.force_contiguous()?.to_device(self.dst.device())?
+        };
         self.dst.slice_set(&src, self.dim, self.offset)?;
         Ok(())
     }
@@ -98,7 +104,9 @@ pub struct CpuTransferEngine {
 
 impl std::fmt::Debug for CpuTransferEngine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CpuTransferEngine").field("submitted", &self.submitted).finish()
+        f.debug_struct("CpuTransferEngine")
+            .field("submitted", &self.submitted)
+            .finish()
     }
 }
 
@@ -208,12 +216,30 @@ mod tests {
         let a = Tensor::ones((1, 1, 4, 3), candle_core::DType::F32, &dev)?;
         let b = (Tensor::ones((1, 1, 4, 3), candle_core::DType::F32, &dev)? * 2.0)?;
         let head1 = dst.narrow(1, 1, 1)?;
-        let t1 = eng.submit(vec![CopyJob { src: a, dst: head1.clone(), dim: 2, offset: 2 }])?;
-        let t2 = eng.submit(vec![CopyJob { src: b, dst: head1, dim: 2, offset: 4 }])?;
+        let t1 = eng.submit(vec![CopyJob {
+            src: a,
+            dst: head1.clone(),
+            dim: 2,
+            offset: 2,
+        }])?;
+        let t2 = eng.submit(vec![CopyJob {
+            src: b,
+            dst: head1,
+            dim: 2,
+            offset: 4,
+        }])?;
         assert!(t2 > t1);
         eng.wait(t2)?;
         let v = dst.narrow(1, 1, 1)?.flatten_all()?.to_vec1::<f32>()?;
-        let want: Vec<f32> = (0..8).flat_map(|i| [match i { 2 | 3 => 1.0, 4..=7 => 2.0, _ => 0.0 }; 3]).collect();
+        let want: Vec<f32> = (0..8)
+            .flat_map(|i| {
+                [match i {
+                    2 | 3 => 1.0,
+                    4..=7 => 2.0,
+                    _ => 0.0,
+                }; 3]
+            })
+            .collect();
         assert_eq!(v, want);
         assert_eq!(dst.narrow(1, 0, 1)?.sum_all()?.to_scalar::<f32>()?, 0.0);
         Ok(())
@@ -225,7 +251,12 @@ mod tests {
         let dst = Tensor::zeros((1, 1, 2, 3), candle_core::DType::F32, &dev)?;
         let src = Tensor::ones((1, 1, 4, 3), candle_core::DType::F32, &dev)?;
         let mut eng = CpuTransferEngine::new()?;
-        eng.submit(vec![CopyJob { src, dst, dim: 2, offset: 0 }])?;
+        eng.submit(vec![CopyJob {
+            src,
+            dst,
+            dim: 2,
+            offset: 0,
+        }])?;
         assert!(eng.wait_all().is_err());
         Ok(())
     }

@@ -1,0 +1,174 @@
+//! Compare policies: decode tokens/s at several context lengths, ÷ `full`, with device and
+//! host KV bytes and bytes moved per token.
+//!
+//! `cargo run --release --example kvbench -- [--gguf FILE | --model-dir DIR | --random-weights --config FILE]
+//!     [--context 512,2048] [--steps 32] [--policies full,layer,headwise:1,headwise:auto]`
+//!
+//! Each context is filled by a chunked prefill of synthetic token ids, then `--steps` decode
+//! steps are timed (fixed ids, so every policy does identical work).
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use candle_core::{DType, Device, Tensor};
+use clap::Parser;
+use kvpolicy::models::{load, prefill, resolve, ModelSpec};
+use kvpolicy::{build_policy, HeadGroup, LogitsMode, PolicyOptions};
+
+/// Flags.
+#[derive(Parser)]
+struct Args {
+    /// GGUF model (default: SmolLM2-135M-Instruct).
+    #[arg(long)]
+    gguf: Option<std::path::PathBuf>,
+    /// Local HF model directory.
+    #[arg(long)]
+    model_dir: Option<std::path::PathBuf>,
+    /// Random weights for --config.
+    #[arg(long, requires = "config")]
+    random_weights: bool,
+    /// config.json for --random-weights.
+    #[arg(long)]
+    config: Option<std::path::PathBuf>,
+    /// Context lengths before the timed steps.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![512usize, 2048])]
+    context: Vec<usize>,
+    /// Timed decode steps per run.
+    #[arg(long, default_value_t = 32)]
+    steps: usize,
+    /// Runs per policy and context (median reported).
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+    /// Policies, `name` or `headwise:GROUP`.
+    #[arg(long, value_delimiter = ',', default_values_t = vec!["full".to_string(), "layer".into(), "headwise:1".into(), "headwise:auto".into()])]
+    policies: Vec<String>,
+    /// Prefill chunk.
+    #[arg(long, default_value_t = 256)]
+    prefill_chunk: usize,
+    /// Run on the CPU even when a GPU is available.
+    #[arg(long)]
+    cpu: bool,
+    /// Activation/weight dtype for safetensors and random models: f32, f16, bf16 (default: f32 on CPU, bf16 on CUDA).
+    #[arg(long)]
+    dtype: Option<String>,
+    /// Also measure host→device bandwidth (MiB copied) and print the PCIe bound per policy.
+    #[arg(long)]
+    bandwidth_mib: Option<usize>,
+}
+
+/// Host→device bandwidth in bytes/s for a `mib` MiB pageable copy (median of 5).
+fn h2d_bandwidth(dev: &Device, mib: usize) -> Result<f64> {
+    let n = mib * 1024 * 1024 / 4;
+    let host = Tensor::zeros(n, DType::F32, &Device::Cpu)?;
+    let mut v = Vec::new();
+    for _ in 0..5 {
+        let t = Instant::now();
+        let d = host.to_device(dev)?;
+        dev.synchronize()?;
+        v.push((n * 4) as f64 / t.elapsed().as_secs_f64());
+        drop(d);
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    Ok(v[2])
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let dev = if args.cpu {
+        Device::Cpu
+    } else {
+        Device::cuda_if_available(0)?
+    };
+    let dtype = match args.dtype.as_deref() {
+        None if dev.is_cuda() => DType::BF16,
+        None | Some("f32") => DType::F32,
+        Some("f16") => DType::F16,
+        Some("bf16") => DType::BF16,
+        Some(o) => anyhow::bail!("unknown --dtype {o}"),
+    };
+    let bw = match args.bandwidth_mib {
+        Some(m) => Some(h2d_bandwidth(&dev, m)?),
+        None => None,
+    };
+    if let Some(b) = bw {
+        println!("host→device bandwidth (pageable): {:.2} GB/s", b / 1e9);
+    }
+    let spec = match (&args.gguf, &args.model_dir, &args.config) {
+        (Some(g), _, _) => ModelSpec::Gguf(g.clone()),
+        (_, Some(d), _) => ModelSpec::Dir(d.clone()),
+        (_, _, Some(c)) if args.random_weights => ModelSpec::Random {
+            config: c.clone(),
+            seed: 1,
+        },
+        _ => ModelSpec::Default,
+    };
+    let loaded = load(&resolve(&spec)?, &dev, dtype, None)?;
+    let model = loaded.model.as_ref();
+    let info = model.info().clone();
+    let vocab = info.vocab_size as u32;
+    println!(
+        "model: {} ({} layers, {} KV heads × {}); steps {}; repeats {}; threads {}",
+        info.source,
+        info.n_layers,
+        info.n_kv_heads,
+        info.head_dim,
+        args.steps,
+        args.repeats,
+        candle_core::utils::get_num_threads()
+    );
+    println!("| context | policy | prefill tok/s | decode tok/s | ÷ full | s/token | PCIe bound s/token | device KV peak | ÷ full | host KV | h2d bytes/token |");
+    println!("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for &ctx in &args.context {
+        let prompt: Vec<u32> = (0..ctx).map(|i| (i as u32 * 7919 + 13) % vocab).collect();
+        let mut base: Option<(f64, u64)> = None;
+        for name in &args.policies {
+            let (policy, group) = match name.split_once(':') {
+                Some((p, g)) => (p, g.parse::<HeadGroup>().map_err(anyhow::Error::msg)?),
+                None => (name.as_str(), HeadGroup::Auto),
+            };
+            let opts = PolicyOptions {
+                head_group: group,
+                device: dev.clone(),
+                ..PolicyOptions::default()
+            };
+            let mut prefill_rate = 0.0;
+            let mut rates = Vec::new();
+            let mut last = None;
+            for _ in 0..args.repeats {
+                let mut p = build_policy(policy, &opts)?;
+                let t = Instant::now();
+                prefill(model, p.as_mut(), &prompt, args.prefill_chunk, false)?;
+                dev.synchronize()?;
+                prefill_rate = ctx as f64 / t.elapsed().as_secs_f64();
+                let before = p.stats();
+                let t = Instant::now();
+                for i in 0..args.steps {
+                    let ids = Tensor::new(&[(i as u32 * 31 + 7) % vocab], &dev)?.unsqueeze(0)?;
+                    model.forward(&ids, ctx + i, p.as_mut(), LogitsMode::Last)?;
+                }
+                dev.synchronize()?;
+                rates.push(args.steps as f64 / t.elapsed().as_secs_f64());
+                last = Some((before, p.stats()));
+            }
+            rates.sort_by(|a, b| a.total_cmp(b));
+            let rate = rates[rates.len() / 2];
+            let (before, after) = last.context("no run")?;
+            let peak = after.device_kv_peak_bytes;
+            let (base_rate, base_peak) = *base.get_or_insert((rate, peak));
+            let moved = (after.h2d_bytes - before.h2d_bytes) / args.steps as u64;
+            let bound = match bw {
+                Some(b) if moved > 0 => format!("{:.4}", moved as f64 / b),
+                _ => "-".into(),
+            };
+            println!(
+                "| {ctx} | {name} | {prefill_rate:.1} | {rate:.2} | {:.2} | {:.4} | {bound} | {} | {:.4} | {} | {} |",
+                rate / base_rate,
+                1.0 / rate,
+                kvpolicy::core::format_bytes(peak),
+                peak as f64 / base_peak as f64,
+                kvpolicy::core::format_bytes(after.host_kv_bytes),
+                moved,
+            );
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,227 @@
+//! `layer` and `headwise` against `full`: identical logits, exact device-memory bounds,
+//! exact per-step traffic, and clear errors for options that cannot work.
+mod common;
+
+use anyhow::Result;
+use candle_core::{DType, Device, Tensor};
+use kvpolicy::models::source::ModelFiles;
+use kvpolicy::models::{generate, load, prefill, GenerateConfig, Generation};
+use kvpolicy::{build_policy, CausalLm, HeadGroup, KvPolicy, PolicyOptions};
+
+fn opts(group: HeadGroup, grow: usize, budget: Option<u64>) -> PolicyOptions {
+    PolicyOptions {
+        head_group: group,
+        grow_tokens: grow,
+        device_kv_budget: budget,
+        ..PolicyOptions::default()
+    }
+}
+
+fn teacher_forced(
+    model: &dyn CausalLm,
+    policy: &mut dyn KvPolicy,
+    prompt: &[u32],
+    decode: &[u32],
+    chunk: usize,
+) -> Result<Generation> {
+    let cfg = GenerateConfig {
+        prefill_chunk: chunk,
+        decode_ids: Some(decode.to_vec()),
+        collect_logits: true,
+        ..GenerateConfig::default()
+    };
+    Ok(generate(model, policy, prompt, &cfg, &mut |_| Ok(()))?)
+}
+
+#[test]
+fn offload_logits_equal_full() -> Result<()> {
+    for name in common::hf_fixtures() {
+        let loaded = common::load_fixture(&name)?;
+        let model = loaded.model.as_ref();
+        let nkv = model.info().n_kv_heads;
+        let (prompt, decode) = common::fixture_ids(&name)?;
+        for chunk in [1, 5, 16, 64] {
+            let mut full = build_policy("full", &opts(HeadGroup::Auto, 256, None))?;
+            let want = teacher_forced(model, full.as_mut(), &prompt, &decode, chunk)?
+                .logits
+                .unwrap_or(Tensor::zeros(1, DType::F32, &Device::Cpu)?);
+            let mut cases = vec![("layer", HeadGroup::Auto)];
+            for g in [HeadGroup::Fixed(1), HeadGroup::Fixed(2), HeadGroup::Auto] {
+                if let HeadGroup::Fixed(n) = g {
+                    if nkv % n != 0 {
+                        continue;
+                    }
+                }
+                cases.push(("headwise", g));
+            }
+            for (policy, group) in cases {
+                // grow 4: buffers regrow many times mid-run; 256: one allocation.
+                for grow in [4, 256] {
+                    let mut p = build_policy(policy, &opts(group, grow, None))?;
+                    let got = teacher_forced(model, p.as_mut(), &prompt, &decode, chunk)?.logits;
+                    let got = got.ok_or_else(|| anyhow::anyhow!("no logits"))?;
+                    let d = common::max_abs_diff(&got, &want)?;
+                    assert!(
+                        d <= 1e-5,
+                        "{name} {policy} {group:?} chunk {chunk} grow {grow}: max |Δ| = {d}"
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn device_memory_is_two_unit_buffers() -> Result<()> {
+    let name = "llama_gqa";
+    let loaded = common::load_fixture(name)?;
+    let model = loaded.model.as_ref();
+    let info = model.info().clone();
+    let (prompt, decode) = common::fixture_ids(name)?;
+    let cap = 256; // one growth step covers the 32 tokens
+    let unit = |heads: usize| (2 * heads * cap * info.head_dim * 2 * 4) as u64;
+    for (policy, group, heads) in [
+        ("headwise", HeadGroup::Fixed(1), 1),
+        ("headwise", HeadGroup::Fixed(2), 2),
+        ("layer", HeadGroup::Auto, 2),
+    ] {
+        let mut p = build_policy(policy, &opts(group, cap, None))?;
+        teacher_forced(model, p.as_mut(), &prompt, &decode, 5)?;
+        let s = p.stats();
+        assert_eq!(s.device_kv_peak_bytes, unit(heads), "{policy} {group:?}");
+        assert_eq!(s.device_kv_bytes, unit(heads));
+        // The host holds every layer's KV, grown in chunks of 8 × 256 tokens.
+        assert_eq!(
+            s.host_kv_bytes,
+            (info.n_layers * info.n_kv_heads * 2048 * info.head_dim * 2 * 4) as u64
+        );
+    }
+    let mut full = build_policy("full", &opts(HeadGroup::Auto, cap, None))?;
+    teacher_forced(model, full.as_mut(), &prompt, &decode, 5)?;
+    assert_eq!(
+        full.stats().device_kv_peak_bytes,
+        (info.n_layers * info.n_kv_heads * cap * info.head_dim * 2 * 4) as u64
+    );
+    Ok(())
+}
+
+#[test]
+fn each_decode_step_moves_the_history_once_and_only_new_entries_back() -> Result<()> {
+    let name = "llama_gqa";
+    let loaded = common::load_fixture(name)?;
+    let model = loaded.model.as_ref();
+    let info = model.info().clone();
+    let (prompt, decode) = common::fixture_ids(name)?;
+    let per_token = (info.n_layers * info.n_kv_heads * info.head_dim * 2 * 4) as u64; // K+V, all layers, f32
+    for (policy, group) in [
+        ("layer", HeadGroup::Auto),
+        ("headwise", HeadGroup::Fixed(1)),
+    ] {
+        let mut p = build_policy(policy, &opts(group, 8, None))?;
+        prefill(model, p.as_mut(), &prompt, 0, false)?;
+        let mut pos = prompt.len();
+        for &tok in &decode {
+            let before = p.stats();
+            let ids = Tensor::new(&[tok], &Device::Cpu)?.unsqueeze(0)?;
+            model.forward(&ids, pos, p.as_mut(), kvpolicy::LogitsMode::Last)?;
+            let after = p.stats();
+            assert_eq!(
+                after.h2d_bytes - before.h2d_bytes,
+                pos as u64 * per_token,
+                "{policy} at {pos}: h2d"
+            );
+            assert_eq!(
+                after.d2h_bytes - before.d2h_bytes,
+                per_token,
+                "{policy} at {pos}: d2h"
+            );
+            pos += 1;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn smollm2_greedy_ids_equal_full_and_memory_ratio() -> Result<()> {
+    let loaded = load(
+        &ModelFiles::Gguf(common::default_gguf()?),
+        &Device::Cpu,
+        DType::F32,
+        None,
+    )?;
+    let model = loaded.model.as_ref();
+    let refs = common::llamacpp_refs()?;
+    let cfg = GenerateConfig {
+        max_new_tokens: 32,
+        stop_at_eos: false,
+        ..GenerateConfig::default()
+    };
+    for g in refs["greedy"].as_array().into_iter().flatten() {
+        let prompt = common::ids_of(&g["prompt_ids"])?;
+        let mut full = build_policy("full", &PolicyOptions::default())?;
+        let want = generate(model, full.as_mut(), &prompt, &cfg, &mut |_| Ok(()))?.generated_ids;
+        for (policy, group) in [
+            ("layer", HeadGroup::Auto),
+            ("headwise", HeadGroup::Fixed(1)),
+            ("headwise", HeadGroup::Auto),
+        ] {
+            let mut p = build_policy(policy, &opts(group, 256, None))?;
+            let got = generate(model, p.as_mut(), &prompt, &cfg, &mut |_| Ok(()))?.generated_ids;
+            assert_eq!(got, want, "{policy} {group:?}");
+            if group == HeadGroup::Fixed(1) {
+                // HeadInfer's claim at SmolLM2's shape: 2 buffers of 1 head vs 30 layers × 3 heads.
+                let (a, b) = (
+                    p.stats().device_kv_peak_bytes,
+                    full.stats().device_kv_peak_bytes,
+                );
+                assert_eq!(a * 90, b * 2, "headwise(1) {a} vs full {b}");
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn options_that_cannot_work_are_clear_errors() -> Result<()> {
+    let name = "llama_gqa"; // 2 KV heads of 16, 3 layers, f32
+    let loaded = common::load_fixture(name)?;
+    let model = loaded.model.as_ref();
+    let (prompt, _) = common::fixture_ids(name)?;
+    let cfg = GenerateConfig {
+        max_new_tokens: 4,
+        ..GenerateConfig::default()
+    };
+    let err = |policy: &str, o: PolicyOptions| -> Result<String> {
+        let mut p = build_policy(policy, &o)?;
+        match generate(model, p.as_mut(), &prompt, &cfg, &mut |_| Ok(())) {
+            Ok(_) => anyhow::bail!("{policy} {o:?} succeeded"),
+            Err(e) => Ok(e.to_string()),
+        }
+    };
+    let e = err("headwise", opts(HeadGroup::Fixed(3), 256, None))?;
+    assert!(
+        e.contains(
+            "--head-group 3 does not divide the model's 2 KV heads; use one of 1, 2 or auto"
+        ),
+        "{e}"
+    );
+    let e = err("headwise", opts(HeadGroup::Fixed(4), 256, None))?;
+    assert!(e.contains("does not divide"), "{e}");
+    // One head's two buffers at 256 tokens: 2 × 256 × 16 × 2 × 4 = 65536 bytes.
+    let e = err("headwise", opts(HeadGroup::Auto, 256, Some(65_535)))?;
+    assert!(
+        e.contains("budget is smaller than one head group's buffers"),
+        "{e}"
+    );
+    let e = err("full", opts(HeadGroup::Auto, 256, Some(100_000)))?;
+    assert!(e.contains("use `--policy headwise`"), "{e}");
+    // Auto under a budget picks the largest group that fits: 2 heads need 131072 bytes.
+    let mut p = build_policy("headwise", &opts(HeadGroup::Auto, 256, Some(131_071)))?;
+    generate(model, p.as_mut(), &prompt, &cfg, &mut |_| Ok(()))?;
+    assert_eq!(p.stats().device_kv_peak_bytes, 65_536);
+    let mut p = build_policy("headwise", &opts(HeadGroup::Auto, 256, Some(131_072)))?;
+    generate(model, p.as_mut(), &prompt, &cfg, &mut |_| Ok(()))?;
+    assert_eq!(p.stats().device_kv_peak_bytes, 131_072);
+    Ok(())
+}
