@@ -259,71 +259,54 @@ fn prompt_text_without_a_tokenizer() -> Result<()> {
 #[test]
 fn offload_option_errors() -> Result<()> {
     let f = fixture_dir();
-    fails_with(
-        &[
-            "--model-dir",
-            &f,
-            "--prompt-ids",
-            "1",
-            "--policy",
+    let cases: [(&str, &str, &str, &str); 5] = [
+        (
             "headwise",
             "--device-kv-budget",
             "12 parsecs",
-        ],
-        "cannot parse the size `12 parsecs`",
-    )?;
-    fails_with(
-        &[
-            "--model-dir",
-            &f,
-            "--prompt-ids",
-            "1",
-            "--policy",
+            "cannot parse the size `12 parsecs`",
+        ),
+        (
             "headwise",
             "--head-group",
             "3",
-        ],
-        "--head-group 3 does not divide the model's 2 KV heads",
-    )?;
-    fails_with(
-        &[
-            "--model-dir",
-            &f,
-            "--prompt-ids",
-            "1",
-            "--policy",
+            "--head-group 3 does not divide the model's 2 KV heads",
+        ),
+        (
             "headwise",
             "--head-group",
             "zero",
-        ],
-        "neither `auto` nor a positive number",
-    )?;
-    fails_with(
-        &[
-            "--model-dir",
-            &f,
-            "--prompt-ids",
-            "1",
-            "--policy",
+            "neither `auto` nor a positive number",
+        ),
+        (
             "headwise",
             "--device-kv-budget",
             "1KiB",
-        ],
-        "budget is smaller than one head group's buffers",
-    )?;
-    fails_with(
-        &[
-            "--model-dir",
-            &f,
-            "--prompt-ids",
-            "1",
-            "--policy",
+            "budget is smaller than one head group's buffers",
+        ),
+        (
             "full",
             "--device-kv-budget",
             "1KiB",
-        ],
-        "use `--policy headwise`",
-    )
+            "use `--policy headwise`",
+        ),
+    ];
+    for (policy, flag, value, needle) in cases {
+        fails_with(
+            &[
+                "--model-dir",
+                &f,
+                "--prompt-ids",
+                "1",
+                "--policy",
+                policy,
+                flag,
+                value,
+            ],
+            needle,
+        )?;
+    }
+    Ok(())
 }
 
 #[test]
