@@ -120,8 +120,7 @@ fn each_decode_step_moves_the_history_once_and_only_new_entries_back() -> Result
     ] {
         let mut p = build_policy(policy, &opts(group, 8, None))?;
         prefill(model, p.as_mut(), &prompt, 0, false)?;
-        let mut pos = prompt.len();
-        for &tok in &decode {
+        for (pos, &tok) in (prompt.len()..).zip(decode.iter()) {
             let before = p.stats();
             let ids = Tensor::new(&[tok], &Device::Cpu)?.unsqueeze(0)?;
             model.forward(&ids, pos, p.as_mut(), kvpolicy::LogitsMode::Last)?;
@@ -136,7 +135,6 @@ fn each_decode_step_moves_the_history_once_and_only_new_entries_back() -> Result
                 per_token,
                 "{policy} at {pos}: d2h"
             );
-            pos += 1;
         }
     }
     Ok(())
