@@ -94,12 +94,17 @@ struct Progress {
     error: Option<String>,
 }
 
-/// Runs copies on a background thread.
+/// Batches below this many bytes run inline when nothing is queued: waking the worker costs
+/// more than copying them (a decode step's write-back is one token per head).
+pub const INLINE_BYTES: u64 = 64 * 1024;
+
+/// Runs copies on a background thread (small batches inline when the queue is empty).
 pub struct CpuTransferEngine {
     tx: Option<Sender<(u64, Vec<CopyJob>)>>,
     state: Arc<(Mutex<Progress>, Condvar)>,
     submitted: u64,
     worker: Option<JoinHandle<()>>,
+    inline_bytes: u64,
 }
 
 impl std::fmt::Debug for CpuTransferEngine {
@@ -143,7 +148,22 @@ impl CpuTransferEngine {
             state,
             submitted: 0,
             worker: Some(worker),
+            inline_bytes: INLINE_BYTES,
         })
+    }
+
+    /// Sets the size below which batches run inline (0: always use the worker).
+    pub fn with_inline_bytes(mut self, bytes: u64) -> Self {
+        self.inline_bytes = bytes;
+        self
+    }
+
+    fn idle(&self) -> bool {
+        self.state
+            .0
+            .lock()
+            .map(|p| p.done == self.submitted && p.error.is_none())
+            .unwrap_or(false)
     }
 
     fn wait_for(&mut self, id: u64) -> Result<f64> {
@@ -166,6 +186,19 @@ impl CpuTransferEngine {
 
 impl TransferEngine for CpuTransferEngine {
     fn submit(&mut self, jobs: Vec<CopyJob>) -> Result<Ticket> {
+        let bytes: u64 = jobs.iter().map(CopyJob::bytes).sum();
+        if bytes < self.inline_bytes && self.idle() {
+            // Nothing queued: running now keeps the order and saves a thread hand-off.
+            for j in &jobs {
+                j.run()?;
+            }
+            self.submitted += 1;
+            let (lock, _) = &*self.state;
+            if let Ok(mut p) = lock.lock() {
+                p.done = self.submitted;
+            }
+            return Ok(Ticket(self.submitted));
+        }
         self.submitted += 1;
         let tx = self
             .tx
@@ -212,7 +245,7 @@ mod tests {
     fn copies_in_order_in_the_background() -> Result<()> {
         let dev = Device::Cpu;
         let dst = Tensor::zeros((1, 2, 8, 3), candle_core::DType::F32, &dev)?;
-        let mut eng = CpuTransferEngine::new()?;
+        let mut eng = CpuTransferEngine::new()?.with_inline_bytes(0);
         let a = Tensor::ones((1, 1, 4, 3), candle_core::DType::F32, &dev)?;
         let b = (Tensor::ones((1, 1, 4, 3), candle_core::DType::F32, &dev)? * 2.0)?;
         let head1 = dst.narrow(1, 1, 1)?;
@@ -250,14 +283,55 @@ mod tests {
         let dev = Device::Cpu;
         let dst = Tensor::zeros((1, 1, 2, 3), candle_core::DType::F32, &dev)?;
         let src = Tensor::ones((1, 1, 4, 3), candle_core::DType::F32, &dev)?;
-        let mut eng = CpuTransferEngine::new()?;
-        eng.submit(vec![CopyJob {
+        let job = CopyJob {
             src,
             dst,
             dim: 2,
             offset: 0,
-        }])?;
+        };
+        // On the worker, the failure surfaces at the next wait.
+        let mut eng = CpuTransferEngine::new()?.with_inline_bytes(0);
+        eng.submit(vec![job.clone()])?;
         assert!(eng.wait_all().is_err());
+        // Inline, at submission.
+        let mut eng = CpuTransferEngine::new()?;
+        assert!(eng.submit(vec![job]).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn small_batches_run_inline_only_when_nothing_is_queued() -> Result<()> {
+        let dev = Device::Cpu;
+        let dst = Tensor::zeros((1, 1, 4, 2), candle_core::DType::F32, &dev)?;
+        let big = Tensor::ones((1, 1, 4, 2), candle_core::DType::F32, &dev)?;
+        let small = (Tensor::ones((1, 1, 1, 2), candle_core::DType::F32, &dev)? * 5.0)?;
+        // A 32-byte batch goes to the worker, then an 8-byte one: order is kept.
+        let mut eng = CpuTransferEngine::new()?.with_inline_bytes(9);
+        eng.submit(vec![CopyJob {
+            src: big,
+            dst: dst.clone(),
+            dim: 2,
+            offset: 0,
+        }])?;
+        eng.submit(vec![CopyJob {
+            src: small.clone(),
+            dst: dst.clone(),
+            dim: 2,
+            offset: 3,
+        }])?;
+        eng.wait_all()?;
+        assert_eq!(
+            dst.flatten_all()?.to_vec1::<f32>()?,
+            vec![1., 1., 1., 1., 1., 1., 5., 5.]
+        );
+        // Idle engine: the small batch is done when submit returns.
+        eng.submit(vec![CopyJob {
+            src: small,
+            dst: dst.clone(),
+            dim: 2,
+            offset: 0,
+        }])?;
+        assert_eq!(dst.flatten_all()?.to_vec1::<f32>()?[..2], [5., 5.]);
         Ok(())
     }
 }
