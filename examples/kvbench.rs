@@ -11,7 +11,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
 use clap::Parser;
-use kvpolicy::models::{load, prefill, resolve, ModelSpec};
+use kvpolicy::models::{activation_dtype, load, prefill, resolve, ModelSpec};
 use kvpolicy::{build_policy, HeadGroup, LogitsMode, PolicyOptions};
 
 /// Flags.
@@ -78,13 +78,12 @@ fn main() -> Result<()> {
     } else {
         Device::cuda_if_available(0)?
     };
-    let dtype = match args.dtype.as_deref() {
-        None if dev.is_cuda() => DType::BF16,
-        None | Some("f32") => DType::F32,
-        Some("f16") => DType::F16,
-        Some("bf16") => DType::BF16,
-        Some(o) => anyhow::bail!("unknown --dtype {o}"),
-    };
+    let dtype = activation_dtype(args.dtype.as_deref(), &dev).with_context(|| {
+        format!(
+            "unknown --dtype `{}`; use f32, f16 or bf16",
+            args.dtype.as_deref().unwrap_or_default()
+        )
+    })?;
     let bw = match args.bandwidth_mib {
         Some(m) => Some(h2d_bandwidth(&dev, m)?),
         None => None,

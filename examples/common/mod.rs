@@ -4,10 +4,10 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use candle_core::{DType, Device};
 use clap::Parser;
-use kvpolicy::models::{generate, load, resolve, ModelSpec, TextTokenizer};
+use kvpolicy::models::{activation_dtype, generate, load, resolve, ModelSpec, TextTokenizer};
 use kvpolicy::{build_policy, GenerateConfig, HeadGroup, KvStats, PolicyOptions};
 use serde::Serialize;
 
@@ -119,16 +119,16 @@ fn parse_budget(s: &str) -> std::result::Result<u64, String> {
 }
 
 fn parse_dtype(s: Option<&str>, dev: &Device) -> Result<DType> {
-    Ok(match s {
-        None if dev.is_cuda() => DType::BF16,
-        None | Some("f32") => DType::F32,
-        Some("f16") => DType::F16,
-        Some("bf16") => DType::BF16,
-        Some(other) => bail!("unknown --dtype `{other}`; use f32, f16 or bf16"),
+    activation_dtype(s, dev).with_context(|| {
+        format!(
+            "unknown --dtype `{}`; use f32, f16 or bf16",
+            s.unwrap_or_default()
+        )
     })
 }
 
-/// Writes `bytes` to `path` through a temporary file, so a failure leaves nothing half-written.
+/// Runs `write` on a temporary file beside `path`, then renames it into place, so a failure
+/// leaves nothing half-written.
 fn write_atomic(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
     let name = path.file_name().context("output path has no file name")?;
     let tmp = path.with_file_name(format!(".{}.partial", name.to_string_lossy()));

@@ -25,5 +25,5 @@ pub use generate::{generate, prefill, validate_request, GenerateConfig, Generati
 pub use gguf::GgufFile;
 pub use llama::Llama;
 pub use model::{CausalLm, LogitsMode, ModelInfo};
-pub use source::{load, resolve, Loaded, ModelFiles, ModelSpec};
+pub use source::{activation_dtype, load, resolve, Loaded, ModelFiles, ModelSpec};
 pub use tokenizer::TextTokenizer;

@@ -307,6 +307,18 @@ pub fn resolve(spec: &ModelSpec) -> Result<ModelFiles> {
     }
 }
 
+/// The activation dtype named by `--dtype` (`f32`, `f16`, `bf16`) or, when none is named,
+/// the default for `device` (bf16 on CUDA, f32 elsewhere); `None` for an unknown name.
+pub fn activation_dtype(name: Option<&str>, device: &Device) -> Option<DType> {
+    match name {
+        None if device.is_cuda() => Some(DType::BF16),
+        None | Some("f32") => Some(DType::F32),
+        Some("f16") => Some(DType::F16),
+        Some("bf16") => Some(DType::BF16),
+        Some(_) => None,
+    }
+}
+
 /// A loaded model with its tokenizer, if it has one.
 pub struct Loaded {
     /// The model.

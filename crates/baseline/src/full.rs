@@ -5,9 +5,12 @@
 //! budget the policy fails before allocating past it and points to the offload policies.
 use candle_core::Tensor;
 use kvpolicy_core::{
-    attend, AttnStep, DeviceMeter, KvBuffer, KvError, KvPolicy, KvShape, KvStats, PolicyOptions,
-    Result,
+    attend, round_up, AttnStep, DeviceMeter, KvBuffer, KvError, KvPolicy, KvShape, KvStats,
+    PolicyOptions, Result,
 };
+
+/// What to do when `full` does not fit the device budget.
+const OFFLOAD_HINT: &str = "`full` keeps every layer's KV on the device; use `--policy headwise` (or `layer`) to keep the cache in host memory";
 
 /// Everything on the device: the reference policy.
 #[derive(Debug)]
@@ -35,16 +38,18 @@ impl KvPolicy for FullPolicy {
 
     fn prepare(&mut self, shape: &KvShape) -> Result<()> {
         if let Some(budget) = self.meter.budget() {
-            let probe = KvBuffer::new(self.grow_tokens);
-            let cap = probe.capacity_for(shape.max_tokens);
+            let cap = round_up(shape.max_tokens, self.grow_tokens);
             let need = shape.n_layers as u64 * shape.kv_bytes(shape.n_kv_heads, cap);
             if need > budget {
                 return Err(KvError::BudgetExceeded {
-                    what: format!("all {} layers' KV for {} tokens", shape.n_layers, shape.max_tokens),
+                    what: format!(
+                        "all {} layers' KV for {} tokens",
+                        shape.n_layers, shape.max_tokens
+                    ),
                     needed: need,
                     budget,
                     in_use: 0,
-                    hint: "`full` keeps every layer's KV on the device; use `--policy headwise` (or `layer`) to keep the cache in host memory",
+                    hint: OFFLOAD_HINT,
                 });
             }
         }
@@ -68,11 +73,15 @@ impl KvPolicy for FullPolicy {
         if grow > 0 {
             if !self.meter.fits(grow) {
                 return Err(KvError::BudgetExceeded {
-                    what: format!("growing layer {} to {} tokens", step.layer, buf.capacity_for(buf.len() + step.k.dim(2)?)),
+                    what: format!(
+                        "growing layer {} to {} tokens",
+                        step.layer,
+                        buf.capacity_for(buf.len() + step.k.dim(2)?)
+                    ),
                     needed: grow,
                     budget: self.meter.budget().unwrap_or(0),
                     in_use: self.meter.current(),
-                    hint: "`full` keeps every layer's KV on the device; use `--policy headwise` (or `layer`) to keep the cache in host memory",
+                    hint: OFFLOAD_HINT,
                 });
             }
             let old = buf.allocated_bytes();

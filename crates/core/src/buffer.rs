@@ -9,6 +9,13 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::error::{KvError, Result};
 
+/// `tokens` rounded up to a whole number of `step`-token chunks: the capacity rule of every
+/// preallocated buffer in this workspace (device and host tiers alike).
+pub fn round_up(tokens: usize, step: usize) -> usize {
+    let step = step.max(1);
+    tokens.div_ceil(step) * step
+}
+
 /// Growable K/V storage with amortised in-place appends.
 #[derive(Debug, Clone)]
 pub struct KvBuffer {
@@ -48,7 +55,7 @@ impl KvBuffer {
 
     /// The capacity needed to hold `tokens` tokens under this buffer's growth rule.
     pub fn capacity_for(&self, tokens: usize) -> usize {
-        tokens.div_ceil(self.grow_tokens) * self.grow_tokens
+        round_up(tokens, self.grow_tokens)
     }
 
     /// Bytes held by the K and V buffers (capacity, not length).

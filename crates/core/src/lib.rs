@@ -23,7 +23,7 @@ pub mod stats;
 pub mod transfer;
 
 pub use attention::{attend, attend_partial, merge_partials, AttnSpec, Partial};
-pub use buffer::KvBuffer;
+pub use buffer::{round_up, KvBuffer};
 pub use error::{KvError, Result};
 pub use offload::{Grouping, OffloadPolicy};
 pub use policy::{AttnStep, KvPolicy, KvRegen, KvShape};
@@ -31,5 +31,5 @@ pub use registry::{HeadGroup, PolicyBuilder, PolicyOptions, PolicyRegistry};
 pub use size::{format_bytes, parse_bytes};
 pub use stats::{DeviceMeter, KvStats};
 pub use transfer::{
-    engine_for, CopyJob, CpuTransferEngine, SyncTransferEngine, Ticket, TransferEngine,
+    engine_for, run_jobs, CopyJob, CpuTransferEngine, SyncTransferEngine, Ticket, TransferEngine,
 };

@@ -14,9 +14,10 @@
 //! its KV heads serve under grouped-query attention. Per decode step the whole stored
 //! history moves host→device once and only the step's new entries move back. With a sliding
 //! window only the window's range moves.
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 
 use crate::attention::{attend, AttnSpec};
+use crate::buffer::round_up;
 use crate::error::{KvError, Result};
 use crate::policy::{AttnStep, KvPolicy, KvShape};
 use crate::registry::{HeadGroup, PolicyOptions};
@@ -110,7 +111,7 @@ impl OffloadPolicy {
         })
     }
 
-    /// Replaces the transfer engine (tests inject failing or synchronous engines).
+    /// Replaces the transfer engine (e.g. a synchronous or a fault-injecting one).
     pub fn with_engine(mut self, engine: Box<dyn TransferEngine>) -> Self {
         self.engine = engine;
         self
@@ -122,7 +123,7 @@ impl OffloadPolicy {
     }
 
     fn capacity_for(&self, tokens: usize) -> usize {
-        tokens.div_ceil(self.grow_tokens) * self.grow_tokens
+        round_up(tokens, self.grow_tokens)
     }
 
     fn bad_option(&self, message: String) -> KvError {
@@ -234,17 +235,14 @@ impl OffloadPolicy {
         // completed prefetch stays valid: it copied from the old buffers' unchanged prefix.
         self.stats.transfer_wait_s += self.engine.wait_all()?;
         // Host storage grows in large chunks (8× the device growth step).
-        let chunk = self.grow_tokens * 8;
-        let cap = tokens.div_ceil(chunk) * chunk;
+        let cap = round_up(tokens, self.grow_tokens * 8);
         let dims = (shape.batch, shape.n_kv_heads, cap, shape.head_dim);
         let k = Tensor::zeros(dims, shape.dtype, &self.host)?;
         let v = Tensor::zeros(dims, shape.dtype, &self.host)?;
         if let Some(old) = &self.layers[layer] {
             k.slice_set(&old.k, 2, 0)?;
             v.slice_set(&old.v, 2, 0)?;
-            self.stats.host_kv_bytes -= shape.kv_bytes(shape.n_kv_heads, old.cap);
         }
-        self.stats.host_kv_bytes += shape.kv_bytes(shape.n_kv_heads, cap);
         self.layers[layer] = Some(HostLayer { k, v, cap });
         Ok(())
     }
@@ -440,7 +438,6 @@ impl KvPolicy for OffloadPolicy {
             self.submit(jobs, false)?;
         }
         self.lens[layer] += t;
-        self.stats.kv_tokens = self.lens.first().copied().unwrap_or(0) as u64;
         Ok(if outs.len() == 1 {
             outs.swap_remove(0)
         } else {
@@ -469,15 +466,18 @@ impl KvPolicy for OffloadPolicy {
     }
 
     fn stats(&self) -> KvStats {
+        let bytes = |t: &Tensor| (t.elem_count() * t.dtype().size_in_bytes()) as u64;
         KvStats {
             device_kv_bytes: self.meter.current(),
             device_kv_peak_bytes: self.meter.peak(),
+            host_kv_bytes: self
+                .layers
+                .iter()
+                .flatten()
+                .map(|h| bytes(&h.k) + bytes(&h.v))
+                .sum(),
+            kv_tokens: self.seq_len() as u64,
             ..self.stats.clone()
         }
     }
-}
-
-/// Bytes a dtype element takes (re-exported for policy crates' size math).
-pub fn dtype_bytes(dtype: DType) -> usize {
-    dtype.size_in_bytes()
 }

@@ -50,6 +50,11 @@ impl CopyJob {
     }
 }
 
+/// Runs `jobs` in order, stopping at the first failure.
+pub fn run_jobs(jobs: &[CopyJob]) -> Result<()> {
+    jobs.iter().try_for_each(CopyJob::run)
+}
+
 /// A handle on a submitted batch of copies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Ticket(pub u64);
@@ -72,9 +77,7 @@ pub struct SyncTransferEngine {
 
 impl TransferEngine for SyncTransferEngine {
     fn submit(&mut self, jobs: Vec<CopyJob>) -> Result<Ticket> {
-        for j in &jobs {
-            j.run()?;
-        }
+        run_jobs(&jobs)?;
         self.next += 1;
         Ok(Ticket(self.next))
     }
@@ -125,13 +128,7 @@ impl CpuTransferEngine {
             .name("kv-transfer".into())
             .spawn(move || {
                 for (id, jobs) in rx {
-                    let mut err = None;
-                    for j in &jobs {
-                        if let Err(e) = j.run() {
-                            err = Some(e.to_string());
-                            break;
-                        }
-                    }
+                    let err = run_jobs(&jobs).err().map(|e| e.to_string());
                     let (lock, cv) = &*st;
                     if let Ok(mut p) = lock.lock() {
                         p.done = id;
@@ -189,9 +186,7 @@ impl TransferEngine for CpuTransferEngine {
         let bytes: u64 = jobs.iter().map(CopyJob::bytes).sum();
         if bytes < self.inline_bytes && self.idle() {
             // Nothing queued: running now keeps the order and saves a thread hand-off.
-            for j in &jobs {
-                j.run()?;
-            }
+            run_jobs(&jobs)?;
             self.submitted += 1;
             let (lock, _) = &*self.state;
             if let Ok(mut p) = lock.lock() {
