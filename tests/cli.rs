@@ -345,3 +345,107 @@ fn random_weights_from_a_config() -> Result<()> {
         "cannot access /nonexistent.json",
     )
 }
+
+#[test]
+fn generation_option_errors() -> Result<()> {
+    let f = fixture_dir();
+    let cases: [(&[&str], &str); 4] = [
+        (
+            &["--dtype", "f64"],
+            "unknown --dtype `f64`; use f32, f16 or bf16",
+        ),
+        (
+            &["--temperature=-1"],
+            "--temperature must be ≥ 0 and --top-p in (0, 1]",
+        ),
+        (
+            &["--temperature", "0.5", "--top-p", "1.5"],
+            "--temperature must be ≥ 0 and --top-p in (0, 1]",
+        ),
+        (
+            &["--tokenizer", "/nonexistent/tokenizer.json"],
+            "cannot load /nonexistent/tokenizer.json",
+        ),
+    ];
+    for (extra, needle) in cases {
+        let mut args = vec!["--model-dir", f.as_str(), "--prompt-ids", "1,2"];
+        args.extend_from_slice(extra);
+        fails_with(&args, needle)?;
+    }
+    // Offline, a hub id that is not in the local hub cache is a clear error.
+    fails_with(
+        &["--model-id", "nobody/no-such-model", "--prompt-ids", "1"],
+        "not in the local hub cache and HF_HUB_OFFLINE is set",
+    )
+}
+
+#[test]
+fn seeded_sampling_repeats_and_bf16_runs() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let f = fixture_dir();
+    let run = |out: &str, extra: &[&str]| -> Result<Vec<u32>> {
+        let path = dir.path().join(out);
+        let p = path.to_string_lossy().into_owned();
+        let mut args = vec![
+            "--model-dir",
+            f.as_str(),
+            "--prompt-ids",
+            "5,6,7",
+            "--max-new-tokens",
+            "12",
+            "--ids-out",
+            p.as_str(),
+        ];
+        args.extend_from_slice(extra);
+        let o = llama(&args)?;
+        anyhow::ensure!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path)?)?;
+        common::ids_of(&v["generated_ids"])
+    };
+    let sampled = ["--temperature", "0.9", "--top-p", "0.95", "--seed", "7"];
+    let a = run("a.json", &sampled)?;
+    let b = run("b.json", &sampled)?;
+    assert!(!a.is_empty());
+    assert_eq!(a, b, "same seed, same tokens");
+    let c = run(
+        "c.json",
+        &[
+            "--dtype",
+            "bf16",
+            "--policy",
+            "headwise",
+            "--head-group",
+            "1",
+        ],
+    )?;
+    assert!(!c.is_empty() && c.len() <= 12);
+    Ok(())
+}
+
+#[test]
+fn chat_template_wraps_the_prompt() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let out = dir.path().join("ids.json");
+    let gguf = common::default_gguf()?;
+    let o = llama(&[
+        "--gguf",
+        &gguf.to_string_lossy(),
+        "--chat",
+        "--prompt",
+        "Hi",
+        "--max-new-tokens",
+        "1",
+        "--ids-out",
+        &out.to_string_lossy(),
+    ])?;
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out)?)?;
+    let ids = common::ids_of(&v["prompt_ids"])?;
+    // SmolLM2's template: <|im_start|>system … <|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n
+    let refs = common::llamacpp_refs()?;
+    let chat = &refs["tokenizations"][5]; // "<|im_start|>user\nHi there<|im_end|>…" with special tokens
+    let im_start = common::ids_of(&chat["ids"])?[0];
+    assert_eq!(ids[0], im_start, "{ids:?}");
+    assert_eq!(ids.iter().filter(|&&t| t == im_start).count(), 3, "{ids:?}");
+    Ok(())
+}
