@@ -179,6 +179,16 @@ def main():
         perturbations={"llama3 scaling dropped": no_scaling, "rope theta halved": theta},
     )
 
+    # Multi-head attention (KV heads = query heads): the shape where partial recompute pays
+    # (one token's X is half its K+V), used by the recompute traffic tests.
+    fixture(
+        "llama_mha",
+        dict(BASE, num_key_value_heads=4, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        seed=3,
+        classic_spelling=True,
+        perturbations={"rope theta halved": theta},
+    )
+
 
 if __name__ == "__main__":
     main()

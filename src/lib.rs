@@ -19,10 +19,11 @@ pub use kvpolicy_baseline as baseline;
 pub use kvpolicy_core as core;
 pub use kvpolicy_headwise as headwise;
 pub use kvpolicy_models as models;
+pub use kvpolicy_recompute as recompute;
 
 pub use kvpolicy_core::{
     attend, attend_partial, merge_partials, parse_bytes, AttnSpec, AttnStep, HeadGroup, KvError,
-    KvPolicy, KvRegen, KvShape, KvStats, PolicyOptions, PolicyRegistry,
+    KvPolicy, KvRegen, KvShape, KvStats, PolicyOptions, PolicyRegistry, Profile,
 };
 pub use kvpolicy_models::{
     CausalLm, GenerateConfig, Generation, LogitsMode, ModelError, ModelInfo, ModelSpec,
@@ -33,6 +34,7 @@ pub fn registry() -> PolicyRegistry {
     let mut reg = PolicyRegistry::new();
     kvpolicy_baseline::register(&mut reg);
     kvpolicy_headwise::register(&mut reg);
+    kvpolicy_recompute::register(&mut reg);
     reg
 }
 

@@ -8,14 +8,14 @@ use anyhow::{Context, Result};
 use candle_core::{DType, Device};
 use clap::Parser;
 use kvpolicy::models::{activation_dtype, generate, load, resolve, ModelSpec, TextTokenizer};
-use kvpolicy::{build_policy, GenerateConfig, HeadGroup, KvStats, PolicyOptions};
+use kvpolicy::{build_policy, GenerateConfig, HeadGroup, KvStats, PolicyOptions, Profile};
 use serde::Serialize;
 
 /// Flags shared by every example.
 #[derive(Parser, Debug)]
 #[command(about = "Generate text under a KV-cache policy", long_about = None)]
 pub struct Args {
-    /// KV policy: full (all on device), layer (layer-wise offload), headwise (head-wise offload); an unknown name lists the valid ones.
+    /// KV policy: full (all on device), layer (layer-wise offload), headwise (head-wise offload), recompute (partial recompute, KVPR); an unknown name lists the valid ones.
     #[arg(long, default_value = "full")]
     pub policy: String,
     /// Prompt text (tokenized with the model's tokenizer).
@@ -69,6 +69,15 @@ pub struct Args {
     /// Device-tier byte budget for KV buffers, e.g. 64MiB or 2GB (default: unlimited).
     #[arg(long, value_parser = parse_budget)]
     pub device_kv_budget: Option<u64>,
+    /// Cost profile for `recompute` (JSON: h2d_bytes_per_s, recompute_tokens_per_s); default: measured at the first step.
+    #[arg(long, value_name = "FILE")]
+    pub profile: Option<PathBuf>,
+    /// Force `recompute` to regenerate the first N cached tokens of every layer (clamped to the tokens cached so far) instead of the scheduler's split.
+    #[arg(long, value_name = "N")]
+    pub recompute_split: Option<usize>,
+    /// Simulate a host↔device link of this many bytes per second on the CPU (e.g. 200MB), so offload policies pay transfer time as on a GPU.
+    #[arg(long, value_parser = parse_budget, value_name = "BYTES")]
+    pub link_bandwidth: Option<u64>,
     /// Run on the CPU even when a GPU is available.
     #[arg(long)]
     pub cpu: bool,
@@ -153,6 +162,9 @@ fn run(args: &Args, _example: &str) -> Result<()> {
         device: device.clone(),
         device_kv_budget: args.device_kv_budget,
         head_group: args.head_group,
+        profile: args.profile.as_deref().map(Profile::load).transpose()?,
+        recompute_split: args.recompute_split,
+        link_bandwidth: args.link_bandwidth.map(|b| b as f64),
         ..PolicyOptions::default()
     };
     let mut policy = build_policy(&args.policy, &opts)?;
@@ -219,7 +231,7 @@ fn run(args: &Args, _example: &str) -> Result<()> {
     let info = model.info();
     let stats = policy.stats();
     eprintln!(
-        "{} prompt tokens in {:.2}s ({:.1} tok/s); {} decode steps in {:.2}s ({:.1} tok/s); policy {}; device KV peak {}",
+        "{} prompt tokens in {:.2}s ({:.1} tok/s); {} decode steps in {:.2}s ({:.1} tok/s); policy {}; device KV peak {}; recomputed {} tokens (last split {})",
         gen.prefill_tokens,
         gen.prefill_s,
         gen.prefill_tokens as f64 / gen.prefill_s.max(1e-9),
@@ -228,6 +240,8 @@ fn run(args: &Args, _example: &str) -> Result<()> {
         gen.decode_tokens as f64 / gen.decode_s.max(1e-9),
         policy.name(),
         kvpolicy::core::format_bytes(stats.device_kv_peak_bytes),
+        stats.recompute_tokens,
+        stats.split,
     );
     if let Some(path) = &args.ids_out {
         let v =

@@ -44,6 +44,14 @@ pub enum KvError {
     /// The step handed to a policy does not fit what the policy holds.
     #[error("inconsistent attention step: {0}")]
     Step(String),
+    /// A cost profile (`--profile FILE`) that cannot be used.
+    #[error("cannot use the profile {origin}: {reason}; write JSON such as {{\"h2d_bytes_per_s\": 2.5e10, \"recompute_tokens_per_s\": 1.0e6}}")]
+    BadProfile {
+        /// Where it came from (a path).
+        origin: String,
+        /// What is wrong.
+        reason: String,
+    },
     /// A size string such as `64MiB` that does not parse.
     #[error("cannot parse the size `{input}`: {reason}; write a number with an optional unit, e.g. 512MiB, 2GB or 1048576")]
     BadSize {

@@ -97,7 +97,7 @@ impl OffloadPolicy {
             grow_tokens: opts.grow_tokens.max(1),
             device: opts.device.clone(),
             host: Device::Cpu,
-            engine: engine_for(&opts.device)?,
+            engine: engine_for(&opts.device, opts.link_bandwidth)?,
             shape: None,
             layers: Vec::new(),
             lens: Vec::new(),

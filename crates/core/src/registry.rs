@@ -5,6 +5,7 @@ use candle_core::Device;
 
 use crate::error::{KvError, Result};
 use crate::policy::KvPolicy;
+use crate::profile::Profile;
 
 /// How many KV heads a head-wise unit holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -41,6 +42,13 @@ pub struct PolicyOptions {
     pub grow_tokens: usize,
     /// KV heads per head-wise unit (`headwise`).
     pub head_group: HeadGroup,
+    /// Transfer and recompute rates for the schedulers (`recompute`); `None` = measure at
+    /// the first step.
+    pub profile: Option<Profile>,
+    /// Tokens recomputed per layer and step, forced (`recompute`); `None` = the scheduler's.
+    pub recompute_split: Option<usize>,
+    /// Simulated host↔device link in bytes/s for CPU experiments; `None` = plain copies.
+    pub link_bandwidth: Option<f64>,
 }
 
 impl Default for PolicyOptions {
@@ -50,6 +58,9 @@ impl Default for PolicyOptions {
             device_kv_budget: None,
             grow_tokens: 256,
             head_group: HeadGroup::Auto,
+            profile: None,
+            recompute_split: None,
+            link_bandwidth: None,
         }
     }
 }

@@ -4,7 +4,7 @@
 use serde::Serialize;
 
 /// Counters a policy keeps; every field is cumulative since the last `reset` except
-/// `device_kv_bytes`, `host_kv_bytes` and `kv_tokens`, which are current values.
+/// `device_kv_bytes`, `host_kv_bytes`, `kv_tokens` and `split`, which are current values.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct KvStats {
     /// Bytes of KV (or activation) buffers held on the device tier now.
@@ -19,8 +19,11 @@ pub struct KvStats {
     pub d2h_bytes: u64,
     /// Floating-point operations spent regenerating K/V from stored activations.
     pub recompute_flops: u64,
-    /// Tokens whose K/V were regenerated rather than transferred.
+    /// Tokens whose K/V were regenerated rather than transferred (summed over layers,
+    /// steps and sequences).
     pub recompute_tokens: u64,
+    /// Tokens regenerated per layer in the last step (the KVPR split `l`; 0 when nothing is).
+    pub split: u64,
     /// Tokens cached per layer.
     pub kv_tokens: u64,
     /// Seconds spent waiting for transfers that compute could not hide.

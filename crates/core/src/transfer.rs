@@ -16,8 +16,8 @@ use candle_core::Tensor;
 use crate::error::{KvError, Result};
 
 /// Copy `src` into `dst` at `offset` along `dim` (`dst.slice_set(src, dim, offset)`), moving
-/// `src` to `dst`'s device first. `src` must be contiguous; `dst` is a contiguous buffer (or a
-/// contiguous narrow of one).
+/// `src` to `dst`'s device first. `src` may be a strided view (it is gathered on the copying
+/// thread); `dst` is a contiguous buffer (or a contiguous narrow of one).
 #[derive(Debug, Clone)]
 pub struct CopyJob {
     /// Source range.
@@ -40,10 +40,16 @@ impl CopyJob {
     pub fn run(&self) -> Result<()> {
         // candle's `to_device` copies a view's whole storage; compact the view first so only
         // its own bytes cross devices.
-        let src = if self.src.device().same_device(self.dst.device()) {
+        // A strided view (e.g. a token range across all heads) is gathered first.
+        let src = if self.src.is_contiguous() {
             self.src.clone()
         } else {
-            self.src.force_contiguous()?.to_device(self.dst.device())?
+            self.src.force_contiguous()?
+        };
+        let src = if src.device().same_device(self.dst.device()) {
+            src
+        } else {
+            src.to_device(self.dst.device())?
         };
         self.dst.slice_set(&src, self.dim, self.offset)?;
         Ok(())
@@ -121,6 +127,21 @@ impl std::fmt::Debug for CpuTransferEngine {
 impl CpuTransferEngine {
     /// Starts the worker thread.
     pub fn new() -> Result<Self> {
+        Self::start(None)
+    }
+
+    /// A worker that simulates a host↔device link of `bytes_per_s` (CPU experiments: each
+    /// batch takes at least its bytes ÷ the bandwidth; nothing runs inline).
+    pub fn with_link(bytes_per_s: f64) -> Result<Self> {
+        if !(bytes_per_s.is_finite() && bytes_per_s > 0.0) {
+            return Err(KvError::Step(format!(
+                "a simulated link needs a positive bandwidth, not {bytes_per_s}"
+            )));
+        }
+        Ok(Self::start(Some(bytes_per_s))?.with_inline_bytes(0))
+    }
+
+    fn start(link: Option<f64>) -> Result<Self> {
         let (tx, rx) = channel::<(u64, Vec<CopyJob>)>();
         let state = Arc::new((Mutex::new(Progress::default()), Condvar::new()));
         let st = Arc::clone(&state);
@@ -128,7 +149,16 @@ impl CpuTransferEngine {
             .name("kv-transfer".into())
             .spawn(move || {
                 for (id, jobs) in rx {
+                    let started = Instant::now();
                     let err = run_jobs(&jobs).err().map(|e| e.to_string());
+                    if let Some(bw) = link {
+                        // A simulated link: the batch takes at least bytes / bandwidth.
+                        let bytes: u64 = jobs.iter().map(CopyJob::bytes).sum();
+                        let want = std::time::Duration::from_secs_f64(bytes as f64 / bw);
+                        if let Some(rest) = want.checked_sub(started.elapsed()) {
+                            std::thread::sleep(rest);
+                        }
+                    }
                     let (lock, cv) = &*st;
                     if let Ok(mut p) = lock.lock() {
                         p.done = id;
@@ -222,12 +252,19 @@ impl Drop for CpuTransferEngine {
     }
 }
 
-/// The engine suited to a device: a worker thread on the CPU, synchronous copies elsewhere.
-pub fn engine_for(device: &candle_core::Device) -> Result<Box<dyn TransferEngine>> {
-    if device.is_cpu() {
-        Ok(Box::new(CpuTransferEngine::new()?))
-    } else {
-        Ok(Box::new(SyncTransferEngine::default()))
+/// The engine suited to a device: a worker thread on the CPU (simulating a link of
+/// `link_bytes_per_s` when given), synchronous copies elsewhere.
+pub fn engine_for(
+    device: &candle_core::Device,
+    link_bytes_per_s: Option<f64>,
+) -> Result<Box<dyn TransferEngine>> {
+    match (device.is_cpu(), link_bytes_per_s) {
+        (true, None) => Ok(Box::new(CpuTransferEngine::new()?)),
+        (true, Some(bw)) => Ok(Box::new(CpuTransferEngine::with_link(bw)?)),
+        (false, None) => Ok(Box::new(SyncTransferEngine::default())),
+        (false, Some(_)) => Err(KvError::Step(
+            "a simulated link is for CPU runs only; drop --link-bandwidth on a GPU".into(),
+        )),
     }
 }
 
