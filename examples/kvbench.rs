@@ -1,8 +1,9 @@
-//! Compare policies: decode tokens/s at several context lengths, ÷ `full`, with device and
-//! host KV bytes and bytes moved per token.
+//! Compare policies: decode tokens/s at several context lengths, ÷ the first policy listed,
+//! with device and host KV bytes, bytes moved per token and the recompute split.
 //!
 //! `cargo run --release --example kvbench -- [--gguf FILE | --model-dir DIR | --random-weights --config FILE]
-//!     [--context 512,2048] [--steps 32] [--policies full,layer,headwise:1,headwise:auto]`
+//!     [--context 512,2048] [--steps 32] [--policies full,layer,headwise:1,headwise:auto,recompute,recompute:N]
+//!     [--link-bandwidth 50MB] [--profile FILE]`
 //!
 //! Each context is filled by a chunked prefill of synthetic token ids, then `--steps` decode
 //! steps are timed (fixed ids, so every policy does identical work).
@@ -12,7 +13,7 @@ use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
 use clap::Parser;
 use kvpolicy::models::{activation_dtype, load, prefill, resolve, ModelSpec};
-use kvpolicy::{build_policy, HeadGroup, LogitsMode, PolicyOptions};
+use kvpolicy::{build_policy, HeadGroup, LogitsMode, PolicyOptions, Profile};
 
 /// Flags.
 #[derive(Parser)]
@@ -38,7 +39,7 @@ struct Args {
     /// Runs per policy and context (median reported).
     #[arg(long, default_value_t = 3)]
     repeats: usize,
-    /// Policies, `name` or `headwise:GROUP`.
+    /// Policies: `name`, `headwise:GROUP` or `recompute:SPLIT` (a forced split).
     #[arg(long, value_delimiter = ',', default_values_t = vec!["full".to_string(), "layer".into(), "headwise:1".into(), "headwise:auto".into()])]
     policies: Vec<String>,
     /// Prefill chunk.
@@ -53,6 +54,16 @@ struct Args {
     /// Also measure host→device bandwidth (MiB copied) and print the PCIe bound per policy.
     #[arg(long)]
     bandwidth_mib: Option<usize>,
+    /// Simulate a host↔device link of this many bytes per second (CPU only), e.g. 50MB.
+    #[arg(long, value_parser = parse_size)]
+    link_bandwidth: Option<u64>,
+    /// Cost profile for `recompute` (JSON); default: measured at the first step.
+    #[arg(long)]
+    profile: Option<std::path::PathBuf>,
+}
+
+fn parse_size(s: &str) -> std::result::Result<u64, String> {
+    kvpolicy::parse_bytes(s).map_err(|e| e.to_string())
 }
 
 /// Host→device bandwidth in bytes/s for a `mib` MiB pageable copy (median of 5).
@@ -84,6 +95,7 @@ fn main() -> Result<()> {
             args.dtype.as_deref().unwrap_or_default()
         )
     })?;
+    let profile = args.profile.as_deref().map(Profile::load).transpose()?;
     let bw = match args.bandwidth_mib {
         Some(m) => Some(h2d_bandwidth(&dev, m)?),
         None => None,
@@ -114,21 +126,31 @@ fn main() -> Result<()> {
         args.repeats,
         candle_core::utils::get_num_threads()
     );
-    println!("| context | policy | prefill tok/s | decode tok/s | ÷ full | s/token | PCIe bound s/token | device KV peak | ÷ full | host KV | h2d bytes/token |");
-    println!("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    if let Some(b) = args.link_bandwidth {
+        println!("simulated link: {}/s", kvpolicy::core::format_bytes(b));
+    }
+    println!("| context | policy | prefill tok/s | decode tok/s | ÷ first | s/token | PCIe bound s/token | device KV peak | ÷ first | host KV | h2d bytes/token | split |");
+    println!("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let mut profiles = Vec::new();
     for &ctx in &args.context {
         let prompt: Vec<u32> = (0..ctx).map(|i| (i as u32 * 7919 + 13) % vocab).collect();
         let mut base: Option<(f64, u64)> = None;
         for name in &args.policies {
-            let (policy, group) = match name.split_once(':') {
-                Some((p, g)) => (p, g.parse::<HeadGroup>().map_err(anyhow::Error::msg)?),
-                None => (name.as_str(), HeadGroup::Auto),
-            };
-            let opts = PolicyOptions {
-                head_group: group,
+            let (policy, arg) = name.split_once(':').unwrap_or((name.as_str(), ""));
+            let mut opts = PolicyOptions {
                 device: dev.clone(),
+                link_bandwidth: args.link_bandwidth.map(|b| b as f64),
+                profile: profile.clone(),
                 ..PolicyOptions::default()
             };
+            match (policy, arg) {
+                (_, "") => {}
+                ("recompute", n) => {
+                    opts.recompute_split =
+                        Some(n.parse().context("recompute:SPLIT needs a number")?)
+                }
+                (_, g) => opts.head_group = g.parse::<HeadGroup>().map_err(anyhow::Error::msg)?,
+            }
             let mut prefill_rate = 0.0;
             let mut rates = Vec::new();
             let mut last = None;
@@ -147,6 +169,11 @@ fn main() -> Result<()> {
                 dev.synchronize()?;
                 rates.push(args.steps as f64 / t.elapsed().as_secs_f64());
                 last = Some((before, p.stats()));
+                if let Some(pr) = p.profile() {
+                    if !profiles.contains(pr) {
+                        profiles.push(pr.clone());
+                    }
+                }
             }
             rates.sort_by(|a, b| a.total_cmp(b));
             let rate = rates[rates.len() / 2];
@@ -159,15 +186,19 @@ fn main() -> Result<()> {
                 _ => "-".into(),
             };
             println!(
-                "| {ctx} | {name} | {prefill_rate:.1} | {rate:.2} | {:.2} | {:.4} | {bound} | {} | {:.4} | {} | {} |",
+                "| {ctx} | {name} | {prefill_rate:.1} | {rate:.2} | {:.2} | {:.4} | {bound} | {} | {:.4} | {} | {} | {} |",
                 rate / base_rate,
                 1.0 / rate,
                 kvpolicy::core::format_bytes(peak),
                 peak as f64 / base_peak as f64,
                 kvpolicy::core::format_bytes(after.host_kv_bytes),
                 moved,
+                after.split,
             );
         }
+    }
+    for p in profiles {
+        println!("profile used: {}", serde_json::to_string(&p)?);
     }
     Ok(())
 }

@@ -18,7 +18,25 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 FIX = ROOT / "tests" / "fixtures"
-POLICIES = [("full", None), ("layer", None), ("headwise", "1"), ("headwise", "2"), ("headwise", "auto")]
+# (policy, extra flags); `recompute:16` forces a split so regeneration runs on GQA fixtures too.
+POLICIES = [
+    ("full", []),
+    ("layer", []),
+    ("headwise", ["--head-group", "1"]),
+    ("headwise", ["--head-group", "2"]),
+    ("headwise", ["--head-group", "auto"]),
+    ("recompute", []),
+    ("recompute", ["--recompute-split", "16"]),
+]
+
+
+def usable(flags, nkv):
+    """A fixed head group must divide the KV heads."""
+    return not (flags[:1] == ["--head-group"] and flags[1] != "auto" and nkv % int(flags[1]) != 0)
+
+
+def label(pol, flags):
+    return pol + (f":{flags[1]}" if flags else "")
 
 
 def run(bin_, args):
@@ -48,15 +66,13 @@ def main():
         lines.append(f"| {fx.name} | full | f32 | all | vs HF | {d:.2e} | {'ok' if ok else 'FAIL'} |")
         for chunk in ["1", "5", "16", "64"]:
             ref = None
-            for pol, grp in POLICIES:
-                if grp not in (None, "auto") and nkv % int(grp) != 0:
+            for pol, flags in POLICIES:
+                if not usable(flags, nkv):
                     continue
-                a = base + ["--decode-ids", d_ids, "--dtype", "bf16", "--prefill-chunk", chunk, "--policy", pol]
-                if grp:
-                    a += ["--head-group", grp]
+                a = base + ["--decode-ids", d_ids, "--dtype", "bf16", "--prefill-chunk", chunk, "--policy", pol] + flags
                 run(bin_, a + ["--dump-logits", str(tmp / "l.npy")])
                 l = np.load(tmp / "l.npy")
-                name = pol + (f":{grp}" if grp else "")
+                name = label(pol, flags)
                 if ref is None:
                     ref = l
                     d = float(np.abs(l - hf).max())
@@ -67,14 +83,12 @@ def main():
                 failures += not ok
                 lines.append(f"| {fx.name} | {name} | bf16 | {chunk} | vs full bf16 | {d:.2e} | {'ok' if ok else 'FAIL'} |")
         greedy = {}
-        for pol, grp in POLICIES:
-            if grp not in (None, "auto") and nkv % int(grp) != 0:
+        for pol, flags in POLICIES:
+            if not usable(flags, nkv):
                 continue
-            a = base + ["--dtype", "bf16", "--max-new-tokens", "16", "--policy", pol, "--ids-out", str(tmp / "ids.json")]
-            if grp:
-                a += ["--head-group", grp]
+            a = base + ["--dtype", "bf16", "--max-new-tokens", "16", "--policy", pol, "--ids-out", str(tmp / "ids.json")] + flags
             run(bin_, a)
-            greedy[pol + (f":{grp}" if grp else "")] = json.loads((tmp / "ids.json").read_text())["generated_ids"]
+            greedy[label(pol, flags)] = json.loads((tmp / "ids.json").read_text())["generated_ids"]
         same = all(v == greedy["full"] for v in greedy.values())
         failures += not same
         lines.append(f"| {fx.name} | all policies | bf16 | greedy 16 | ids equal full | {len(greedy)} policies | {'ok' if same else 'FAIL'} |")

@@ -449,3 +449,75 @@ fn chat_template_wraps_the_prompt() -> Result<()> {
     assert_eq!(ids.iter().filter(|&&t| t == im_start).count(), 3, "{ids:?}");
     Ok(())
 }
+
+#[test]
+fn recompute_option_errors_and_stats() -> Result<()> {
+    let f = common::fixture("llama_mha").to_string_lossy().into_owned();
+    let dir = tempfile::tempdir()?;
+    let write = |name: &str, text: &str| -> Result<String> {
+        let p = dir.path().join(name);
+        std::fs::write(&p, text)?;
+        Ok(p.to_string_lossy().into_owned())
+    };
+    let garbage = write("garbage.json", "{\"h2d_bytes_per_s\": ")?;
+    let zero = write(
+        "zero.json",
+        r#"{"h2d_bytes_per_s": 1e9, "recompute_tokens_per_s": 0}"#,
+    )?;
+    let missing = dir.path().join("nope.json").to_string_lossy().into_owned();
+    let good = write(
+        "good.json",
+        r#"{"h2d_bytes_per_s": 1e9, "recompute_tokens_per_s": 1e9}"#,
+    )?;
+    let base = [
+        "--model-dir",
+        &f,
+        "--prompt-ids",
+        "1,2,3",
+        "--policy",
+        "recompute",
+    ];
+    for (flag, value, needle) in [
+        ("--profile", garbage.as_str(), "cannot use the profile"),
+        ("--profile", zero.as_str(), "`recompute_tokens_per_s` is 0"),
+        ("--profile", missing.as_str(), "nope.json"),
+        (
+            "--recompute-split",
+            "40",
+            "--recompute-split 40 is beyond the sequence",
+        ),
+        (
+            "--recompute-split",
+            "half",
+            "invalid value 'half' for '--recompute-split <N>'",
+        ),
+        (
+            "--link-bandwidth",
+            "0",
+            "invalid value '0' for '--link-bandwidth <BYTES>'",
+        ),
+    ] {
+        let mut args = base.to_vec();
+        args.extend(["--max-new-tokens", "4", flag, value]);
+        fails_with(&args, needle)?;
+    }
+    // A valid profile where regeneration is fast: the MHA fixture recomputes, and says so.
+    let stats = dir.path().join("s.json");
+    let mut args = base.to_vec();
+    let s = stats.to_string_lossy().into_owned();
+    args.extend([
+        "--max-new-tokens",
+        "4",
+        "--profile",
+        &good,
+        "--stats-out",
+        &s,
+    ]);
+    let o = llama(&args)?;
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&stats)?)?;
+    assert_eq!(v["policy"], "recompute");
+    assert!(v["split"].as_u64().unwrap_or(0) > 0, "{v}");
+    assert!(v["recompute_tokens"].as_u64().unwrap_or(0) > 0, "{v}");
+    Ok(())
+}

@@ -4,6 +4,7 @@ use candle_core::{DType, Tensor};
 
 use crate::attention::AttnSpec;
 use crate::error::Result;
+use crate::profile::Profile;
 use crate::stats::KvStats;
 
 /// Rebuilds a layer's keys and values from its stored attention inputs (KVPR §3.1):
@@ -81,4 +82,8 @@ pub trait KvPolicy: Send {
     fn reset(&mut self);
     /// Memory and traffic counters.
     fn stats(&self) -> KvStats;
+    /// The cost profile the policy plans with, once known (`recompute`, `hybrid`).
+    fn profile(&self) -> Option<&Profile> {
+        None
+    }
 }

@@ -139,11 +139,6 @@ impl RecomputePolicy {
         self
     }
 
-    /// The profile in use (given, or measured at the first step).
-    pub fn profile(&self) -> Option<&Profile> {
-        self.profile.as_ref()
-    }
-
     fn bad_option(message: String) -> KvError {
         KvError::InvalidOption {
             policy: "recompute".into(),
@@ -589,6 +584,10 @@ impl KvPolicy for RecomputePolicy {
         if let Some(s) = &mut self.shape {
             s.n_layers = 0;
         }
+    }
+
+    fn profile(&self) -> Option<&Profile> {
+        self.profile.as_ref()
     }
 
     fn stats(&self) -> KvStats {
