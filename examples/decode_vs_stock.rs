@@ -13,7 +13,7 @@ use candle_core::{Device, Tensor};
 use candle_transformers::models::quantized_llama::ModelWeights;
 use clap::Parser;
 use kvpolicy::models::source::{default_files, ModelFiles};
-use kvpolicy::models::{GgufFile, Llama};
+use kvpolicy::models::GgufFile;
 use kvpolicy::{build_policy, CausalLm, LogitsMode, PolicyOptions};
 
 /// Flags.
@@ -48,7 +48,7 @@ fn main() -> Result<()> {
         },
     };
     let dev = Device::Cpu;
-    let ours = Llama::from_gguf(&GgufFile::open(&path)?, &dev)?;
+    let ours = kvpolicy::models::llama::from_gguf(&GgufFile::open(&path)?, &dev)?;
     let mut file = std::fs::File::open(&path)?;
     let content = candle_core::quantized::gguf_file::Content::read(&mut file)?;
     let mut stock = ModelWeights::from_gguf(content, &mut file, &dev)?;

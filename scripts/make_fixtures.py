@@ -23,7 +23,29 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    GemmaConfig,
+    GemmaForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    OPTConfig,
+    OPTForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+ARCH = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "gemma": (GemmaConfig, GemmaForCausalLM),
+    "gemma2": (Gemma2Config, Gemma2ForCausalLM),
+    "opt": (OPTConfig, OPTForCausalLM),
+}
 
 PINNED = {"torch": "2.15.0", "transformers": "5.23.0"}
 OUT = Path(__file__).resolve().parent.parent / "tests" / "fixtures"
@@ -49,24 +71,40 @@ def randomize(model, seed):
 
 def logits_of(model, ids, attention_mask=None):
     with torch.no_grad():
-        out = model(input_ids=torch.tensor([ids]), attention_mask=attention_mask)
+        # Explicit positions: OPT would otherwise derive them from a 2-D attention mask.
+        pos = torch.arange(len(ids)).unsqueeze(0)
+        out = model(input_ids=torch.tensor([ids]), attention_mask=attention_mask, position_ids=pos)
     return out.logits[0].float().numpy()
 
 
-def build(cfg_kwargs, seed):
-    cfg = LlamaConfig(**cfg_kwargs)
+def build(cfg_kwargs, seed, arch="llama"):
+    config_cls, model_cls = ARCH[arch]
+    cfg = config_cls(**cfg_kwargs)
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg).eval().float()
+    model = model_cls(cfg).eval().float()
     randomize(model, seed)
+    if arch.startswith("gemma"):
+        # Gemma stores w and applies 1 + w: store w so that the applied weight has the
+        # same spread [0.5, 1.5] as the other fixtures' norms.
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "norm" in n:
+                    p.sub_(1.0)
     return cfg, model
 
 
-def sensitivity(name, cfg_kwargs, seed, ids, ref, perturb):
-    """Builds the same weights with `perturb` applied and demands a large logit change."""
+def sensitivity(name, cfg_kwargs, seed, ids, ref, perturb, arch="llama", weights=None):
+    """Builds the same model with `perturb` applied to its config (or `weights` applied to
+    its parameters) — what an implementation that ignored the feature would compute — and
+    demands a large logit change."""
     kw = dict(cfg_kwargs)
-    perturb(kw)
-    _, other = build(kw, seed)
+    if perturb is not None:
+        perturb(kw)
+    _, other = build(kw, seed, arch)
+    if weights is not None:
+        with torch.no_grad():
+            weights(other)
     diff = float(np.abs(logits_of(other, ids) - ref).max())
     if diff < 100 * TOL:
         sys.exit(f"{name}: perturbation changed logits by only {diff:.2e}; the fixture would not catch it")
@@ -91,7 +129,7 @@ def write(name, cfg, model, ids, logits, classic_spelling, checks):
     d.mkdir(parents=True)
     model.save_pretrained(d, safe_serialization=True)
     conf = json.loads((d / "config.json").read_text())
-    if classic_spelling:
+    if classic_spelling and "rope_parameters" in conf:
         # The pre-transformers-5 spelling: rope_theta / rope_scaling at the top level.
         params = conf.pop("rope_parameters", None) or {}
         conf["rope_theta"] = params.get("rope_theta", 10000.0)
@@ -123,16 +161,18 @@ BASE = dict(
 )
 
 
-def fixture(name, cfg_kwargs, seed, classic_spelling, perturbations):
-    cfg, model = build(cfg_kwargs, seed)
+def fixture(name, cfg_kwargs, seed, classic_spelling, perturbations, arch="llama", weight_perturbations=None):
+    cfg, model = build(cfg_kwargs, seed, arch)
     rng = np.random.default_rng(seed)
     ids = [int(x) for x in rng.integers(0, cfg.vocab_size, PROMPT_LEN + DECODE_LEN)]
     ref = logits_of(model, ids)
     checks = {"off-by-one causal mask": causal_leak(model, ids, ref)}
     for pname, fn in perturbations.items():
-        checks[pname] = sensitivity(f"{name}/{pname}", cfg_kwargs, seed, ids, ref, fn)
+        checks[pname] = sensitivity(f"{name}/{pname}", cfg_kwargs, seed, ids, ref, fn, arch)
+    for pname, fn in (weight_perturbations or {}).items():
+        checks[pname] = sensitivity(f"{name}/{pname}", cfg_kwargs, seed, ids, ref, None, arch, fn)
     # Norm weights set to 1 (a norm that ignores its weight).
-    _, plain = build(cfg_kwargs, seed)
+    _, plain = build(cfg_kwargs, seed, arch)
     with torch.no_grad():
         for n, p in plain.named_parameters():
             if "norm" in n:
@@ -187,6 +227,104 @@ def main():
         seed=3,
         classic_spelling=True,
         perturbations={"rope theta halved": theta},
+    )
+
+    def no_window(kw):
+        kw["sliding_window"] = None
+
+    def zero(pattern):
+        def f(model):
+            for n, p in model.named_parameters():
+                if pattern in n:
+                    p.zero_()
+        return f
+
+    def norm_minus_one(model):
+        # What a norm applying `w` instead of Gemma's `1 + w` computes.
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.sub_(1.0)
+
+    # Mistral: GQA and a sliding window of 8 over 32 tokens.
+    fixture(
+        "mistral",
+        dict(BASE, sliding_window=8, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        seed=4,
+        classic_spelling=True,
+        arch="mistral",
+        perturbations={"sliding window ignored": no_window},
+    )
+    # Qwen2: q/k/v biases, a large RoPE base, tied embeddings.
+    fixture(
+        "qwen2",
+        dict(BASE, tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+        seed=5,
+        classic_spelling=True,
+        arch="qwen2",
+        perturbations={"rope theta 1e4 instead of 1e6": lambda kw: kw.update(rope_parameters={"rope_type": "default", "rope_theta": 10000.0})},
+        weight_perturbations={"q/k/v biases dropped": zero("_proj.bias")},
+    )
+    # Gemma: MQA, head_dim (24) independent of hidden/heads, GeLU-tanh, 1 + w norms,
+    # sqrt(hidden)-scaled tied embeddings.
+    gemma = dict(BASE, num_key_value_heads=1, head_dim=24, tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    fixture(
+        "gemma",
+        gemma,
+        seed=6,
+        classic_spelling=True,
+        arch="gemma",
+        perturbations={},
+        weight_perturbations={"norm applies w, not 1 + w": norm_minus_one},
+    )
+    # Gemma 2: soft-caps small enough to bite, query_pre_attn_scalar ≠ head_dim, window 8
+    # on even layers, sandwich norms.
+    gemma2 = dict(
+        gemma,
+        num_key_value_heads=2,
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=5.0,
+        query_pre_attn_scalar=16,
+        sliding_window=8,
+    )
+    fixture(
+        "gemma2",
+        gemma2,
+        seed=7,
+        classic_spelling=True,
+        arch="gemma2",
+        perturbations={
+            "attention soft-cap dropped": lambda kw: kw.update(attn_logit_softcapping=None),
+            "final soft-cap dropped": lambda kw: kw.update(final_logit_softcapping=None),
+            "sliding window ignored": lambda kw: kw.update(sliding_window=4096),
+            "query_pre_attn_scalar ignored (head_dim)": lambda kw: kw.update(query_pre_attn_scalar=24),
+        },
+        weight_perturbations={"norm applies w, not 1 + w": norm_minus_one},
+    )
+
+    def offset_dropped(model):
+        # Position p reading row p instead of p + 2: shift the table down by two rows.
+        t = model.model.decoder.embed_positions.weight
+        t.copy_(torch.roll(t, shifts=2, dims=0))
+
+    # OPT: learned positions at offset 2, LayerNorm with bias, ReLU MLP, biases, MHA.
+    fixture(
+        "opt",
+        dict(
+            vocab_size=384,
+            hidden_size=64,
+            ffn_dim=112,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            max_position_embeddings=128,
+            do_layer_norm_before=True,
+            word_embed_proj_dim=64,
+            pad_token_id=1,
+        ),
+        seed=8,
+        classic_spelling=False,
+        arch="opt",
+        perturbations={},
+        weight_perturbations={"position offset 2 dropped": offset_dropped, "biases dropped": zero(".bias")},
     )
 
 

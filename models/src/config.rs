@@ -1,5 +1,7 @@
-//! `config.json` of the Llama family, in both spellings found on the hub: the classic one
-//! (`rope_theta`, `rope_scaling`) and the transformers-5 one (`rope_parameters`).
+//! `config.json`: architecture dispatch on `model_type`, the fields of the Llama-shaped
+//! families (Llama, Mistral, Qwen2, Gemma, Gemma 2 share their names) in both spellings
+//! found on the hub — the classic one (`rope_theta`, `rope_scaling`) and the transformers-5
+//! one (`rope_parameters`) — and OPT's own fields.
 use serde::Deserialize;
 
 use crate::error::{ModelError, Result};
@@ -100,9 +102,88 @@ pub struct LlamaConfig {
     /// End-of-sequence token(s).
     #[serde(default)]
     pub eos_token_id: Option<TokenIds>,
+    /// Sliding attention window in tokens (Mistral, Qwen2, Gemma 2).
+    #[serde(default)]
+    pub sliding_window: Option<usize>,
+    /// Qwen2: whether `sliding_window` is used at all.
+    #[serde(default)]
+    pub use_sliding_window: Option<bool>,
+    /// Qwen2: layers below this index attend globally.
+    #[serde(default)]
+    pub max_window_layers: Option<usize>,
+    /// transformers ≥ 4.53: `sliding_attention` / `full_attention` per layer.
+    #[serde(default)]
+    pub layer_types: Option<Vec<String>>,
+    /// Activation of the MLP gate (Llama family: `silu`).
+    #[serde(default)]
+    pub hidden_act: Option<String>,
+    /// Gemma's spelling of the MLP activation (`gelu_pytorch_tanh`).
+    #[serde(default)]
+    pub hidden_activation: Option<String>,
+    /// Gemma 2: attention-logit soft-cap.
+    #[serde(default)]
+    pub attn_logit_softcapping: Option<f64>,
+    /// Gemma 2: final-logit soft-cap.
+    #[serde(default)]
+    pub final_logit_softcapping: Option<f64>,
+    /// Gemma 2: queries are scaled by `query_pre_attn_scalar^-1/2` instead of `head_dim^-1/2`.
+    #[serde(default)]
+    pub query_pre_attn_scalar: Option<f64>,
+}
+
+/// An MLP activation named in config.json.
+pub fn activation(name: &str, field: &str) -> Result<candle_nn::Activation> {
+    use candle_nn::Activation as A;
+    Ok(match name {
+        "silu" | "swish" => A::Silu,
+        "gelu_pytorch_tanh" | "gelu_new" | "gelu_fast" => A::GeluPytorchTanh,
+        "gelu" => A::Gelu,
+        "relu" => A::Relu,
+        other => {
+            return Err(ModelError::config(
+                field,
+                format!("`{other}` is not supported; supported activations are silu, gelu, gelu_pytorch_tanh and relu"),
+            ))
+        }
+    })
 }
 
 impl LlamaConfig {
+    /// Per layer: the sliding window, if that layer has one. `default_sliding(i)` says
+    /// which layers slide when config.json has no `layer_types`.
+    pub fn windows(&self, default_sliding: impl Fn(usize) -> bool) -> Result<Vec<Option<usize>>> {
+        let n = self.num_hidden_layers;
+        let sliding: Vec<bool> = match &self.layer_types {
+            Some(types) => {
+                if types.len() != n {
+                    return Err(ModelError::config(
+                        "layer_types",
+                        format!("has {} entries for {n} layers", types.len()),
+                    ));
+                }
+                types
+                    .iter()
+                    .map(|t| match t.as_str() {
+                        "sliding_attention" => Ok(true),
+                        "full_attention" => Ok(false),
+                        other => Err(ModelError::config(
+                            "layer_types",
+                            format!("`{other}` is not supported; use sliding_attention or full_attention"),
+                        )),
+                    })
+                    .collect::<Result<_>>()?
+            }
+            None => (0..n).map(default_sliding).collect(),
+        };
+        if self.sliding_window == Some(0) {
+            return Err(ModelError::config("sliding_window", "must be at least 1"));
+        }
+        Ok(sliding
+            .into_iter()
+            .map(|s| if s { self.sliding_window } else { None })
+            .collect())
+    }
+
     /// Parses config.json text.
     pub fn from_json(text: &str) -> Result<Self> {
         serde_json::from_str(text).map_err(|e| {
@@ -213,5 +294,154 @@ pub fn rope_scaling_from(p: &RopeParams, prefix: &str) -> Result<RopeScaling> {
                 "`{other}` is not supported; supported RoPE types are default, linear and llama3"
             ),
         )),
+    }
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn relu() -> String {
+    "relu".into()
+}
+
+/// config.json of an OPT model (125M–66B layout).
+#[derive(Clone, Debug, Deserialize)]
+pub struct OptConfig {
+    /// Model width.
+    pub hidden_size: usize,
+    /// MLP width.
+    pub ffn_dim: usize,
+    /// Decoder layers.
+    pub num_hidden_layers: usize,
+    /// Heads (OPT is multi-head: as many KV heads).
+    pub num_attention_heads: usize,
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// Longest sequence (the position table has 2 more rows).
+    #[serde(default = "default_max_pos")]
+    pub max_position_embeddings: usize,
+    /// Pre-norm blocks (true for every size but 350M).
+    #[serde(default = "yes")]
+    pub do_layer_norm_before: bool,
+    /// Embedding width when it differs from `hidden_size` (350M's projections).
+    #[serde(default)]
+    pub word_embed_proj_dim: Option<usize>,
+    /// MLP activation.
+    #[serde(default = "relu")]
+    pub activation_function: String,
+    /// Biases on every projection.
+    #[serde(default = "yes")]
+    pub enable_bias: bool,
+    /// LayerNorms with weight and bias.
+    #[serde(default = "yes")]
+    pub layer_norm_elementwise_affine: bool,
+    /// Drops the final LayerNorm (some fine-tunes).
+    #[serde(default, rename = "_remove_final_layer_norm")]
+    pub remove_final_layer_norm: bool,
+    /// Whether the LM head shares the embedding matrix.
+    #[serde(default = "yes")]
+    pub tie_word_embeddings: bool,
+    /// Beginning-of-sequence token.
+    #[serde(default)]
+    pub bos_token_id: Option<TokenIds>,
+    /// End-of-sequence token(s).
+    #[serde(default)]
+    pub eos_token_id: Option<TokenIds>,
+}
+
+impl OptConfig {
+    /// Rejects the layouts this code does not implement, naming the field.
+    pub fn validate(&self) -> Result<()> {
+        if !self.do_layer_norm_before {
+            return Err(ModelError::config(
+                "do_layer_norm_before",
+                "false (the post-norm layout of OPT-350M) is not supported; OPT-125M and OPT-1.3B…66B use true",
+            ));
+        }
+        if let Some(d) = self.word_embed_proj_dim.filter(|&d| d != self.hidden_size) {
+            return Err(ModelError::config(
+                "word_embed_proj_dim",
+                format!(
+                    "{d} ≠ hidden_size {} (OPT-350M's embedding projections) is not supported",
+                    self.hidden_size
+                ),
+            ));
+        }
+        if !self.layer_norm_elementwise_affine {
+            return Err(ModelError::config(
+                "layer_norm_elementwise_affine",
+                "false is not supported",
+            ));
+        }
+        if self.num_attention_heads == 0 || self.hidden_size % self.num_attention_heads != 0 {
+            return Err(ModelError::config(
+                "num_attention_heads",
+                format!(
+                    "{} does not divide hidden_size {}",
+                    self.num_attention_heads, self.hidden_size
+                ),
+            ));
+        }
+        activation(&self.activation_function, "activation_function")?;
+        Ok(())
+    }
+}
+
+/// The architectures `--model-dir` loads, dispatched on config.json's `model_type`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(tag = "model_type", rename_all = "lowercase")]
+pub enum ModelConfig {
+    /// Llama 2/3, SmolLM2.
+    Llama(LlamaConfig),
+    /// Mistral: sliding-window attention.
+    Mistral(LlamaConfig),
+    /// Qwen2: q/k/v biases.
+    Qwen2(LlamaConfig),
+    /// Gemma: GeLU-tanh, `1 + w` norms, scaled embeddings.
+    Gemma(LlamaConfig),
+    /// Gemma 2: Gemma plus soft-caps, sandwich norms, alternating windows.
+    Gemma2(LlamaConfig),
+    /// OPT: learned positions, LayerNorm, ReLU MLP, biases.
+    Opt(OptConfig),
+}
+
+/// The `model_type`s [`ModelConfig`] accepts.
+pub const MODEL_TYPES: &[&str] = &["llama", "mistral", "qwen2", "gemma", "gemma2", "opt"];
+
+fn parse_error(e: serde_json::Error) -> ModelError {
+    let msg = e.to_string();
+    let field = msg
+        .split('`')
+        .nth(1)
+        .map(str::to_string)
+        .unwrap_or_else(|| "config.json".to_string());
+    ModelError::config(field, format!("{msg}; fix config.json"))
+}
+
+impl ModelConfig {
+    /// Parses config.json text; a missing or unsupported `model_type` is an error naming it.
+    pub fn from_json(text: &str) -> Result<Self> {
+        let v: serde_json::Value = serde_json::from_str(text).map_err(parse_error)?;
+        let supported = MODEL_TYPES.join(", ");
+        match v.get("model_type").map(|t| t.as_str()) {
+            None => {
+                return Err(ModelError::config(
+                    "model_type",
+                    format!("missing; config.json must name the architecture, one of {supported}"),
+                ))
+            }
+            Some(Some(t)) if MODEL_TYPES.contains(&t) => {}
+            Some(other) => {
+                return Err(ModelError::config(
+                    "model_type",
+                    format!(
+                        "`{}` is not supported; supported architectures are {supported}",
+                        other.unwrap_or("(not a string)")
+                    ),
+                ))
+            }
+        }
+        serde_json::from_value(v).map_err(parse_error)
     }
 }

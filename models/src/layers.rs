@@ -1,5 +1,6 @@
 //! Building blocks shared by the model files: linear layers that are either dense
-//! (safetensors) or quantized (GGUF), RMSNorm and the gated-SiLU MLP.
+//! (safetensors) or quantized (GGUF), the two norms (RMSNorm, LayerNorm) and the two MLP
+//! shapes (gated, as in Llama/Gemma; plain, as in OPT).
 use candle_core::quantized::QMatMul;
 use candle_core::{Module, Tensor};
 
@@ -79,21 +80,64 @@ impl RmsNorm {
     }
 }
 
-/// The gated MLP `down(silu(gate(x)) · up(x))`.
+/// A norm over the last dimension.
 #[derive(Debug, Clone)]
-pub struct GatedMlp {
-    /// Gate projection.
-    pub gate: Linear,
-    /// Up projection.
-    pub up: Linear,
-    /// Down projection.
-    pub down: Linear,
+pub enum Norm {
+    /// RMSNorm (Llama, Mistral, Qwen2; Gemma with its `1 + w` weight folded in).
+    Rms(RmsNorm),
+    /// LayerNorm with weight and bias (OPT).
+    Layer(candle_nn::LayerNorm),
 }
 
-impl GatedMlp {
+impl Norm {
+    /// Normalises the last dimension of `x`.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Rms(n) => n.forward(x),
+            Self::Layer(n) => Ok(n.forward(&x.contiguous()?)?),
+        }
+    }
+}
+
+/// The feed-forward part of a block.
+#[derive(Debug, Clone)]
+pub enum Mlp {
+    /// `down(act(gate(x)) · up(x))` (SiLU for Llama, GeLU-tanh for Gemma).
+    Gated {
+        /// Gate projection.
+        gate: Linear,
+        /// Up projection.
+        up: Linear,
+        /// Down projection.
+        down: Linear,
+        /// Activation of the gate.
+        act: candle_nn::Activation,
+    },
+    /// `fc2(act(fc1(x)))` (ReLU for OPT).
+    Plain {
+        /// First projection.
+        fc1: Linear,
+        /// Second projection.
+        fc2: Linear,
+        /// Activation between them.
+        act: candle_nn::Activation,
+    },
+}
+
+impl Mlp {
     /// Applies the MLP.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let g = candle_nn::ops::silu(&self.gate.forward(x)?)?;
-        self.down.forward(&(g * self.up.forward(x)?)?)
+        match self {
+            Self::Gated {
+                gate,
+                up,
+                down,
+                act,
+            } => {
+                let g = gate.forward(x)?.apply(act)?;
+                down.forward(&(g * up.forward(x)?)?)
+            }
+            Self::Plain { fc1, fc2, act } => fc2.forward(&fc1.forward(x)?.apply(act)?),
+        }
     }
 }

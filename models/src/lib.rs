@@ -8,22 +8,27 @@
 
 pub mod attention;
 pub mod config;
+pub mod decoder;
 pub mod error;
+pub mod gemma;
 pub mod generate;
 pub mod gguf;
 pub mod layers;
 pub mod llama;
+pub mod mistral;
 pub mod model;
+pub mod opt;
+pub mod qwen2;
 pub mod random;
 pub mod rope;
 pub mod source;
 pub mod tokenizer;
 
-pub use config::LlamaConfig;
+pub use config::{LlamaConfig, ModelConfig, OptConfig};
+pub use decoder::Decoder;
 pub use error::{ModelError, Result};
 pub use generate::{generate, prefill, validate_request, GenerateConfig, Generation};
 pub use gguf::GgufFile;
-pub use llama::Llama;
 pub use model::{CausalLm, LogitsMode, ModelInfo};
 pub use source::{activation_dtype, load, resolve, Loaded, ModelFiles, ModelSpec};
 pub use tokenizer::TextTokenizer;

@@ -14,10 +14,9 @@ use std::process::Command;
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
 
-use crate::config::LlamaConfig;
+use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
-use crate::llama::Llama;
 use crate::model::CausalLm;
 use crate::tokenizer::TextTokenizer;
 
@@ -327,6 +326,24 @@ pub struct Loaded {
     pub tokenizer: Option<TextTokenizer>,
 }
 
+/// Builds the architecture `cfg` names from HF-named weights.
+pub fn build(
+    cfg: &ModelConfig,
+    vb: VarBuilder,
+    path: &Path,
+    source: &str,
+) -> Result<Box<dyn CausalLm>> {
+    use crate::llama::{from_varbuilder as hf, Recipe};
+    Ok(Box::new(match cfg {
+        ModelConfig::Llama(c) => hf(c, &Recipe::llama(c)?, vb, path, source)?,
+        ModelConfig::Mistral(c) => hf(c, &crate::mistral::recipe(c)?, vb, path, source)?,
+        ModelConfig::Qwen2(c) => hf(c, &crate::qwen2::recipe(c)?, vb, path, source)?,
+        ModelConfig::Gemma(c) => hf(c, &crate::gemma::recipe(c)?, vb, path, source)?,
+        ModelConfig::Gemma2(c) => hf(c, &crate::gemma::recipe2(c)?, vb, path, source)?,
+        ModelConfig::Opt(c) => crate::opt::from_varbuilder(c, vb, path, source)?,
+    }))
+}
+
 /// Loads resolved files onto `device`; `dtype` applies to safetensors weights
 /// (GGUF models compute in f32 over quantized weights).
 pub fn load(
@@ -343,7 +360,7 @@ pub fn load(
             tokenizer_config,
         } => {
             let text = std::fs::read_to_string(config).map_err(|e| ModelError::io(config, e))?;
-            let cfg = LlamaConfig::from_json(&text)?;
+            let cfg = ModelConfig::from_json(&text)?;
             for w in weights {
                 check_safetensors(w)?;
             }
@@ -357,7 +374,7 @@ pub fn load(
                     ),
                 })?;
             let src = config.parent().unwrap_or(config).display().to_string();
-            let model = Llama::from_varbuilder(
+            let model = build(
                 &cfg,
                 vb,
                 weights.first().map(PathBuf::as_path).unwrap_or(config),
@@ -370,31 +387,25 @@ pub fn load(
                 Some(p) => Some(TextTokenizer::from_files(&p, tokenizer_config.as_deref())?),
                 None => None,
             };
-            Ok(Loaded {
-                model: Box::new(model),
-                tokenizer,
-            })
+            Ok(Loaded { model, tokenizer })
         }
         ModelFiles::Random { config, seed } => {
             let text = std::fs::read_to_string(config).map_err(|e| ModelError::io(config, e))?;
-            let cfg = LlamaConfig::from_json(&text)?;
+            let cfg = ModelConfig::from_json(&text)?;
             let vb = crate::random::random_varbuilder(dtype, device, *seed)?;
             let src = format!("random weights for {}", config.display());
-            let model = Llama::from_varbuilder(&cfg, vb, config, &src)?;
+            let model = build(&cfg, vb, config, &src)?;
             let tokenizer = match tokenizer_override {
                 Some(p) => Some(TextTokenizer::from_files(p, None)?),
                 None => None,
             };
-            Ok(Loaded {
-                model: Box::new(model),
-                tokenizer,
-            })
+            Ok(Loaded { model, tokenizer })
         }
         ModelFiles::Gguf(path) => {
             let g = GgufFile::open(path)?;
             let arch = g.architecture()?;
             let model: Box<dyn CausalLm> = match arch.as_str() {
-                "llama" => Box::new(Llama::from_gguf(&g, device)?),
+                "llama" => Box::new(crate::llama::from_gguf(&g, device)?),
                 other => {
                     return Err(g.corrupt(format!(
                         "has architecture `{other}`, which is not supported from GGUF; supported: llama"
