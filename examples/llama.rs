@@ -4,5 +4,5 @@
 mod common;
 
 fn main() -> std::process::ExitCode {
-    common::main("llama")
+    common::main("llama", &["llama"])
 }

@@ -111,10 +111,11 @@ struct StatsOut<'a> {
     decode_s: f64,
 }
 
-/// Parses the flags, runs, and maps errors to a message and exit code 1.
-pub fn main(example: &str) -> ExitCode {
+/// Parses the flags, runs, and maps errors to a message and exit code 1. `example` is the
+/// example's name and `archs` the architectures (`ModelInfo::architecture`) it runs.
+pub fn main(example: &str, archs: &[&str]) -> ExitCode {
     let args = Args::parse();
-    match run(&args, example) {
+    match run(&args, example, archs) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
@@ -150,7 +151,27 @@ fn write_atomic(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<
     r
 }
 
-fn run(args: &Args, _example: &str) -> Result<()> {
+/// The example that runs `arch`.
+fn example_for(arch: &str) -> &'static str {
+    match arch {
+        "mistral" => "mistral",
+        "qwen2" => "qwen",
+        "gemma" | "gemma2" => "gemma",
+        "opt" => "opt",
+        _ => "llama",
+    }
+}
+
+fn run(args: &Args, example: &str, archs: &[&str]) -> Result<()> {
+    let explicit = args.model_dir.is_some()
+        || args.model_id.is_some()
+        || args.gguf.is_some()
+        || args.random_weights;
+    if !explicit && !archs.contains(&"llama") {
+        anyhow::bail!(
+            "the `{example}` example needs a model: pass --model-dir DIR, --model-id ID or --random-weights --config FILE (the built-in default model is a Llama; run `--example llama` for it)"
+        );
+    }
     let device = if args.cpu {
         Device::Cpu
     } else {
@@ -189,6 +210,15 @@ fn run(args: &Args, _example: &str) -> Result<()> {
     let loaded = load(&files, &device, dtype, args.tokenizer.as_deref())?;
     let model = loaded.model;
     let tok = loaded.tokenizer;
+    let arch = model.info().architecture.clone();
+    if !archs.contains(&arch.as_str()) {
+        anyhow::bail!(
+            "the `{example}` example runs {} models, but {} is a `{arch}` model; run `--example {}` (every example takes the same flags)",
+            archs.join("/"),
+            model.info().source,
+            example_for(&arch)
+        );
+    }
 
     let prompt_ids = match (&args.prompt_ids, &args.prompt) {
         (Some(ids), _) => ids.clone(),
