@@ -25,6 +25,16 @@ impl TokenIds {
             Self::Many(v) => v.clone(),
         }
     }
+
+    /// The first id of an optional field (`bos_token_id`).
+    pub fn first_of(ids: &Option<TokenIds>) -> Option<u32> {
+        ids.as_ref().and_then(|i| i.to_vec().first().copied())
+    }
+
+    /// Every id of an optional field (`eos_token_id`).
+    pub fn all_of(ids: &Option<TokenIds>) -> Vec<u32> {
+        ids.as_ref().map(TokenIds::to_vec).unwrap_or_default()
+    }
 }
 
 /// RoPE parameters as written in `rope_scaling` or `rope_parameters`.

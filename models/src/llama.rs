@@ -10,7 +10,7 @@ use candle_nn::VarBuilder;
 use kvpolicy_core::AttnSpec;
 
 use crate::attention::Attention;
-use crate::config::{activation, LlamaConfig};
+use crate::config::{activation, LlamaConfig, TokenIds};
 use crate::decoder::{Block, Decoder};
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
@@ -189,15 +189,8 @@ pub fn from_varbuilder(
         hidden: h,
         dtype: vb.dtype(),
         device: vb.device().clone(),
-        bos: cfg
-            .bos_token_id
-            .as_ref()
-            .and_then(|b| b.to_vec().first().copied()),
-        eos: cfg
-            .eos_token_id
-            .as_ref()
-            .map(|e| e.to_vec())
-            .unwrap_or_default(),
+        bos: TokenIds::first_of(&cfg.bos_token_id),
+        eos: TokenIds::all_of(&cfg.eos_token_id),
     };
     Ok(Decoder {
         embed,

@@ -9,7 +9,7 @@ use candle_nn::VarBuilder;
 use kvpolicy_core::AttnSpec;
 
 use crate::attention::Attention;
-use crate::config::{activation, OptConfig};
+use crate::config::{activation, OptConfig, TokenIds};
 use crate::decoder::{Block, Decoder, LearnedPositions};
 use crate::error::{ModelError, Result};
 use crate::layers::{Linear, Mlp, Norm};
@@ -106,15 +106,8 @@ pub fn from_varbuilder(
         hidden: h,
         dtype: vb.dtype(),
         device: vb.device().clone(),
-        bos: cfg
-            .bos_token_id
-            .as_ref()
-            .and_then(|b| b.to_vec().first().copied()),
-        eos: cfg
-            .eos_token_id
-            .as_ref()
-            .map(|e| e.to_vec())
-            .unwrap_or_default(),
+        bos: TokenIds::first_of(&cfg.bos_token_id),
+        eos: TokenIds::all_of(&cfg.eos_token_id),
     };
     Ok(Decoder {
         embed,

@@ -347,27 +347,7 @@ impl OffloadPolicy {
     }
 
     fn shape_for(&mut self, step: &AttnStep<'_>) -> Result<KvShape> {
-        let (b, nkv, t, d) = step.k.dims4()?;
-        let n_layers = self.lens.len().max(step.layer + 1);
-        let shape = match &self.shape {
-            Some(s)
-                if (s.batch, s.n_kv_heads, s.head_dim, s.dtype) == (b, nkv, d, step.k.dtype()) =>
-            {
-                KvShape {
-                    n_layers: s.n_layers.max(n_layers),
-                    ..s.clone()
-                }
-            }
-            _ => KvShape {
-                n_layers,
-                n_heads: step.spec.n_heads,
-                n_kv_heads: nkv,
-                head_dim: d,
-                batch: b,
-                dtype: step.k.dtype(),
-                max_tokens: step.pos + t,
-            },
-        };
+        let shape = KvShape::for_step(self.shape.as_ref(), self.lens.len(), step)?;
         self.shape = Some(shape.clone());
         Ok(shape)
     }

@@ -57,6 +57,37 @@ pub struct KvShape {
 }
 
 impl KvShape {
+    /// The shape a step implies: `known` (from `prepare` or an earlier step) with the layer
+    /// count raised to cover `layers_seen` and this step's layer, or — when the step's K/V do
+    /// not fit `known` — a shape read off the step.
+    pub fn for_step(
+        known: Option<&KvShape>,
+        layers_seen: usize,
+        step: &AttnStep<'_>,
+    ) -> Result<Self> {
+        let (b, nkv, t, d) = step.k.dims4()?;
+        let n_layers = layers_seen.max(step.layer + 1);
+        Ok(match known {
+            Some(s)
+                if (s.batch, s.n_kv_heads, s.head_dim, s.dtype) == (b, nkv, d, step.k.dtype()) =>
+            {
+                KvShape {
+                    n_layers: s.n_layers.max(n_layers),
+                    ..s.clone()
+                }
+            }
+            _ => KvShape {
+                n_layers,
+                n_heads: step.spec.n_heads,
+                n_kv_heads: nkv,
+                head_dim: d,
+                batch: b,
+                dtype: step.k.dtype(),
+                max_tokens: step.pos + t,
+            },
+        })
+    }
+
     /// Bytes of K and V for `tokens` tokens of `heads` heads (one layer).
     pub fn kv_bytes(&self, heads: usize, tokens: usize) -> u64 {
         (2 * self.batch * heads * tokens * self.head_dim * self.dtype.size_in_bytes()) as u64
