@@ -3,7 +3,9 @@
 //! generation loop.
 //!
 //! One shared [`attention::Attention`] owns the projections, the positional encoding and the
-//! policy call; each model file wires norms, MLP and embeddings around it.
+//! policy call; one [`Decoder`] runs the blocks; each architecture file (`llama`, `mistral`,
+//! `qwen2`, `gemma`, `opt`) only wires what differs — norms, MLP, embeddings, biases,
+//! position handling — and [`ModelConfig`] dispatches on config.json's `model_type`.
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 pub mod attention;
