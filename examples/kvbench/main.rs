@@ -1,0 +1,241 @@
+//! Compare policies: a sweep of policies × context lengths on any supported model, with
+//! candle-transformers' stock model as the anchor of `full` (GGUF Llama models).
+//!
+//! ```sh
+//! cargo run --release --example kvbench -- [--gguf FILE | --model-dir DIR | --random-weights --config FILE]
+//!     [--context 512,2048] [--steps 32] [--policies full,layer,headwise:1,headwise:auto,recompute,recompute:N]
+//!     [--csv FILE] [--plot DIR] [--quick] [--link-bandwidth 50MB] [--profile FILE]
+//! ```
+//!
+//! Each context is filled by a chunked prefill of deterministic token ids, then `--steps`
+//! decode steps are timed (fixed ids, so every policy does identical work); the median of
+//! `--repeats` runs is reported. Prints a markdown table (ratios ÷ `full` at the same
+//! context), and optionally writes CSV and SVG charts.
+mod plot;
+mod report;
+mod stock;
+mod sweep;
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use candle_core::{DType, Device, Tensor};
+use clap::Parser;
+use indicatif::{ProgressBar, ProgressStyle};
+use kvpolicy::models::source::ModelFiles;
+use kvpolicy::models::{activation_dtype, load, resolve, ModelSpec};
+use kvpolicy::{PolicyOptions, Profile};
+
+use stock::{Stock, STOCK_MAX_POSITIONS};
+use sweep::{measure, Row, Variant};
+
+/// Flags.
+#[derive(Parser)]
+#[command(about = "Compare KV policies: decode/prefill speed, device and host KV bytes, traffic")]
+struct Args {
+    /// GGUF model (default: SmolLM2-135M-Instruct, fetched once).
+    #[arg(long, conflicts_with_all = ["model_dir", "random_weights"])]
+    gguf: Option<PathBuf>,
+    /// Local HF model directory.
+    #[arg(long, conflicts_with = "random_weights")]
+    model_dir: Option<PathBuf>,
+    /// Random weights for --config (speed does not depend on the values).
+    #[arg(long, requires = "config")]
+    random_weights: bool,
+    /// config.json for --random-weights.
+    #[arg(long, requires = "random_weights")]
+    config: Option<PathBuf>,
+    /// Context lengths before the timed steps.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![512usize, 2048])]
+    context: Vec<usize>,
+    /// Timed decode steps per run.
+    #[arg(long, default_value_t = 32)]
+    steps: usize,
+    /// Runs per policy and context (median reported).
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+    /// Policies: `name`, `headwise:GROUP` or `recompute:SPLIT`.
+    #[arg(long, value_delimiter = ',', default_values_t = ["full", "layer", "headwise:1", "headwise:auto", "recompute"].map(String::from).to_vec())]
+    policies: Vec<String>,
+    /// Prefill chunk (tokens per pass).
+    #[arg(long, default_value_t = 256)]
+    prefill_chunk: usize,
+    /// A smoke run of about a minute: contexts 64 and 256, 4 steps, 1 repeat.
+    #[arg(long)]
+    quick: bool,
+    /// Write every measurement as CSV to FILE.
+    #[arg(long, value_name = "FILE")]
+    csv: Option<PathBuf>,
+    /// Draw SVG charts (decode tok/s, device KV bytes, bytes moved per token) into DIR.
+    #[arg(long, value_name = "DIR")]
+    plot: Option<PathBuf>,
+    /// Skip candle-transformers' stock model (measured by default for GGUF Llama models).
+    #[arg(long)]
+    no_stock: bool,
+    /// Run on the CPU even when a GPU is available.
+    #[arg(long)]
+    cpu: bool,
+    /// Activation/weight dtype for safetensors and random models: f32, f16, bf16 (default: f32 on CPU, bf16 on CUDA).
+    #[arg(long)]
+    dtype: Option<String>,
+    /// Also measure host→device bandwidth (MiB copied) and print the PCIe bound per policy.
+    #[arg(long)]
+    bandwidth_mib: Option<usize>,
+    /// Simulate a host↔device link of this many bytes per second (CPU only), e.g. 50MB.
+    #[arg(long, value_parser = parse_size)]
+    link_bandwidth: Option<u64>,
+    /// Cost profile for `recompute` (JSON); default: measured at the first step.
+    #[arg(long)]
+    profile: Option<PathBuf>,
+}
+
+fn parse_size(s: &str) -> std::result::Result<u64, String> {
+    kvpolicy::parse_bytes(s).map_err(|e| e.to_string())
+}
+
+/// Host→device bandwidth in bytes/s for a `mib` MiB pageable copy (median of 5).
+fn h2d_bandwidth(dev: &Device, mib: usize) -> Result<f64> {
+    let n = mib * 1024 * 1024 / 4;
+    let host = Tensor::zeros(n, DType::F32, &Device::Cpu)?;
+    let mut v = Vec::new();
+    for _ in 0..5 {
+        let t = std::time::Instant::now();
+        let d = host.to_device(dev)?;
+        dev.synchronize()?;
+        v.push((n * 4) as f64 / t.elapsed().as_secs_f64());
+        drop(d);
+    }
+    Ok(sweep::median(v))
+}
+
+fn main() -> Result<()> {
+    let mut args = Args::parse();
+    if args.quick {
+        args.context = vec![64, 256];
+        args.steps = 4;
+        args.repeats = 1;
+    }
+    anyhow::ensure!(args.steps > 0, "--steps must be at least 1");
+    let dev = if args.cpu {
+        Device::Cpu
+    } else {
+        Device::cuda_if_available(0)?
+    };
+    let dtype = activation_dtype(args.dtype.as_deref(), &dev).with_context(|| {
+        format!(
+            "unknown --dtype `{}`; use f32, f16 or bf16",
+            args.dtype.as_deref().unwrap_or_default()
+        )
+    })?;
+    let base = PolicyOptions {
+        device: dev.clone(),
+        link_bandwidth: args.link_bandwidth.map(|b| b as f64),
+        profile: args.profile.as_deref().map(Profile::load).transpose()?,
+        ..PolicyOptions::default()
+    };
+    let variants: Vec<Variant> = args
+        .policies
+        .iter()
+        .map(|p| Variant::parse(p, &base))
+        .collect::<Result<_>>()?;
+    let bw = args
+        .bandwidth_mib
+        .map(|m| h2d_bandwidth(&dev, m))
+        .transpose()?;
+
+    let spec = match (&args.gguf, &args.model_dir, &args.config) {
+        (Some(g), _, _) => ModelSpec::Gguf(g.clone()),
+        (_, Some(d), _) => ModelSpec::Dir(d.clone()),
+        (_, _, Some(c)) if args.random_weights => ModelSpec::Random {
+            config: c.clone(),
+            seed: 1,
+        },
+        _ => ModelSpec::Default,
+    };
+    let files = resolve(&spec)?;
+    let loaded = load(&files, &dev, dtype, None)?;
+    let model = loaded.model.as_ref();
+    let info = model.info().clone();
+    let max_ctx = args.context.iter().copied().max().unwrap_or(0);
+    anyhow::ensure!(
+        max_ctx + args.steps <= info.max_positions,
+        "context {max_ctx} + {} steps exceeds the model's {} positions",
+        args.steps,
+        info.max_positions
+    );
+    let mut stock = match &files {
+        ModelFiles::Gguf(p) if !args.no_stock && info.architecture == "llama" => {
+            Some(Stock::load(p, &dev, info.vocab_size)?)
+        }
+        _ => None,
+    };
+
+    println!(
+        "model: {} ({} layers, {} heads, {} KV heads × {}); steps {}; repeats {}; threads {}; device {:?}",
+        info.source,
+        info.n_layers,
+        info.n_heads,
+        info.n_kv_heads,
+        info.head_dim,
+        args.steps,
+        args.repeats,
+        candle_core::utils::get_num_threads(),
+        dev.location()
+    );
+    if let Some(b) = bw {
+        println!("host→device bandwidth (pageable): {:.2} GB/s", b / 1e9);
+    }
+    if let Some(b) = args.link_bandwidth {
+        println!("simulated link: {}/s", kvpolicy::core::format_bytes(b));
+    }
+    let per_ctx = variants.len() + usize::from(stock.is_some());
+    let bar = ProgressBar::new((args.context.len() * per_ctx * args.repeats.max(1)) as u64);
+    bar.set_style(
+        ProgressStyle::with_template("{elapsed_precise} {bar:30} {pos}/{len} {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let mut rows: Vec<Row> = Vec::new();
+    for &ctx in &args.context {
+        for v in &variants {
+            bar.set_message(format!("{} at {ctx}", v.label));
+            rows.push(measure(
+                model,
+                v,
+                ctx,
+                args.steps,
+                args.repeats,
+                args.prefill_chunk,
+                &mut || bar.inc(1),
+            )?);
+        }
+        if let Some(s) = stock.as_mut() {
+            if ctx + args.steps <= STOCK_MAX_POSITIONS {
+                bar.set_message(format!("stock at {ctx}"));
+                rows.push(s.measure(ctx, args.steps, args.repeats, &mut || bar.inc(1))?);
+            }
+        }
+    }
+    bar.finish_and_clear();
+    print!("{}", report::markdown(&rows, bw));
+    let mut seen: Vec<&Profile> = Vec::new();
+    for p in rows.iter().filter_map(|r| r.profile.as_ref()) {
+        if !seen.contains(&p) {
+            println!("profile used: {}", serde_json::to_string(p)?);
+            seen.push(p);
+        }
+    }
+    if let Some(path) = &args.csv {
+        report::write_csv(&rows, path)?;
+        eprintln!("wrote {}", path.display());
+    }
+    if let Some(dir) = &args.plot {
+        let name = std::path::Path::new(&info.source)
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| info.source.clone());
+        for p in plot::draw(&rows, dir, &name)? {
+            eprintln!("wrote {}", p.display());
+        }
+    }
+    Ok(())
+}

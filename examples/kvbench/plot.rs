@@ -1,0 +1,140 @@
+//! SVG charts of a sweep (plotters): decode tok/s, peak device KV bytes (log scale) and
+//! host→device bytes per token, each against the context length, one line per policy.
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use plotters::prelude::*;
+
+use crate::report::write_atomic;
+use crate::sweep::Row;
+
+/// One chart: which value, its axis title, the file name, whether the y axis is logarithmic.
+struct Chart {
+    value: fn(&Row) -> f64,
+    title: &'static str,
+    file: &'static str,
+    log_y: bool,
+}
+
+const CHARTS: [Chart; 3] = [
+    Chart {
+        value: |r| r.decode_tok_s,
+        title: "decode tokens/s",
+        file: "decode_tok_s.svg",
+        log_y: false,
+    },
+    Chart {
+        value: |r| r.device_kv_peak_bytes as f64,
+        title: "peak device-tier KV bytes",
+        file: "device_kv_bytes.svg",
+        log_y: true,
+    },
+    Chart {
+        value: |r| r.h2d_bytes_per_token as f64,
+        title: "host→device bytes per decoded token",
+        file: "h2d_bytes_per_token.svg",
+        log_y: false,
+    },
+];
+
+/// Writes the three charts into `dir`; returns their paths.
+pub fn draw(rows: &[Row], dir: &Path, model: &str) -> Result<Vec<std::path::PathBuf>> {
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let mut policies: Vec<&str> = Vec::new();
+    for r in rows {
+        if !policies.contains(&r.policy.as_str()) {
+            policies.push(&r.policy);
+        }
+    }
+    let mut written = Vec::new();
+    for chart in &CHARTS {
+        let mut svg = String::new();
+        {
+            let root = SVGBackend::with_string(&mut svg, (720, 440)).into_drawing_area();
+            draw_one(&root, rows, &policies, chart, model)?;
+            root.present().map_err(|e| anyhow::anyhow!("{e}"))?;
+        }
+        let path = dir.join(chart.file);
+        write_atomic(&path, svg.as_bytes())?;
+        written.push(path);
+    }
+    Ok(written)
+}
+
+fn draw_one(
+    root: &DrawingArea<SVGBackend<'_>, plotters::coord::Shift>,
+    rows: &[Row],
+    policies: &[&str],
+    chart: &Chart,
+    model: &str,
+) -> Result<()> {
+    let err = |e: DrawingAreaErrorKind<_>| anyhow::anyhow!("drawing {}: {e}", chart.file);
+    root.fill(&WHITE).map_err(err)?;
+    let points: Vec<(&str, f64, f64)> = rows
+        .iter()
+        .filter(|r| !(chart.log_y && (chart.value)(r) <= 0.0))
+        .filter(|r| !(r.policy == "stock" && chart.file != "decode_tok_s.svg"))
+        .map(|r| (r.policy.as_str(), r.context as f64, (chart.value)(r)))
+        .collect();
+    let (xmin, xmax) = points
+        .iter()
+        .fold((f64::MAX, f64::MIN), |(a, b), p| (a.min(p.1), b.max(p.1)));
+    let ymax = points.iter().fold(0f64, |m, p| m.max(p.2)).max(1.0);
+    let ymin = points.iter().fold(f64::MAX, |m, p| m.min(p.2)).max(1.0);
+    let (xmin, xmax) = if xmin < xmax {
+        (xmin, xmax)
+    } else {
+        (xmin.max(2.0) / 2.0, xmax.max(1.0) * 2.0)
+    };
+    let caption = format!("{} — {model}", chart.title);
+    let mut b = ChartBuilder::on(root);
+    b.caption(caption, ("sans-serif", 18))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(80);
+    let colors = [&BLUE, &RED, &GREEN, &MAGENTA, &CYAN, &BLACK];
+    macro_rules! series {
+        ($c:expr) => {{
+            let mut c = $c;
+            c.configure_mesh()
+                .x_desc("context (tokens)")
+                .y_desc(chart.title)
+                .draw()
+                .map_err(err)?;
+            for (i, p) in policies.iter().enumerate() {
+                let color = colors[i % colors.len()];
+                let line: Vec<(f64, f64)> = points
+                    .iter()
+                    .filter(|q| q.0 == *p)
+                    .map(|q| (q.1, q.2))
+                    .collect();
+                if line.is_empty() {
+                    continue;
+                }
+                c.draw_series(LineSeries::new(line.clone(), color.stroke_width(2)))
+                    .map_err(err)?
+                    .label(*p)
+                    .legend(move |(x, y)| {
+                        PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
+                    });
+                c.draw_series(line.iter().map(|&pt| Circle::new(pt, 3, color.filled())))
+                    .map_err(err)?;
+            }
+            c.configure_series_labels()
+                .position(SeriesLabelPosition::UpperLeft)
+                .background_style(WHITE.mix(0.85))
+                .border_style(BLACK)
+                .draw()
+                .map_err(err)?;
+        }};
+    }
+    let x = (xmin * 0.9..xmax * 1.1).log_scale();
+    if chart.log_y {
+        series!(b
+            .build_cartesian_2d(x, (ymin * 0.5..ymax * 2.0).log_scale())
+            .map_err(err)?);
+    } else {
+        series!(b.build_cartesian_2d(x, 0.0..ymax * 1.15).map_err(err)?);
+    }
+    Ok(())
+}

@@ -1,0 +1,120 @@
+//! The sweep's outputs: a markdown table (÷ `full` at the same context), a CSV file.
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use kvpolicy::core::format_bytes;
+
+use crate::sweep::Row;
+
+/// `full`'s row at `context`, the anchor of the ratios.
+fn anchor(rows: &[Row], context: usize) -> Option<&Row> {
+    rows.iter()
+        .find(|r| r.context == context && r.policy == "full")
+}
+
+fn ratio(a: f64, b: Option<f64>) -> String {
+    match b {
+        Some(b) if b > 0.0 => format!("{:.2}", a / b),
+        _ => "-".into(),
+    }
+}
+
+/// The table: one row per context and variant; `bandwidth` adds the PCIe bound column.
+pub fn markdown(rows: &[Row], bandwidth: Option<f64>) -> String {
+    let mut s = String::from(
+        "| context | policy | prefill tok/s | decode tok/s | ÷ full | device KV peak | ÷ full | host KV | h2d bytes/token | split |",
+    );
+    let mut rule = String::from("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    if bandwidth.is_some() {
+        s.push_str(" PCIe bound s/token | s/token |");
+        rule.push_str("---:|---:|");
+    }
+    s.push('\n');
+    s.push_str(&rule);
+    s.push('\n');
+    for r in rows {
+        let a = anchor(rows, r.context);
+        let stock = r.policy == "stock";
+        let dev = if stock {
+            "-".to_string()
+        } else {
+            format_bytes(r.device_kv_peak_bytes)
+        };
+        let dev_ratio = if stock {
+            "-".to_string()
+        } else {
+            ratio(
+                r.device_kv_peak_bytes as f64,
+                a.map(|a| a.device_kv_peak_bytes as f64),
+            )
+        };
+        s.push_str(&format!(
+            "| {} | {} | {:.1} | {:.2} | {} | {} | {} | {} | {} | {} |",
+            r.context,
+            r.policy,
+            r.prefill_tok_s,
+            r.decode_tok_s,
+            ratio(r.decode_tok_s, a.map(|a| a.decode_tok_s)),
+            dev,
+            dev_ratio,
+            if stock {
+                "-".into()
+            } else {
+                format_bytes(r.host_kv_bytes)
+            },
+            r.h2d_bytes_per_token,
+            r.split,
+        ));
+        if let Some(b) = bandwidth {
+            let bound = if r.h2d_bytes_per_token > 0 {
+                format!("{:.4}", r.h2d_bytes_per_token as f64 / b)
+            } else {
+                "-".into()
+            };
+            s.push_str(&format!(" {bound} | {:.4} |", 1.0 / r.decode_tok_s));
+        }
+        s.push('\n');
+    }
+    s
+}
+
+/// Writes every row as CSV (through a temporary file, so a failure leaves nothing behind).
+pub fn write_csv(rows: &[Row], path: &Path) -> Result<()> {
+    let mut out = String::from(
+        "context,policy,prefill_tok_s,decode_tok_s,decode_vs_full,device_kv_peak_bytes,device_vs_full,host_kv_bytes,h2d_bytes_per_token,d2h_bytes_per_token,split\n",
+    );
+    for r in rows {
+        let a = anchor(rows, r.context);
+        let opt = |x: Option<f64>| x.map(|v| format!("{v:.6}")).unwrap_or_default();
+        out.push_str(&format!(
+            "{},{},{:.3},{:.3},{},{},{},{},{},{},{}\n",
+            r.context,
+            r.policy,
+            r.prefill_tok_s,
+            r.decode_tok_s,
+            opt(a.map(|a| r.decode_tok_s / a.decode_tok_s)),
+            r.device_kv_peak_bytes,
+            opt(a
+                .filter(|a| a.device_kv_peak_bytes > 0 && r.policy != "stock")
+                .map(|a| r.device_kv_peak_bytes as f64 / a.device_kv_peak_bytes as f64)),
+            r.host_kv_bytes,
+            r.h2d_bytes_per_token,
+            r.d2h_bytes_per_token,
+            r.split,
+        ));
+    }
+    write_atomic(path, out.as_bytes())
+}
+
+/// Writes `bytes` to `path` through a temporary file beside it.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let name = path.file_name().context("output path has no file name")?;
+    let tmp = path.with_file_name(format!(".{}.partial", name.to_string_lossy()));
+    let r = std::fs::write(&tmp, bytes)
+        .and_then(|()| std::fs::rename(&tmp, path))
+        .with_context(|| format!("cannot write {}", path.display()));
+    if r.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    r
+}

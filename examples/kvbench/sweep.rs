@@ -1,0 +1,136 @@
+//! One measurement: a policy variant at one context length — prefill tok/s, decode tok/s,
+//! device/host KV bytes and bytes moved per decoded token.
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use candle_core::{Device, Tensor};
+use kvpolicy::models::prefill;
+use kvpolicy::{build_policy, CausalLm, HeadGroup, LogitsMode, PolicyOptions, Profile};
+
+/// A policy with its options, as named on the command line (`headwise:1`, `recompute:64`).
+#[derive(Clone, Debug)]
+pub struct Variant {
+    /// The name as given.
+    pub label: String,
+    /// The registry name.
+    pub policy: String,
+    /// Its options.
+    pub opts: PolicyOptions,
+}
+
+impl Variant {
+    /// Parses `name`, `headwise:GROUP` or `recompute:SPLIT` over the shared options.
+    pub fn parse(label: &str, base: &PolicyOptions) -> Result<Self> {
+        let (policy, arg) = label.split_once(':').unwrap_or((label, ""));
+        let mut opts = base.clone();
+        match (policy, arg) {
+            (_, "") => {}
+            ("recompute", n) => {
+                opts.recompute_split = Some(n.parse().with_context(|| {
+                    format!("`{label}`: recompute:SPLIT needs a number of tokens")
+                })?)
+            }
+            ("headwise", g) => {
+                opts.head_group = g.parse::<HeadGroup>().map_err(anyhow::Error::msg)?
+            }
+            (p, _) => anyhow::bail!(
+                "`{label}`: only headwise:GROUP and recompute:SPLIT take a value, not {p}"
+            ),
+        }
+        // Fail on an unknown name before any model work.
+        build_policy(policy, &opts)?;
+        Ok(Self {
+            label: label.to_string(),
+            policy: policy.to_string(),
+            opts,
+        })
+    }
+}
+
+/// What one variant measured at one context.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Row {
+    /// Tokens cached before the timed decode steps.
+    pub context: usize,
+    /// Variant label (or `stock`).
+    pub policy: String,
+    /// Prefill tokens per second.
+    pub prefill_tok_s: f64,
+    /// Decode tokens per second (median over repeats).
+    pub decode_tok_s: f64,
+    /// Highest device-tier KV bytes.
+    pub device_kv_peak_bytes: u64,
+    /// Host-tier KV bytes at the end.
+    pub host_kv_bytes: u64,
+    /// Host→device bytes per decoded token.
+    pub h2d_bytes_per_token: u64,
+    /// Device→host bytes per decoded token.
+    pub d2h_bytes_per_token: u64,
+    /// Tokens regenerated per layer in the last step (`recompute`).
+    pub split: u64,
+    /// The profile the policy planned with, if any.
+    #[serde(skip)]
+    pub profile: Option<Profile>,
+}
+
+/// Deterministic prompt ids.
+pub fn ids(n: usize, offset: usize, vocab: u32) -> Vec<u32> {
+    (0..n)
+        .map(|i| ((i + offset) as u32 * 7919 + 13) % vocab)
+        .collect()
+}
+
+/// Prefills `context` tokens under `v` and times `steps` decode steps, `repeats` times.
+pub fn measure(
+    model: &dyn CausalLm,
+    v: &Variant,
+    context: usize,
+    steps: usize,
+    repeats: usize,
+    chunk: usize,
+    tick: &mut dyn FnMut(),
+) -> Result<Row> {
+    let dev: &Device = &model.info().device;
+    let vocab = model.info().vocab_size as u32;
+    let prompt = ids(context, 0, vocab);
+    let mut prefill_rates = Vec::new();
+    let mut rates = Vec::new();
+    let mut last = None;
+    for _ in 0..repeats.max(1) {
+        let mut p = build_policy(&v.policy, &v.opts)?;
+        let t = Instant::now();
+        prefill(model, p.as_mut(), &prompt, chunk, false)?;
+        dev.synchronize()?;
+        prefill_rates.push(context as f64 / t.elapsed().as_secs_f64());
+        let before = p.stats();
+        let t = Instant::now();
+        for (i, &tok) in ids(steps, context, vocab).iter().enumerate() {
+            let x = Tensor::new(&[tok], dev)?.unsqueeze(0)?;
+            model.forward(&x, context + i, p.as_mut(), LogitsMode::Last)?;
+        }
+        dev.synchronize()?;
+        rates.push(steps as f64 / t.elapsed().as_secs_f64());
+        last = Some((before, p.stats(), p.profile().cloned()));
+        tick();
+    }
+    let (before, after, profile) = last.context("no run")?;
+    let per = |a: u64, b: u64| (a - b) / steps.max(1) as u64;
+    Ok(Row {
+        context,
+        policy: v.label.clone(),
+        prefill_tok_s: median(prefill_rates),
+        decode_tok_s: median(rates),
+        device_kv_peak_bytes: after.device_kv_peak_bytes,
+        host_kv_bytes: after.host_kv_bytes,
+        h2d_bytes_per_token: per(after.h2d_bytes, before.h2d_bytes),
+        d2h_bytes_per_token: per(after.d2h_bytes, before.d2h_bytes),
+        split: after.split,
+        profile,
+    })
+}
+
+/// The median (the upper one for an even count).
+pub fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
