@@ -60,17 +60,28 @@ impl GgufFile {
         reader
             .seek(SeekFrom::Start(0))
             .map_err(|e| ModelError::io(path, e))?;
-        let content = Content::read(&mut reader).map_err(|e| ModelError::Gguf {
+        let damaged = |why: String| ModelError::Gguf {
             path: path.to_path_buf(),
             message: format!(
-                "has a damaged or truncated GGUF header ({}); download the file again",
-                crate::error::candle_message(&e)
+                "has a damaged or truncated GGUF header ({why}); download the file again"
             ),
-        })?;
+        };
+        // candle's header reader bounds every length by the file size, but a few values
+        // (e.g. `general.alignment` = 0) still make it panic; a damaged file must be an
+        // error, so a panic inside the reader is caught and reported as one.
+        let content =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Content::read(&mut reader)))
+                .map_err(|_| damaged("the header reader rejected its values".into()))?
+                .map_err(|e| damaged(crate::error::candle_message(&e)))?;
         for (name, info) in &content.tensor_infos {
-            let elems = info.shape.elem_count() as u64;
+            let elems = info
+                .shape
+                .dims()
+                .iter()
+                .try_fold(1u64, |n, &d| n.checked_mul(d as u64))
+                .unwrap_or(u64::MAX);
             let block = info.ggml_dtype.block_size() as u64;
-            let bytes = elems / block.max(1) * info.ggml_dtype.type_size() as u64;
+            let bytes = (elems / block.max(1)).saturating_mul(info.ggml_dtype.type_size() as u64);
             let end = content
                 .tensor_data_offset
                 .saturating_add(info.offset)
