@@ -245,3 +245,49 @@ impl GgufFile {
         Ok(self.tensor(name, device)?.dequantize(device)?)
     }
 }
+
+#[cfg(test)]
+mod fuzz_regressions {
+    use super::*;
+
+    /// GGUF v3 bytes with no tensors and the given metadata (key, u32 type, raw value).
+    fn gguf(meta: &[(&str, u32, &[u8])]) -> Vec<u8> {
+        let mut b = b"GGUF".to_vec();
+        b.extend(3u32.to_le_bytes());
+        b.extend(0u64.to_le_bytes());
+        b.extend((meta.len() as u64).to_le_bytes());
+        for (k, ty, v) in meta {
+            b.extend((k.len() as u64).to_le_bytes());
+            b.extend(k.as_bytes());
+            b.extend(ty.to_le_bytes());
+            b.extend(*v);
+        }
+        b
+    }
+
+    #[test]
+    fn zero_alignment_is_an_error_not_a_panic(
+    ) -> std::result::Result<(), Box<dyn std::error::Error>> {
+        let dir = std::env::temp_dir().join(format!("kvpolicy-gguf-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        let path = dir.join("align0.gguf");
+        std::fs::write(
+            &path,
+            gguf(&[("general.alignment", 4, &0u32.to_le_bytes())]),
+        )?;
+        let e = GgufFile::open(&path)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(e.contains("damaged or truncated GGUF header"), "{e}");
+        // A sane alignment opens, and a file without an architecture says so.
+        std::fs::write(
+            &path,
+            gguf(&[("general.alignment", 4, &32u32.to_le_bytes())]),
+        )?;
+        let g = GgufFile::open(&path)?;
+        assert!(g.architecture().is_err());
+        std::fs::remove_dir_all(&dir)?;
+        Ok(())
+    }
+}
