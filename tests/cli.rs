@@ -521,3 +521,15 @@ fn recompute_option_errors_and_stats() -> Result<()> {
     assert!(v["recompute_tokens"].as_u64().unwrap_or(0) > 0, "{v}");
     Ok(())
 }
+
+#[test]
+fn fuzz_found_inputs_are_errors() -> Result<()> {
+    // A GGUF whose `embedding_length` (0x8080…) once sized a 2 GB RoPE table before the
+    // tensors were consulted (found by `cargo fuzz run gguf` under a 2 GB limit): sizes are
+    // now checked against the tensors first.
+    let f = common::fixture("fuzz/gguf-oom-embedding-length.gguf");
+    fails_with(
+        &["--gguf", &f.to_string_lossy(), "--prompt-ids", "1"],
+        "lacks the tensor `token_embd.weight`",
+    )
+}

@@ -222,6 +222,29 @@ pub fn from_gguf(g: &GgufFile, device: &Device) -> Result<Decoder> {
         )));
     }
     let hd = g.meta_usize_or(&key("rope.dimension_count"), h / nh)?;
+    // Sizes in the metadata are checked against the tensors (whose bytes the file holds)
+    // before anything is allocated from them.
+    let (vocab, emb_w) = match g.tensor_dims("token_embd.weight")?.as_slice() {
+        [v, w] => (*v, *w),
+        other => {
+            return Err(g.corrupt(format!(
+                "token_embd.weight has dimensions {other:?}, expected 2"
+            )))
+        }
+    };
+    if emb_w != h {
+        return Err(g.corrupt(format!(
+            "token_embd.weight is {vocab}×{emb_w} but the embedding width is {h}"
+        )));
+    }
+    if n_layers > 0 {
+        let q = g.tensor_dims("blk.0.attn_q.weight")?;
+        if q.get(1).copied() != Some(h) || hd.checked_mul(nh) != q.first().copied() {
+            return Err(g.corrupt(format!(
+                "blk.0.attn_q.weight has dimensions {q:?}, but {nh} heads × {hd} from a width of {h} were expected"
+            )));
+        }
+    }
     let freq_factors = if g.has_tensor("rope_freqs.weight") {
         let t = g
             .tensor("rope_freqs.weight", &Device::Cpu)?
@@ -237,12 +260,6 @@ pub fn from_gguf(g: &GgufFile, device: &Device) -> Result<Decoder> {
     };
     let rope = Rope::new(&rope_cfg, hd, RopeStyle::Interleaved);
     let embed_q = g.tensor("token_embd.weight", device)?;
-    let (vocab, emb_w) = embed_q.shape().dims2()?;
-    if emb_w != h {
-        return Err(g.corrupt(format!(
-            "token_embd.weight is {vocab}×{emb_w} but the embedding width is {h}"
-        )));
-    }
     let embed = candle_nn::Embedding::new(embed_q.dequantize(device)?, h);
     let ql = |name: String, out: usize, inp: usize| -> Result<Linear> {
         let t = g.tensor(&name, device)?;
@@ -267,7 +284,7 @@ pub fn from_gguf(g: &GgufFile, device: &Device) -> Result<Decoder> {
                 .ok_or_else(|| g.corrupt(format!("{name} has no dimensions")))
         })
     };
-    let mut layers = Vec::with_capacity(n_layers);
+    let mut layers = Vec::new(); // n_layers comes from the file: no reservation
     for i in 0..n_layers {
         let ff = ffn(g, i)?;
         let attn = Attention {

@@ -66,7 +66,7 @@ fn bad(origin: &str, reason: impl Into<String>) -> KvError {
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 impl Profile {
