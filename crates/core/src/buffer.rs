@@ -16,6 +16,22 @@ pub fn round_up(tokens: usize, step: usize) -> usize {
     tokens.div_ceil(step) * step
 }
 
+/// A zero buffer of `dims` whose leading part along `dim` holds a copy of `old` (when
+/// given): how every preallocated buffer of this workspace grows.
+pub fn grown(
+    old: Option<&Tensor>,
+    dims: impl Into<candle_core::Shape>,
+    dim: usize,
+    dtype: DType,
+    dev: &Device,
+) -> Result<Tensor> {
+    let t = Tensor::zeros(dims, dtype, dev)?;
+    if let Some(o) = old {
+        t.slice_set(o, dim, 0)?;
+    }
+    Ok(t)
+}
+
 /// Growable K/V storage with amortised in-place appends.
 #[derive(Debug, Clone)]
 pub struct KvBuffer {
@@ -132,14 +148,8 @@ impl KvBuffer {
         dev: &Device,
     ) -> Result<()> {
         let cap = self.capacity_for(needed);
-        let nk = Tensor::zeros((b, h, cap, d), dtype, dev)?;
-        let nv = Tensor::zeros((b, h, cap, d), dtype, dev)?;
-        if let (Some(ok), Some(ov)) = (&self.k, &self.v) {
-            nk.slice_set(ok, 2, 0)?;
-            nv.slice_set(ov, 2, 0)?;
-        }
-        self.k = Some(nk);
-        self.v = Some(nv);
+        self.k = Some(grown(self.k.as_ref(), (b, h, cap, d), 2, dtype, dev)?);
+        self.v = Some(grown(self.v.as_ref(), (b, h, cap, d), 2, dtype, dev)?);
         self.capacity = cap;
         Ok(())
     }

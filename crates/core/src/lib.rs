@@ -24,7 +24,7 @@ pub mod stats;
 pub mod transfer;
 
 pub use attention::{attend, attend_partial, merge_partials, AttnSpec, Partial};
-pub use buffer::{round_up, KvBuffer};
+pub use buffer::{grown, round_up, KvBuffer};
 pub use error::{KvError, Result};
 pub use offload::{Grouping, OffloadPolicy};
 pub use policy::{AttnStep, KvPolicy, KvRegen, KvShape};

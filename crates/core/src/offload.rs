@@ -17,7 +17,7 @@
 use candle_core::{Device, Tensor};
 
 use crate::attention::{attend, AttnSpec};
-use crate::buffer::round_up;
+use crate::buffer::{grown, round_up};
 use crate::error::{KvError, Result};
 use crate::policy::{AttnStep, KvPolicy, KvShape};
 use crate::registry::{HeadGroup, PolicyOptions};
@@ -237,12 +237,10 @@ impl OffloadPolicy {
         // Host storage grows in large chunks (8× the device growth step).
         let cap = round_up(tokens, self.grow_tokens * 8);
         let dims = (shape.batch, shape.n_kv_heads, cap, shape.head_dim);
-        let k = Tensor::zeros(dims, shape.dtype, &self.host)?;
-        let v = Tensor::zeros(dims, shape.dtype, &self.host)?;
-        if let Some(old) = &self.layers[layer] {
-            k.slice_set(&old.k, 2, 0)?;
-            v.slice_set(&old.v, 2, 0)?;
-        }
+        let old = self.layers[layer].as_ref();
+        let grow = |t: Option<&Tensor>| grown(t, dims, 2, shape.dtype, &self.host);
+        let k = grow(old.map(|o| &o.k))?;
+        let v = grow(old.map(|o| &o.v))?;
         self.layers[layer] = Some(HostLayer { k, v, cap });
         Ok(())
     }

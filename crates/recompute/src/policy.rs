@@ -11,8 +11,8 @@
 //! results are bitwise `full`'s whenever regeneration reproduces the forward pass's K/V.
 use candle_core::{Device, Tensor};
 use kvpolicy_core::{
-    attend, engine_for, round_up, AttnSpec, AttnStep, CopyJob, DeviceMeter, KvError, KvPolicy,
-    KvShape, KvStats, PolicyOptions, Probe, Profile, Result, Ticket, TransferEngine,
+    attend, engine_for, grown, round_up, AttnSpec, AttnStep, CopyJob, DeviceMeter, KvError,
+    KvPolicy, KvShape, KvStats, PolicyOptions, Probe, Profile, Result, Ticket, TransferEngine,
 };
 
 use crate::scheduler::SplitCosts;
@@ -248,29 +248,25 @@ impl RecomputePolicy {
             round_up(x_tokens, chunk).max(have_x)
         };
         let dims = (shape.batch, shape.n_kv_heads, cap, shape.head_dim);
-        let old = self.layers[layer].take();
-        let (k, v) = match &old {
+        // The old buffers stay in place until the new ones are complete.
+        let old = self.layers[layer].as_ref();
+        let (k, v) = match old {
             Some(o) if o.cap == cap => (o.k.clone(), o.v.clone()),
             _ => {
-                let k = Tensor::zeros(dims, shape.dtype, &self.host)?;
-                let v = Tensor::zeros(dims, shape.dtype, &self.host)?;
-                if let Some(o) = &old {
-                    k.slice_set(&o.k, 2, 0)?;
-                    v.slice_set(&o.v, 2, 0)?;
-                }
-                (k, v)
+                let grow = |t: Option<&Tensor>| grown(t, dims, 2, shape.dtype, &self.host);
+                (grow(old.map(|o| &o.k))?, grow(old.map(|o| &o.v))?)
             }
         };
-        let x = match (&old, xcap) {
+        let x = match (old, xcap) {
             (_, 0) => None,
             (Some(o), c) if o.xcap == c => o.x.clone(),
-            (old, c) => {
-                let x = Tensor::zeros((shape.batch, c, hidden), shape.dtype, &self.host)?;
-                if let Some(ox) = old.as_ref().and_then(|o| o.x.as_ref()) {
-                    x.slice_set(ox, 1, 0)?;
-                }
-                Some(x)
-            }
+            (old, c) => Some(grown(
+                old.and_then(|o| o.x.as_ref()),
+                (shape.batch, c, hidden),
+                1,
+                shape.dtype,
+                &self.host,
+            )?),
         };
         self.layers[layer] = Some(HostLayer { k, v, cap, x, xcap });
         Ok(())
