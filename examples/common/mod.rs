@@ -1,10 +1,13 @@
 //! The runner every example shares: flags (a contract other tools read), model loading,
 //! policy construction, generation, and the output files.
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::{Context, Result};
+
+mod atomic;
+use atomic::write_atomic;
 use candle_core::{DType, Device};
 use clap::Parser;
 use kvpolicy::models::{activation_dtype, generate, load, resolve, ModelSpec, TextTokenizer};
@@ -135,20 +138,6 @@ fn parse_dtype(s: Option<&str>, dev: &Device) -> Result<DType> {
             s.unwrap_or_default()
         )
     })
-}
-
-/// Runs `write` on a temporary file beside `path`, then renames it into place, so a failure
-/// leaves nothing half-written.
-fn write_atomic(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
-    let name = path.file_name().context("output path has no file name")?;
-    let tmp = path.with_file_name(format!(".{}.partial", name.to_string_lossy()));
-    let r = write(&tmp).and_then(|()| {
-        std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))
-    });
-    if r.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    r
 }
 
 /// The example that runs `arch`.

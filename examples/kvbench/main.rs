@@ -11,6 +11,8 @@
 //! decode steps are timed (fixed ids, so every policy does identical work); the median of
 //! `--repeats` runs is reported. Prints a markdown table (ratios ÷ `full` at the same
 //! context), and optionally writes CSV and SVG charts.
+#[path = "../common/atomic.rs"]
+mod atomic;
 mod plot;
 mod report;
 mod stock;

@@ -5,7 +5,7 @@ use std::path::Path;
 use anyhow::{Context, Result};
 use plotters::prelude::*;
 
-use crate::report::write_atomic;
+use crate::atomic::write_atomic;
 use crate::sweep::Row;
 
 /// One chart: which value, its axis title, the file name, whether the y axis is logarithmic.
@@ -55,7 +55,7 @@ pub fn draw(rows: &[Row], dir: &Path, model: &str) -> Result<Vec<std::path::Path
             root.present().map_err(|e| anyhow::anyhow!("{e}"))?;
         }
         let path = dir.join(chart.file);
-        write_atomic(&path, svg.as_bytes())?;
+        write_atomic(&path, |p| Ok(std::fs::write(p, &svg)?))?;
         written.push(path);
     }
     Ok(written)

@@ -1,9 +1,10 @@
 //! The sweep's outputs: a markdown table (÷ `full` at the same context), a CSV file.
 use std::path::Path;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use kvpolicy::core::format_bytes;
 
+use crate::atomic::write_atomic;
 use crate::sweep::Row;
 
 /// `full`'s row at `context`, the anchor of the ratios.
@@ -103,18 +104,5 @@ pub fn write_csv(rows: &[Row], path: &Path) -> Result<()> {
             r.split,
         ));
     }
-    write_atomic(path, out.as_bytes())
-}
-
-/// Writes `bytes` to `path` through a temporary file beside it.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let name = path.file_name().context("output path has no file name")?;
-    let tmp = path.with_file_name(format!(".{}.partial", name.to_string_lossy()));
-    let r = std::fs::write(&tmp, bytes)
-        .and_then(|()| std::fs::rename(&tmp, path))
-        .with_context(|| format!("cannot write {}", path.display()));
-    if r.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    r
+    write_atomic(path, |p| Ok(std::fs::write(p, &out)?))
 }

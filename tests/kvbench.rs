@@ -1,0 +1,203 @@
+//! The kvbench sweep as other tools read it: the CSV columns, the charts, `--quick`, and
+//! clear errors for a bad policy variant or an output it cannot write.
+mod common;
+
+use std::process::{Command, Output};
+
+use anyhow::Result;
+
+const TINY: &str = r#"{"model_type": "opt", "hidden_size": 16, "ffn_dim": 32,
+ "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 64,
+ "max_position_embeddings": 512}"#;
+
+fn kvbench(args: &[&str]) -> Result<Output> {
+    let bin = common::example_bin("kvbench");
+    anyhow::ensure!(bin.is_file(), "example binary missing at {}", bin.display());
+    Ok(Command::new(bin).args(args).output()?)
+}
+
+#[test]
+fn sweep_writes_csv_and_charts() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let cfg = dir.path().join("config.json");
+    std::fs::write(&cfg, TINY)?;
+    let profile = dir.path().join("profile.json");
+    std::fs::write(
+        &profile,
+        r#"{"h2d_bytes_per_s": 1e9, "recompute_tokens_per_s": 1e9}"#,
+    )?;
+    let csv = dir.path().join("sweep.csv");
+    let plots = dir.path().join("charts");
+    let s = |p: &std::path::Path| p.to_string_lossy().into_owned();
+    let o = kvbench(&[
+        "--random-weights",
+        "--config",
+        &s(&cfg),
+        "--cpu",
+        "--context",
+        "8,24",
+        "--steps",
+        "2",
+        "--repeats",
+        "1",
+        "--prefill-chunk",
+        "5",
+        "--policies",
+        "full,layer,headwise:1,recompute,recompute:4",
+        "--profile",
+        &s(&profile),
+        "--link-bandwidth",
+        "1GB",
+        "--csv",
+        &s(&csv),
+        "--plot",
+        &s(&plots),
+    ])?;
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(stdout.contains("simulated link: 953.67 MiB/s"), "{stdout}");
+    let text = std::fs::read_to_string(&csv)?;
+    let mut lines = text.lines();
+    assert_eq!(
+        lines.next(),
+        Some("context,policy,prefill_tok_s,decode_tok_s,decode_vs_full,device_kv_peak_bytes,device_vs_full,host_kv_bytes,h2d_bytes_per_token,d2h_bytes_per_token,split")
+    );
+    let rows: Vec<Vec<&str>> = lines.map(|l| l.split(',').collect()).collect();
+    assert_eq!(rows.len(), 10, "{text}");
+    for r in &rows {
+        assert_eq!(r.len(), 11, "{r:?}");
+        if r[1] == "full" {
+            assert_eq!((r[4], r[6]), ("1.000000", "1.000000"), "{r:?}");
+            assert_eq!(r[8], "0");
+        }
+        if r[1] == "layer" {
+            // The whole history crosses once per token: 2 layers × K+V × 4 heads × 4 wide.
+            let ctx: u64 = r[0].parse()?;
+            let h2d: u64 = r[8].parse()?;
+            assert!(h2d >= 2 * 2 * 16 * 4 * ctx, "{r:?}");
+        }
+        if r[1] == "recompute:4" {
+            assert_eq!(r[10], "4", "{r:?}");
+        }
+    }
+    for f in [
+        "decode_tok_s.svg",
+        "device_kv_bytes.svg",
+        "h2d_bytes_per_token.svg",
+    ] {
+        let svg = std::fs::read_to_string(plots.join(f))?;
+        assert!(svg.starts_with("<svg") && svg.contains("headwise:1"), "{f}");
+    }
+    Ok(())
+}
+
+#[test]
+fn quick_runs_two_short_contexts() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let cfg = dir.path().join("config.json");
+    std::fs::write(&cfg, TINY)?;
+    let o = kvbench(&[
+        "--quick",
+        "--random-weights",
+        "--config",
+        &cfg.to_string_lossy(),
+        "--cpu",
+        "--policies",
+        "full,layer",
+    ])?;
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("steps 4; repeats 1"), "{out}");
+    let rows: Vec<&str> = out
+        .lines()
+        .filter(|l| l.starts_with("| 64 |") || l.starts_with("| 256 |"))
+        .collect();
+    assert_eq!(rows.len(), 4, "{out}");
+    Ok(())
+}
+
+#[test]
+fn bad_variants_and_outputs_are_clear_errors() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let cfg = dir.path().join("config.json");
+    std::fs::write(&cfg, TINY)?;
+    let c = cfg.to_string_lossy().into_owned();
+    let missing = dir
+        .path()
+        .join("no/such/dir/out.csv")
+        .to_string_lossy()
+        .into_owned();
+    for (extra, needle) in [
+        (vec!["--policies", "bogus"], "unknown KV policy `bogus`"),
+        (
+            vec!["--policies", "recompute:half"],
+            "recompute:SPLIT needs a number",
+        ),
+        (
+            vec!["--policies", "full:3"],
+            "only headwise:GROUP and recompute:SPLIT take a value",
+        ),
+        (
+            vec!["--policies", "headwise:zero"],
+            "neither `auto` nor a positive number",
+        ),
+        (
+            vec!["--context", "600"],
+            "exceeds the model's 512 positions",
+        ),
+        (vec!["--steps", "0"], "--steps must be at least 1"),
+        (vec!["--csv", missing.as_str()], "cannot write"),
+    ] {
+        let mut args = vec![
+            "--random-weights",
+            "--config",
+            c.as_str(),
+            "--cpu",
+            "--repeats",
+            "1",
+        ];
+        for (flag, value) in [("--context", "8"), ("--steps", "1")] {
+            if !extra.contains(&flag) {
+                args.extend([flag, value]);
+            }
+        }
+        args.extend(extra.iter().copied());
+        let o = kvbench(&args)?;
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{extra:?}: {err}");
+        assert!(
+            err.contains(needle),
+            "{extra:?}: stderr lacks {needle:?}:\n{err}"
+        );
+        assert!(!err.contains("panicked"), "{err}");
+    }
+    Ok(())
+}
+
+#[test]
+fn stock_anchor_for_gguf_llama_unless_no_stock() -> Result<()> {
+    let g = common::default_gguf()?.to_string_lossy().into_owned();
+    let base = [
+        "--gguf",
+        g.as_str(),
+        "--cpu",
+        "--context",
+        "8",
+        "--steps",
+        "1",
+        "--repeats",
+        "1",
+        "--policies",
+        "full",
+    ];
+    let o = kvbench(&base)?;
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("| 8 | stock |"));
+    let mut args = base.to_vec();
+    args.push("--no-stock");
+    let o = kvbench(&args)?;
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(!String::from_utf8_lossy(&o.stdout).contains("stock"));
+    Ok(())
+}
