@@ -18,6 +18,7 @@
 pub use kvpolicy_baseline as baseline;
 pub use kvpolicy_core as core;
 pub use kvpolicy_headwise as headwise;
+pub use kvpolicy_hybrid as hybrid;
 pub use kvpolicy_models as models;
 pub use kvpolicy_recompute as recompute;
 
@@ -35,6 +36,7 @@ pub fn registry() -> PolicyRegistry {
     kvpolicy_baseline::register(&mut reg);
     kvpolicy_headwise::register(&mut reg);
     kvpolicy_recompute::register(&mut reg);
+    kvpolicy_hybrid::register(&mut reg);
     reg
 }
 
@@ -42,6 +44,16 @@ pub fn registry() -> PolicyRegistry {
 /// valid ones.
 pub fn build_policy(name: &str, opts: &PolicyOptions) -> Result<Box<dyn KvPolicy>, KvError> {
     registry().build(name, opts)
+}
+
+/// Builds the policy called `name` for ragged batches of requests
+/// ([`models::generate_batch`]): `hybrid` as it is, every other policy as one instance per
+/// request ([`core::PerSequence`]).
+pub fn build_policy_batched(
+    name: &str,
+    opts: &PolicyOptions,
+) -> Result<Box<dyn KvPolicy>, KvError> {
+    registry().build_batched(name, opts)
 }
 
 /// Names of every policy of this workspace.

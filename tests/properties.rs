@@ -121,6 +121,7 @@ fn drive(p: &mut dyn KvPolicy, c: &Case) -> Result<Vec<Tensor>, TestCaseError> {
             let (k, v) = regen.regen(&x, pos).map_err(|e| fail(&e))?;
             let out = p
                 .attend(&AttnStep {
+                    seq: 0,
                     layer,
                     q: &q,
                     k: &k,

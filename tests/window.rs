@@ -51,6 +51,7 @@ fn drive(
             );
             let x = Tensor::zeros((1, t, 8), candle_core::DType::F32, &dev)?;
             let step = AttnStep {
+                seq: 0,
                 layer,
                 q: &q,
                 k: &k,
@@ -114,6 +115,7 @@ fn a_step_at_the_wrong_position_is_an_error() -> Result<()> {
         let k = Tensor::zeros((1, 1, 1, 4), candle_core::DType::F32, &dev)?;
         let x = Tensor::zeros((1, 1, 8), candle_core::DType::F32, &dev)?;
         let step = AttnStep {
+            seq: 0,
             layer: 0,
             q: &q,
             k: &k,

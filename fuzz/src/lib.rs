@@ -126,6 +126,7 @@ pub fn policy_ops(data: &[u8]) {
             return;
         };
         let _ = p.attend(&AttnStep {
+            seq: 0,
             layer,
             q: &q,
             k: &k,

@@ -54,6 +54,7 @@ impl Attention {
         }
         let out = policy.attend(&AttnStep {
             layer: self.layer,
+            seq: 0,
             q: &q,
             k: &k,
             v: &v,
@@ -69,6 +70,84 @@ impl Attention {
     }
 }
 
+/// One sequence's slice of a packed (ragged) step: `len` rows from row `offset` of the
+/// packed tokens, the first at position `pos` of sequence `seq`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Segment {
+    /// The sequence's slot ([`AttnStep::seq`]).
+    pub seq: usize,
+    /// Position of the segment's first token in its sequence.
+    pub pos: usize,
+    /// First row in the packed tokens.
+    pub offset: usize,
+    /// Rows (tokens).
+    pub len: usize,
+}
+
+impl Attention {
+    /// Attention of a packed step of several sequences: `x` `(1, T, hidden)` holds the
+    /// segments' tokens back to back. The projections run once over all `T` rows; each
+    /// segment gets its own positions and attends only over its own sequence's cache, so
+    /// no token sees another sequence and there is no padding to mask.
+    pub fn forward_packed(
+        &self,
+        x: &Tensor,
+        segments: &[Segment],
+        policy: &mut dyn KvPolicy,
+    ) -> Result<Tensor> {
+        let (_, total, _) = x.dims3()?;
+        let (nh, nkv, d) = (self.spec.n_heads, self.spec.n_kv_heads, self.spec.head_dim);
+        let q_all = self.q.forward(x)?;
+        let k_all = self.k.forward(x)?;
+        let v_all = self.v.forward(x)?;
+        let split = |a: &Tensor, seg: &Segment, n: usize| -> Result<Tensor> {
+            Ok(a.narrow(1, seg.offset, seg.len)?
+                .reshape((1, seg.len, n, d))?
+                .transpose(1, 2)?
+                .contiguous()?)
+        };
+        let mut outs = Vec::with_capacity(segments.len());
+        for seg in segments {
+            let mut q = split(&q_all, seg, nh)?;
+            let mut k = split(&k_all, seg, nkv)?;
+            let v = split(&v_all, seg, nkv)?;
+            if let Some(rope) = &self.rope {
+                let (cos, sin) = rope.cos_sin(seg.pos, seg.len, q.dtype(), q.device())?;
+                q = rope.apply_with(&q, &cos, &sin)?;
+                k = rope.apply_with(&k, &cos, &sin)?;
+            }
+            let out = policy.attend(&AttnStep {
+                layer: self.layer,
+                seq: seg.seq,
+                q: &q,
+                k: &k,
+                v: &v,
+                x: &x.narrow(1, seg.offset, seg.len)?,
+                pos: seg.pos,
+                spec: &self.spec,
+                regen: self,
+            })?;
+            outs.push(out.transpose(1, 2)?.reshape((1, seg.len, nh * d))?);
+        }
+        let out = Tensor::cat(&outs, 1)?;
+        if out.dim(1)? != total {
+            return Err(crate::error::ModelError::Input(format!(
+                "the segments cover {} of the {total} packed tokens",
+                out.dim(1)?
+            )));
+        }
+        self.o.forward(&out)
+    }
+}
+
+fn kv_error(e: crate::error::ModelError) -> KvError {
+    match e {
+        crate::error::ModelError::Candle(c) => KvError::Candle(c),
+        crate::error::ModelError::Policy(p) => p,
+        other => KvError::Step(other.to_string()),
+    }
+}
+
 impl KvRegen for Attention {
     fn regen(&self, x: &Tensor, pos: usize) -> kvpolicy_core::Result<(Tensor, Tensor)> {
         let run = || -> Result<(Tensor, Tensor)> {
@@ -79,11 +158,27 @@ impl KvRegen for Attention {
             }
             Ok((k, v))
         };
-        run().map_err(|e| match e {
-            crate::error::ModelError::Candle(c) => KvError::Candle(c),
-            crate::error::ModelError::Policy(p) => p,
-            other => KvError::Step(other.to_string()),
-        })
+        run().map_err(kv_error)
+    }
+
+    fn regen_at(&self, x: &Tensor, positions: &[usize]) -> kvpolicy_core::Result<(Tensor, Tensor)> {
+        let run = || -> Result<(Tensor, Tensor)> {
+            if x.dim(1)? != positions.len() {
+                return Err(crate::error::ModelError::Input(format!(
+                    "{} stored inputs but {} positions to regenerate",
+                    x.dim(1)?,
+                    positions.len()
+                )));
+            }
+            let mut k = self.heads(x, &self.k, self.spec.n_kv_heads)?;
+            let v = self.heads(x, &self.v, self.spec.n_kv_heads)?;
+            if let Some(rope) = &self.rope {
+                let (cos, sin) = rope.cos_sin_at(positions, k.dtype(), k.device())?;
+                k = rope.apply_with(&k, &cos, &sin)?;
+            }
+            Ok((k, v))
+        };
+        run().map_err(kv_error)
     }
 
     fn flops_per_token(&self) -> u64 {

@@ -9,10 +9,11 @@
 use candle_core::{DType, Module, Tensor};
 use kvpolicy_core::KvPolicy;
 
-use crate::attention::Attention;
+use crate::attention::{Attention, Segment};
 use crate::error::Result;
 use crate::layers::{Linear, Mlp, Norm};
-use crate::model::{CausalLm, LogitsMode, ModelInfo};
+use crate::error::ModelError;
+use crate::model::{CausalLm, LogitsMode, ModelInfo, SeqChunk};
 
 /// One decoder block: `h += post_attn(attn(attn_norm(h)))`, `h += post_mlp(mlp(mlp_norm(h)))`.
 #[derive(Debug, Clone)]
@@ -61,6 +62,51 @@ pub struct Decoder {
     pub info: ModelInfo,
 }
 
+impl Block {
+    /// The block around an attention call: `attn` gets the normalised input.
+    fn forward(&self, h: &Tensor, attn: impl FnOnce(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
+        let mut a = attn(&self.attn_norm.forward(h)?)?;
+        if let Some(n) = &self.post_attn_norm {
+            a = n.forward(&a)?;
+        }
+        let h = (h + a)?;
+        let mut m = self.mlp.forward(&self.mlp_norm.forward(&h)?)?;
+        if let Some(n) = &self.post_mlp_norm {
+            m = n.forward(&m)?;
+        }
+        Ok((h + m)?)
+    }
+}
+
+impl Decoder {
+    /// Token embeddings (scaled) plus learned positions `positions` (one per token).
+    fn embed(&self, ids: &Tensor, positions: &[usize]) -> Result<Tensor> {
+        let mut h = self.embed.forward(ids)?;
+        if let Some(s) = self.embed_scale {
+            h = (h * s)?;
+        }
+        if let Some(p) = &self.positions {
+            let rows: Vec<u32> = positions.iter().map(|&q| (q + p.offset) as u32).collect();
+            let idx = Tensor::new(rows.as_slice(), ids.device())?;
+            h = h.broadcast_add(&p.table.forward(&idx)?)?;
+        }
+        Ok(h)
+    }
+
+    /// Final norm, LM head and soft-cap.
+    fn head(&self, h: &Tensor) -> Result<Tensor> {
+        let h = match &self.norm {
+            Some(n) => n.forward(h)?,
+            None => h.clone(),
+        };
+        let mut logits = self.lm_head.forward(&h)?;
+        if let Some(cap) = self.final_softcap {
+            logits = ((logits / cap)?.tanh()? * cap)?;
+        }
+        Ok(logits.to_dtype(DType::F32)?)
+    }
+}
+
 impl CausalLm for Decoder {
     fn info(&self) -> &ModelInfo {
         &self.info
@@ -74,39 +120,86 @@ impl CausalLm for Decoder {
         mode: LogitsMode,
     ) -> Result<Tensor> {
         let (_b, t) = ids.dims2()?;
-        let mut h = self.embed.forward(ids)?;
-        if let Some(s) = self.embed_scale {
-            h = (h * s)?;
-        }
-        if let Some(p) = &self.positions {
-            let start = (pos + p.offset) as u32;
-            let idx = Tensor::arange(start, start + t as u32, ids.device())?;
-            h = h.broadcast_add(&p.table.forward(&idx)?)?;
-        }
+        let positions: Vec<usize> = (pos..pos + t).collect();
+        let mut h = self.embed(ids, &positions)?;
         for block in &self.layers {
-            let mut a = block
-                .attn
-                .forward(&block.attn_norm.forward(&h)?, pos, policy)?;
-            if let Some(n) = &block.post_attn_norm {
-                a = n.forward(&a)?;
-            }
-            h = (h + a)?;
-            let mut m = block.mlp.forward(&block.mlp_norm.forward(&h)?)?;
-            if let Some(n) = &block.post_mlp_norm {
-                m = n.forward(&m)?;
-            }
-            h = (h + m)?;
+            h = block.forward(&h, |x| block.attn.forward(x, pos, policy))?;
         }
         if mode == LogitsMode::Last && t > 1 {
             h = h.narrow(1, t - 1, 1)?;
         }
-        if let Some(n) = &self.norm {
-            h = n.forward(&h)?;
+        self.head(&h)
+    }
+
+    fn forward_batch(
+        &self,
+        groups: &[Vec<SeqChunk>],
+        policy: &mut dyn KvPolicy,
+        mode: LogitsMode,
+    ) -> Result<Vec<Tensor>> {
+        if !policy.batched() {
+            return Err(ModelError::Input(format!(
+                "policy `{}` keeps a single sequence; build it with `build_policy_batched` (or wrap it in `PerSequence`) to run a batch",
+                policy.name()
+            )));
         }
-        let mut logits = self.lm_head.forward(&h)?;
-        if let Some(cap) = self.final_softcap {
-            logits = ((logits / cap)?.tanh()? * cap)?;
+        let dev = &self.info.device;
+        let mut hidden = Vec::with_capacity(groups.len());
+        let mut segments = Vec::with_capacity(groups.len());
+        for group in groups {
+            let mut ids = Vec::new();
+            let mut positions = Vec::new();
+            let mut segs = Vec::with_capacity(group.len());
+            for c in group {
+                if c.ids.is_empty() {
+                    return Err(ModelError::Input(format!(
+                        "sequence {} brings no tokens to the step",
+                        c.seq
+                    )));
+                }
+                segs.push(Segment {
+                    seq: c.seq,
+                    pos: c.pos,
+                    offset: ids.len(),
+                    len: c.ids.len(),
+                });
+                ids.extend_from_slice(&c.ids);
+                positions.extend(c.pos..c.pos + c.ids.len());
+            }
+            if ids.is_empty() {
+                return Err(ModelError::Input("an empty mini-batch".into()));
+            }
+            let ids = Tensor::new(ids.as_slice(), dev)?.unsqueeze(0)?;
+            hidden.push(self.embed(&ids, &positions)?);
+            segments.push(segs);
         }
-        Ok(logits.to_dtype(DType::F32)?)
+        // Column by column: every mini-batch through layer l before any enters layer l+1.
+        for block in &self.layers {
+            for (h, segs) in hidden.iter_mut().zip(&segments) {
+                *h = block.forward(h, |x| block.attn.forward_packed(x, segs, policy))?;
+            }
+        }
+        let mut out = Vec::new();
+        for (h, segs) in hidden.iter().zip(&segments) {
+            let h = h.squeeze(0)?;
+            match mode {
+                LogitsMode::Last => {
+                    let rows: Vec<u32> =
+                        segs.iter().map(|s| (s.offset + s.len - 1) as u32).collect();
+                    let idx = Tensor::new(rows.as_slice(), dev)?;
+                    let logits = self.head(&h.index_select(&idx, 0)?)?;
+                    for i in 0..segs.len() {
+                        out.push(logits.narrow(0, i, 1)?);
+                    }
+                }
+                LogitsMode::All => {
+                    let logits = self.head(&h)?;
+                    for s in segs {
+                        out.push(logits.narrow(0, s.offset, s.len)?);
+                    }
+                }
+            }
+        }
+        Ok(out)
     }
 }

@@ -29,8 +29,10 @@ pub mod tokenizer;
 pub use config::{LlamaConfig, ModelConfig, OptConfig};
 pub use decoder::Decoder;
 pub use error::{ModelError, Result};
-pub use generate::{generate, prefill, validate_request, GenerateConfig, Generation};
+pub use generate::{
+    generate, generate_batch, prefill, validate_request, BatchGeneration, GenerateConfig, Generation,
+};
 pub use gguf::GgufFile;
-pub use model::{CausalLm, LogitsMode, ModelInfo};
+pub use model::{CausalLm, LogitsMode, ModelInfo, SeqChunk};
 pub use source::{activation_dtype, load, resolve, Loaded, ModelFiles, ModelSpec};
 pub use tokenizer::TextTokenizer;

@@ -45,6 +45,17 @@ pub struct ModelInfo {
     pub eos: Vec<u32>,
 }
 
+/// One request's tokens in a ragged batch step: `ids` continue sequence `seq` at `pos`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SeqChunk {
+    /// The sequence's slot ([`kvpolicy_core::AttnStep::seq`]).
+    pub seq: usize,
+    /// Position of `ids[0]` in the sequence.
+    pub pos: usize,
+    /// The tokens (a prompt piece, or one decode token).
+    pub ids: Vec<u32>,
+}
+
 /// A causal language model whose attention goes through a [`KvPolicy`].
 pub trait CausalLm: Send + Sync {
     /// Shape and identity.
@@ -57,4 +68,22 @@ pub trait CausalLm: Send + Sync {
         policy: &mut dyn KvPolicy,
         mode: LogitsMode,
     ) -> Result<Tensor>;
+    /// Runs a ragged batch: `groups` are mini-batches of chunks of different sequences
+    /// (any lengths, each at its own position), run layer by layer across the mini-batches
+    /// (HybridServe's column-by-column schedule). Returns f32 logits per chunk, in the
+    /// order of the flattened groups: `(1, vocab)` for [`LogitsMode::Last`], `(t, vocab)`
+    /// for [`LogitsMode::All`]. `policy` must keep one cache per sequence
+    /// ([`KvPolicy::batched`]).
+    fn forward_batch(
+        &self,
+        groups: &[Vec<SeqChunk>],
+        policy: &mut dyn KvPolicy,
+        mode: LogitsMode,
+    ) -> Result<Vec<Tensor>> {
+        let _ = (groups, policy, mode);
+        Err(crate::error::ModelError::Input(format!(
+            "{} models do not run ragged batches",
+            self.info().architecture
+        )))
+    }
 }

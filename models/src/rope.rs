@@ -145,10 +145,30 @@ impl Rope {
         dtype: DType,
         dev: &Device,
     ) -> Result<(Tensor, Tensor)> {
+        self.compute_at(pos..pos + t, dtype, dev)
+    }
+
+    /// cos and sin `(n, head_dim/2)` for arbitrary positions (one row per position).
+    pub fn cos_sin_at(
+        &self,
+        positions: &[usize],
+        dtype: DType,
+        dev: &Device,
+    ) -> Result<(Tensor, Tensor)> {
+        self.compute_at(positions.iter().copied(), dtype, dev)
+    }
+
+    fn compute_at(
+        &self,
+        positions: impl ExactSizeIterator<Item = usize>,
+        dtype: DType,
+        dev: &Device,
+    ) -> Result<(Tensor, Tensor)> {
         let half = self.inv_freq.len();
+        let t = positions.len();
         let mut cos = Vec::with_capacity(t * half);
         let mut sin = Vec::with_capacity(t * half);
-        for p in pos..pos + t {
+        for p in positions {
             for f in &self.inv_freq {
                 let a = p as f32 * *f;
                 cos.push(a.cos());

@@ -13,6 +13,7 @@
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 pub mod attention;
+pub mod batch;
 pub mod buffer;
 pub mod error;
 pub mod offload;
@@ -24,10 +25,11 @@ pub mod stats;
 pub mod transfer;
 
 pub use attention::{attend, attend_partial, merge_partials, AttnSpec, Partial};
+pub use batch::{PerSequence, PolicyFactory};
 pub use buffer::{grown, round_up, KvBuffer};
 pub use error::{KvError, Result};
 pub use offload::{Grouping, OffloadPolicy};
-pub use policy::{AttnStep, KvPolicy, KvRegen, KvShape};
+pub use policy::{AttnStep, KvPolicy, KvRegen, KvShape, SeqLoad};
 pub use profile::{Probe, Profile};
 pub use registry::{HeadGroup, PolicyBuilder, PolicyOptions, PolicyRegistry};
 pub use size::{format_bytes, parse_bytes};

@@ -15,12 +15,39 @@ pub trait KvRegen {
     fn regen(&self, x: &Tensor, pos: usize) -> Result<(Tensor, Tensor)>;
     /// Floating-point operations that regenerating one token costs.
     fn flops_per_token(&self) -> u64;
+    /// K and V for inputs `x` `(b, t, hidden)` whose row `i` sits at position
+    /// `positions[i]` (rows need not be contiguous; HybridServe's activation blocks). The
+    /// default regenerates each run of consecutive positions with [`KvRegen::regen`].
+    fn regen_at(&self, x: &Tensor, positions: &[usize]) -> Result<(Tensor, Tensor)> {
+        let mut ks = Vec::new();
+        let mut vs = Vec::new();
+        let mut start = 0;
+        while start < positions.len() {
+            let mut end = start + 1;
+            while end < positions.len() && positions[end] == positions[end - 1] + 1 {
+                end += 1;
+            }
+            let (k, v) = self.regen(&x.narrow(1, start, end - start)?, positions[start])?;
+            ks.push(k);
+            vs.push(v);
+            start = end;
+        }
+        if ks.is_empty() {
+            return Err(crate::error::KvError::Step(
+                "nothing to regenerate: no positions given".into(),
+            ));
+        }
+        Ok((Tensor::cat(&ks, 2)?, Tensor::cat(&vs, 2)?))
+    }
 }
 
 /// One attention evaluation of one layer for one forward step.
 pub struct AttnStep<'a> {
     /// Layer index, from 0.
     pub layer: usize,
+    /// The sequence this step belongs to: 0 for single-sequence runs; in a ragged batch,
+    /// the slot the caller gave the request (see [`KvPolicy::batched`]).
+    pub seq: usize,
     /// Queries `(b, n_heads, t, head_dim)`, positional encoding applied.
     pub q: &'a Tensor,
     /// The step's new keys `(b, n_kv_heads, t, head_dim)`, positional encoding applied.
@@ -48,6 +75,8 @@ pub struct KvShape {
     pub n_kv_heads: usize,
     /// Head width.
     pub head_dim: usize,
+    /// Width of one token's layer input (what activation-storing policies keep).
+    pub hidden: usize,
     /// Sequences per step.
     pub batch: usize,
     /// Dtype of K/V.
@@ -66,10 +95,12 @@ impl KvShape {
         step: &AttnStep<'_>,
     ) -> Result<Self> {
         let (b, nkv, t, d) = step.k.dims4()?;
+        let hidden = step.x.dim(2)?;
         let n_layers = layers_seen.max(step.layer + 1);
         Ok(match known {
             Some(s)
-                if (s.batch, s.n_kv_heads, s.head_dim, s.dtype) == (b, nkv, d, step.k.dtype()) =>
+                if (s.batch, s.n_kv_heads, s.head_dim, s.hidden, s.dtype)
+                    == (b, nkv, d, hidden, step.k.dtype()) =>
             {
                 KvShape {
                     n_layers: s.n_layers.max(n_layers),
@@ -81,6 +112,7 @@ impl KvShape {
                 n_heads: step.spec.n_heads,
                 n_kv_heads: nkv,
                 head_dim: d,
+                hidden,
                 batch: b,
                 dtype: step.k.dtype(),
                 max_tokens: step.pos + t,
@@ -117,4 +149,33 @@ pub trait KvPolicy: Send {
     fn profile(&self) -> Option<&Profile> {
         None
     }
+    /// Whether the policy keeps one cache per [`AttnStep::seq`], so that requests of
+    /// different lengths can share forward passes. Policies that do not are served in
+    /// batches through [`crate::PerSequence`].
+    fn batched(&self) -> bool {
+        false
+    }
+    /// Frees the cache of sequence `seq` (a finished request); the others go on. A
+    /// single-sequence policy forgets everything, as [`KvPolicy::reset`].
+    fn release(&mut self, seq: usize) {
+        let _ = seq;
+        self.reset();
+    }
+    /// Splits the sequences of the next step into mini-batches, in the order the model
+    /// should run them (layer by layer across mini-batches); each inner list holds indices
+    /// into `loads`. The default is one mini-batch holding every sequence.
+    fn plan(&mut self, loads: &[SeqLoad]) -> Result<Vec<Vec<usize>>> {
+        Ok(vec![(0..loads.len()).collect()])
+    }
+}
+
+/// What one sequence brings to the next forward step, for [`KvPolicy::plan`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SeqLoad {
+    /// The sequence's slot ([`AttnStep::seq`]).
+    pub seq: usize,
+    /// Tokens it has cached.
+    pub cached: usize,
+    /// Tokens the step adds.
+    pub new: usize,
 }

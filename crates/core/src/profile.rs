@@ -170,7 +170,7 @@ impl Profile {
         Ok(p)
     }
 
-    /// [`Profile::measure`], once per process for each device, layer shape and link.
+    /// [`Profile::measure`], once per process for each device, layer shape, link and probe size.
     pub fn measure_cached(
         probe: &Probe<'_>,
         engine: &mut dyn TransferEngine,
@@ -178,13 +178,15 @@ impl Profile {
     ) -> Result<Self> {
         static CACHE: OnceLock<Mutex<HashMap<String, Profile>>> = OnceLock::new();
         let key = format!(
-            "{:?}|{}|{}|{:?}|{}|{:?}",
+            "{:?}|{}|{}|{:?}|{}|{:?}|{}|{}",
             probe.device.location(),
             probe.batch,
             probe.hidden,
             probe.dtype,
             regen.flops_per_token(),
-            probe.link
+            probe.link,
+            probe.transfer_bytes,
+            probe.tokens
         );
         let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
         if let Some(p) = cache.lock().ok().and_then(|c| c.get(&key).cloned()) {

@@ -3,6 +3,7 @@
 //! crate `kvpolicy` returns a registry that holds all of them.
 use candle_core::Device;
 
+use crate::batch::PerSequence;
 use crate::error::{KvError, Result};
 use crate::policy::KvPolicy;
 use crate::profile::Profile;
@@ -49,6 +50,11 @@ pub struct PolicyOptions {
     pub recompute_split: Option<usize>,
     /// Simulated host↔device link in bytes/s for CPU experiments; `None` = plain copies.
     pub link_bandwidth: Option<f64>,
+    /// Tokens per cache block (`hybrid`).
+    pub block_size: usize,
+    /// Share of blocks stored as K/V rather than activations, forced (`hybrid`): 1 = all
+    /// KV, 0 = all activations; `None` = balanced from the profile.
+    pub kv_act_ratio: Option<f64>,
 }
 
 impl Default for PolicyOptions {
@@ -61,6 +67,8 @@ impl Default for PolicyOptions {
             profile: None,
             recompute_split: None,
             link_bandwidth: None,
+            block_size: 16,
+            kv_act_ratio: None,
         }
     }
 }
@@ -110,5 +118,24 @@ impl PolicyRegistry {
                 valid: self.names().join(", "),
             }),
         }
+    }
+
+    /// Builds `name` for ragged batches of requests: the policy itself when it keeps one
+    /// cache per sequence ([`KvPolicy::batched`]), otherwise one instance per request
+    /// through [`PerSequence`].
+    pub fn build_batched(&self, name: &str, opts: &PolicyOptions) -> Result<Box<dyn KvPolicy>> {
+        let first = self.build(name, opts)?;
+        if first.batched() {
+            return Ok(first);
+        }
+        let builder = match self.entries.iter().find(|(n, _, _)| *n == name) {
+            Some((_, _, b)) => *b,
+            None => return Ok(first),
+        };
+        let opts = opts.clone();
+        Ok(Box::new(PerSequence::new(
+            first.name(),
+            Box::new(move || builder(&opts)),
+        )))
     }
 }

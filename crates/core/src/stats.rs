@@ -4,7 +4,8 @@
 use serde::Serialize;
 
 /// Counters a policy keeps; every field is cumulative since the last `reset` except
-/// `device_kv_bytes`, `host_kv_bytes`, `kv_tokens` and `split`, which are current values.
+/// `device_kv_bytes`, `host_kv_bytes`, `kv_tokens`, `split`, the block counts,
+/// `sequences` and `mini_batches`, which are current values.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct KvStats {
     /// Bytes of KV (or activation) buffers held on the device tier now.
@@ -28,6 +29,16 @@ pub struct KvStats {
     pub kv_tokens: u64,
     /// Seconds spent waiting for transfers that compute could not hide.
     pub transfer_wait_s: f64,
+    /// Activation blocks in use, on either tier (`hybrid`, HybridServe §4.1).
+    pub act_blocks: u64,
+    /// KV blocks in use, on either tier (`hybrid`).
+    pub kv_blocks: u64,
+    /// Blocks resident on the device tier (`hybrid`; never more than its device pool holds).
+    pub device_blocks: u64,
+    /// Sequences holding a cache in a batched run (0 for single-sequence runs).
+    pub sequences: u64,
+    /// Mini-batches the last batched step was split into (`hybrid`; 0 before any plan).
+    pub mini_batches: u64,
 }
 
 /// Tracks the device tier's current and peak bytes against an optional budget.

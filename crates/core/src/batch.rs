@@ -1,0 +1,139 @@
+//! Ragged batches for every policy: [`PerSequence`] keeps one instance of a
+//! single-sequence policy per request slot ([`AttnStep::seq`]), so requests of different
+//! lengths share forward passes (their projections and MLPs run packed; each attends only
+//! over its own cache). `hybrid` keeps its sequences natively (HybridServe §4.3) and does
+//! not need it.
+use std::collections::BTreeMap;
+
+use candle_core::Tensor;
+
+use crate::error::Result;
+use crate::policy::{AttnStep, KvPolicy, KvShape};
+use crate::profile::Profile;
+use crate::stats::KvStats;
+
+/// Builds a fresh single-sequence policy for a new request.
+pub type PolicyFactory = Box<dyn Fn() -> Result<Box<dyn KvPolicy>> + Send>;
+
+/// One single-sequence policy per request slot, created on the slot's first step and
+/// dropped by [`KvPolicy::release`]. Stats are summed over the live sequences (peaks over
+/// the run: the sum of the live instances' current bytes at its highest).
+pub struct PerSequence {
+    name: String,
+    factory: PolicyFactory,
+    shape: Option<KvShape>,
+    seqs: BTreeMap<usize, Box<dyn KvPolicy>>,
+    /// Counters of released sequences, kept so cumulative stats do not drop.
+    retired: KvStats,
+    device_peak: u64,
+}
+
+impl PerSequence {
+    /// Wraps `factory`, which must build the same policy each call; `name` is its name.
+    pub fn new(name: &str, factory: PolicyFactory) -> Self {
+        Self {
+            name: name.to_string(),
+            factory,
+            shape: None,
+            seqs: BTreeMap::new(),
+            retired: KvStats::default(),
+            device_peak: 0,
+        }
+    }
+
+    fn live_device_bytes(&self) -> u64 {
+        self.seqs.values().map(|p| p.stats().device_kv_bytes).sum()
+    }
+}
+
+impl KvPolicy for PerSequence {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn prepare(&mut self, shape: &KvShape) -> Result<()> {
+        // Each instance serves one sequence of up to `max_tokens` tokens.
+        let one = KvShape {
+            batch: 1,
+            ..shape.clone()
+        };
+        // Check the options once, before any request starts.
+        (self.factory)()?.prepare(&one)?;
+        for p in self.seqs.values_mut() {
+            p.prepare(&one)?;
+        }
+        self.shape = Some(one);
+        Ok(())
+    }
+
+    fn attend(&mut self, step: &AttnStep<'_>) -> Result<Tensor> {
+        if !self.seqs.contains_key(&step.seq) {
+            let mut p = (self.factory)()?;
+            if let Some(s) = &self.shape {
+                p.prepare(s)?;
+            }
+            self.seqs.insert(step.seq, p);
+        }
+        let out = match self.seqs.get_mut(&step.seq) {
+            Some(p) => p.attend(step)?,
+            None => unreachable_seq(step.seq)?,
+        };
+        self.device_peak = self.device_peak.max(self.live_device_bytes());
+        Ok(out)
+    }
+
+    fn seq_len(&self) -> usize {
+        self.seqs.values().map(|p| p.seq_len()).max().unwrap_or(0)
+    }
+
+    fn reset(&mut self) {
+        self.seqs.clear();
+        self.retired = KvStats::default();
+        self.device_peak = 0;
+    }
+
+    fn stats(&self) -> KvStats {
+        let mut s = self.retired.clone();
+        for p in self.seqs.values() {
+            let q = p.stats();
+            s.device_kv_bytes += q.device_kv_bytes;
+            s.host_kv_bytes += q.host_kv_bytes;
+            add_cumulative(&mut s, &q);
+            s.split = q.split;
+            s.kv_tokens = s.kv_tokens.max(q.kv_tokens);
+        }
+        s.device_kv_peak_bytes = self.device_peak;
+        s.sequences = self.seqs.len() as u64;
+        s
+    }
+
+    fn profile(&self) -> Option<&Profile> {
+        self.seqs.values().find_map(|p| p.profile())
+    }
+
+    fn batched(&self) -> bool {
+        true
+    }
+
+    fn release(&mut self, seq: usize) {
+        if let Some(p) = self.seqs.remove(&seq) {
+            let q = p.stats();
+            add_cumulative(&mut self.retired, &q);
+        }
+    }
+}
+
+/// Adds the cumulative counters of `q` to `s`.
+fn add_cumulative(s: &mut KvStats, q: &KvStats) {
+    s.h2d_bytes += q.h2d_bytes;
+    s.d2h_bytes += q.d2h_bytes;
+    s.recompute_flops += q.recompute_flops;
+    s.recompute_tokens += q.recompute_tokens;
+    s.transfer_wait_s += q.transfer_wait_s;
+}
+
+fn unreachable_seq(seq: usize) -> Result<Tensor> {
+    Err(crate::error::KvError::Step(format!(
+        "sequence {seq} has no cache after it was created"
+    )))
+}
