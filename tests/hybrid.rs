@@ -89,7 +89,13 @@ fn five_prompts(name: &str) -> Result<Vec<Vec<u32>>> {
 
 fn alone(model: &dyn CausalLm, prompt: &[u32], cfg: &GenerateConfig) -> Result<Generation> {
     let mut full = build_policy("full", &PolicyOptions::default())?;
-    Ok(generate(model, full.as_mut(), prompt, cfg, &mut |_| Ok(()))?)
+    Ok(generate(
+        model,
+        full.as_mut(),
+        prompt,
+        cfg,
+        &mut |_| Ok(()),
+    )?)
 }
 
 #[test]
@@ -259,7 +265,11 @@ fn grouped_query_models_derive_all_kv() -> Result<()> {
         device: None,
         shape: None,
     };
-    for (name, all_kv) in [("llama_gqa", true), ("llama3_rope", true), ("llama_mha", false)] {
+    for (name, all_kv) in [
+        ("llama_gqa", true),
+        ("llama3_rope", true),
+        ("llama_mha", false),
+    ] {
         let loaded = common::load_fixture(name)?;
         let model = loaded.model.as_ref();
         let (prompt, decode) = common::fixture_ids(name)?;
@@ -273,7 +283,10 @@ fn grouped_query_models_derive_all_kv() -> Result<()> {
         if all_kv {
             assert_eq!((st.act_blocks, st.recompute_tokens), (0, 0), "{name}");
         } else {
-            assert!(st.act_blocks > 0 && st.recompute_tokens > 0, "{name}: {st:?}");
+            assert!(
+                st.act_blocks > 0 && st.recompute_tokens > 0,
+                "{name}: {st:?}"
+            );
         }
     }
     Ok(())
@@ -307,7 +320,11 @@ fn smollm2_greedy_ids_equal_full() -> Result<()> {
     }
     // And in a batch with two shorter prompts.
     let n = prompt.len();
-    let prompts = vec![prompt.clone(), prompt[..n / 2].to_vec(), prompt[1..].to_vec()];
+    let prompts = vec![
+        prompt.clone(),
+        prompt[..n / 2].to_vec(),
+        prompt[1..].to_vec(),
+    ];
     let mut p = build_policy_batched("hybrid", &hybrid_opts(4, Some(0.5)))?;
     let got = generate_batch(model, p.as_mut(), &prompts, &cfg)?;
     for (g, q) in got.requests.iter().zip(&prompts) {
@@ -328,7 +345,10 @@ fn bad_options_are_clear_errors() -> Result<()> {
     assert!(e.contains("--block-size 0"), "{e}");
     for r in [-0.5, 1.5, f64::NAN] {
         let e = msg(hybrid_opts(16, Some(r)));
-        assert!(e.contains("--kv-act-ratio") && e.contains("outside [0, 1]"), "{e}");
+        assert!(
+            e.contains("--kv-act-ratio") && e.contains("outside [0, 1]"),
+            "{e}"
+        );
     }
     // A single-sequence policy cannot run a ragged batch.
     let loaded = common::load_fixture("llama_mha")?;
@@ -346,10 +366,15 @@ fn bad_options_are_clear_errors() -> Result<()> {
     assert!(e.contains("build_policy_batched"), "{e}");
     // An empty prompt in a batch names its index.
     let mut p = build_policy_batched("hybrid", &hybrid_opts(4, None))?;
-    let e = generate_batch(model, p.as_mut(), &[vec![1, 2], vec![]], &GenerateConfig::default())
-        .err()
-        .map(|e| e.to_string())
-        .unwrap_or_default();
+    let e = generate_batch(
+        model,
+        p.as_mut(),
+        &[vec![1, 2], vec![]],
+        &GenerateConfig::default(),
+    )
+    .err()
+    .map(|e| e.to_string())
+    .unwrap_or_default();
     assert!(e.contains("prompt 2 of the batch"), "{e}");
     Ok(())
 }

@@ -7,29 +7,35 @@ use std::process::ExitCode;
 use anyhow::{Context, Result};
 
 mod atomic;
+mod batch;
 use atomic::write_atomic;
 use candle_core::{DType, Device};
 use clap::Parser;
 use kvpolicy::models::{activation_dtype, generate, load, resolve, ModelSpec, TextTokenizer};
-use kvpolicy::{build_policy, GenerateConfig, HeadGroup, KvStats, PolicyOptions, Profile};
+use kvpolicy::{
+    build_policy, build_policy_batched, GenerateConfig, HeadGroup, KvStats, PolicyOptions, Profile,
+};
 use serde::Serialize;
 
 /// Flags shared by every example.
 #[derive(Parser, Debug)]
 #[command(about = "Generate text under a KV-cache policy", long_about = None)]
 pub struct Args {
-    /// KV policy: full (all on device), layer (layer-wise offload), headwise (head-wise offload), recompute (partial recompute, KVPR); an unknown name lists the valid ones.
+    /// KV policy: full (all on device), layer (layer-wise offload), headwise (head-wise offload), recompute (partial recompute, KVPR), hybrid (KV and activation blocks, HybridServe); an unknown name lists the valid ones.
     #[arg(long, default_value = "full")]
     pub policy: String,
     /// Prompt text (tokenized with the model's tokenizer).
-    #[arg(long, conflicts_with = "prompt_ids")]
+    #[arg(long, conflicts_with_all = ["prompt_ids", "prompts_file"])]
     pub prompt: Option<String>,
     /// Wrap the prompt in the model's chat template as one user message.
     #[arg(long, requires = "prompt")]
     pub chat: bool,
     /// Prompt as comma-separated token ids, e.g. 1,2,3 (no tokenizer needed).
-    #[arg(long, value_delimiter = ',')]
+    #[arg(long, value_delimiter = ',', conflicts_with = "prompts_file")]
     pub prompt_ids: Option<Vec<u32>>,
+    /// Batch mode: one prompt per line, all generated together as a ragged batch; a file ending in .jsonl holds one JSON array of token ids per line, any other file plain text (blank lines are skipped).
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["decode_ids", "dump_logits"])]
+    pub prompts_file: Option<PathBuf>,
     /// Tokens to generate after the prompt.
     #[arg(long, default_value_t = 32)]
     pub max_new_tokens: usize,
@@ -78,6 +84,12 @@ pub struct Args {
     /// Force `recompute` to regenerate the first N cached tokens of every layer (clamped to the tokens cached so far) instead of the scheduler's split.
     #[arg(long, value_name = "N")]
     pub recompute_split: Option<usize>,
+    /// Tokens per cache block for `hybrid`.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// Force `hybrid`'s share of blocks stored as K/V, in [0, 1]: 1 = all KV, 0.5 = 1:1, 0 = all activations (default: balanced from the profile).
+    #[arg(long, value_name = "R", allow_negative_numbers = true)]
+    pub kv_act_ratio: Option<f64>,
     /// Simulate a host↔device link of this many bytes per second on the CPU (e.g. 200MB), so offload policies pay transfer time as on a GPU.
     #[arg(long, value_parser = parse_budget, value_name = "BYTES")]
     pub link_bandwidth: Option<u64>,
@@ -90,20 +102,20 @@ pub struct Args {
     /// Teacher forcing: after the prompt, feed exactly these comma-separated ids, one decode step each.
     #[arg(long, value_delimiter = ',')]
     pub decode_ids: Option<Vec<u32>>,
-    /// Write {"prompt_ids": [...], "generated_ids": [...]} as JSON to FILE.
+    /// Write {"prompt_ids": [...], "generated_ids": [...]} as JSON to FILE; with --prompts-file, a JSON array of one such object per prompt, in input order.
     #[arg(long)]
     pub ids_out: Option<PathBuf>,
     /// Write float32 logits [rows, vocab] as .npy: every prompt position, then each decode step.
     #[arg(long)]
     pub dump_logits: Option<PathBuf>,
-    /// Write the policy's stats and timings as JSON to FILE.
+    /// Write the policy's stats and timings as JSON to FILE (with --prompts-file also the stats after every step, as `steps`).
     #[arg(long)]
     pub stats_out: Option<PathBuf>,
 }
 
 /// What --stats-out writes.
 #[derive(Serialize)]
-struct StatsOut<'a> {
+pub(crate) struct StatsOut<'a> {
     #[serde(flatten)]
     stats: KvStats,
     policy: &'a str,
@@ -112,6 +124,9 @@ struct StatsOut<'a> {
     prefill_s: f64,
     decode_tokens: usize,
     decode_s: f64,
+    /// Stats after every step (batch mode).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    steps: Option<Vec<KvStats>>,
 }
 
 /// Parses the flags, runs, and maps errors to a message and exit code 1. `example` is the
@@ -175,9 +190,17 @@ fn run(args: &Args, example: &str, archs: &[&str]) -> Result<()> {
         profile: args.profile.as_deref().map(Profile::load).transpose()?,
         recompute_split: args.recompute_split,
         link_bandwidth: args.link_bandwidth.map(|b| b as f64),
+        block_size: args.block_size,
+        kv_act_ratio: args.kv_act_ratio,
         ..PolicyOptions::default()
     };
-    let mut policy = build_policy(&args.policy, &opts)?;
+    let mut policy = if args.prompts_file.is_some() {
+        build_policy_batched(&args.policy, &opts)?
+    } else {
+        build_policy(&args.policy, &opts)?
+    };
+    // A prompts file that cannot be read fails before the model loads.
+    let batch = args.prompts_file.as_deref().map(batch::read).transpose()?;
 
     let spec = match (&args.model_dir, &args.model_id, &args.gguf) {
         _ if args.random_weights => ModelSpec::Random {
@@ -209,6 +232,10 @@ fn run(args: &Args, example: &str, archs: &[&str]) -> Result<()> {
         );
     }
 
+    if let Some(prompts) = batch {
+        return batch::run(args, model.as_ref(), tok.as_ref(), policy.as_mut(), prompts);
+    }
+
     let prompt_ids = match (&args.prompt_ids, &args.prompt) {
         (Some(ids), _) => ids.clone(),
         (None, p) => {
@@ -224,16 +251,7 @@ fn run(args: &Args, example: &str, archs: &[&str]) -> Result<()> {
         }
     };
 
-    let cfg = GenerateConfig {
-        prefill_chunk: args.prefill_chunk,
-        max_new_tokens: args.max_new_tokens,
-        temperature: args.temperature,
-        top_p: args.top_p,
-        seed: args.seed,
-        decode_ids: args.decode_ids.clone(),
-        collect_logits: args.dump_logits.is_some(),
-        stop_at_eos: true,
-    };
+    let cfg = generate_config(args);
     let mut printer = Printer::new(tok.as_ref());
     let gen = generate(
         model.as_ref(),
@@ -279,12 +297,27 @@ fn run(args: &Args, example: &str, archs: &[&str]) -> Result<()> {
             prefill_s: gen.prefill_s,
             decode_tokens: gen.decode_tokens,
             decode_s: gen.decode_s,
+            steps: None,
         };
         write_atomic(path, |p| {
             Ok(std::fs::write(p, serde_json::to_string_pretty(&out)?)?)
         })?;
     }
     Ok(())
+}
+
+/// The generation settings the flags ask for.
+fn generate_config(args: &Args) -> GenerateConfig {
+    GenerateConfig {
+        prefill_chunk: args.prefill_chunk,
+        max_new_tokens: args.max_new_tokens,
+        temperature: args.temperature,
+        top_p: args.top_p,
+        seed: args.seed,
+        decode_ids: args.decode_ids.clone(),
+        collect_logits: args.dump_logits.is_some(),
+        stop_at_eos: true,
+    }
 }
 
 /// Streams generated text to stdout (or ids when the model has no tokenizer).

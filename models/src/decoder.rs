@@ -10,9 +10,9 @@ use candle_core::{DType, Module, Tensor};
 use kvpolicy_core::KvPolicy;
 
 use crate::attention::{Attention, Segment};
+use crate::error::ModelError;
 use crate::error::Result;
 use crate::layers::{Linear, Mlp, Norm};
-use crate::error::ModelError;
 use crate::model::{CausalLm, LogitsMode, ModelInfo, SeqChunk};
 
 /// One decoder block: `h += post_attn(attn(attn_norm(h)))`, `h += post_mlp(mlp(mlp_norm(h)))`.

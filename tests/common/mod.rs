@@ -1,5 +1,7 @@
 //! Helpers shared by the integration tests: fixture locations, the default model, diffs.
 #![allow(dead_code)]
+pub mod cli;
+
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};

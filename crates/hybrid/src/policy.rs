@@ -191,7 +191,8 @@ impl HybridPolicy {
                 });
             }
             let act_slot =
-                (shape.n_layers.max(1) as u64 * self.block as u64 * Self::x_row_bytes(shape)).max(1);
+                (shape.n_layers.max(1) as u64 * self.block as u64 * Self::x_row_bytes(shape))
+                    .max(1);
             dev_limit = Some(((budget - staging) / act_slot) as usize);
             self.unit_cap = Some(staging / 2);
         }
@@ -407,7 +408,11 @@ impl HybridPolicy {
 
     /// This step's cached K/V of `seq` at `layer`, in token order:
     /// `(1, n_kv, cached, head_dim)` each, or `None` when nothing is cached.
-    fn cached_kv(&mut self, step: &AttnStep<'_>, cached: usize) -> Result<Option<(Tensor, Tensor)>> {
+    fn cached_kv(
+        &mut self,
+        step: &AttnStep<'_>,
+        cached: usize,
+    ) -> Result<Option<(Tensor, Tensor)>> {
         if cached == 0 {
             return Ok(None);
         }
@@ -433,7 +438,9 @@ impl HybridPolicy {
                 self.stage_unit(step.layer, &group, Some((step.seq, cached)))?;
                 match self.staged.remove(&key) {
                     Some(s) => s,
-                    None => return Err(KvError::Step(format!("sequence {} has no cache", step.seq))),
+                    None => {
+                        return Err(KvError::Step(format!("sequence {} has no cache", step.seq)))
+                    }
                 }
             }
         };
@@ -523,7 +530,10 @@ impl HybridPolicy {
         let t = step.k.dim(2)?;
         let block = self.block;
         let (Some(pools), Some(table)) = (self.pools.as_ref(), self.seqs.get(&step.seq)) else {
-            return Err(KvError::Step(format!("sequence {} has no block table", step.seq)));
+            return Err(KvError::Step(format!(
+                "sequence {} has no block table",
+                step.seq
+            )));
         };
         // Rows of the step as (t, width) matrices.
         let k = step.k.squeeze(0)?.transpose(0, 1)?.flatten_from(1)?;
@@ -666,7 +676,10 @@ impl KvPolicy for HybridPolicy {
                 .count() as u64
         };
         let (host, dev_blocks) = self.pools.as_ref().map_or((0, 0), |p| {
-            (p.host_act.bytes() + p.host_kv.bytes(), p.dev_act.used() as u64)
+            (
+                p.host_act.bytes() + p.host_kv.bytes(),
+                p.dev_act.used() as u64,
+            )
         });
         KvStats {
             device_kv_bytes: self.device_bytes(),
@@ -726,8 +739,9 @@ impl KvPolicy for HybridPolicy {
                 };
                 let (transfer_s, recompute_s) = match &self.costs {
                     Some(c) => (
-                        c.transfer.at(kv as f64) + c.transfer.per_token_s * (host_x as f64) * xb as f64
-                            / kvb.max(1) as f64,
+                        c.transfer.at(kv as f64)
+                            + c.transfer.per_token_s * (host_x as f64) * xb as f64
+                                / kvb.max(1) as f64,
                         c.recompute.at(act as f64),
                     ),
                     None => (0.0, 0.0),
@@ -743,7 +757,11 @@ impl KvPolicy for HybridPolicy {
         self.loads = loads.iter().map(|l| (l.seq, *l)).collect();
         self.plan = groups
             .iter()
-            .map(|g| g.iter().filter_map(|&i| loads.get(i).map(|l| l.seq)).collect())
+            .map(|g| {
+                g.iter()
+                    .filter_map(|&i| loads.get(i).map(|l| l.seq))
+                    .collect()
+            })
             .collect();
         Ok(groups)
     }

@@ -111,7 +111,11 @@ impl Costs {
         let kv = (kv_blocks * block) as f64;
         let act = ((blocks - kv_blocks.min(blocks)) * block) as f64;
         let t = if kv > 0.0 { self.transfer.at(kv) } else { 0.0 };
-        let r = if act > 0.0 { self.recompute.at(act) } else { 0.0 };
+        let r = if act > 0.0 {
+            self.recompute.at(act)
+        } else {
+            0.0
+        };
         t.max(r)
     }
 
@@ -124,7 +128,8 @@ impl Costs {
         }
         let s = (blocks * block) as f64;
         let (t, r) = (self.transfer, self.recompute);
-        let k = ((r.fixed_s - t.fixed_s + r.per_token_s * s) / (s * (t.per_token_s + r.per_token_s)))
+        let k = ((r.fixed_s - t.fixed_s + r.per_token_s * s)
+            / (s * (t.per_token_s + r.per_token_s)))
             .clamp(0.0, 1.0);
         let lo = ((k * blocks as f64).floor() as usize).min(blocks);
         // Between the ends the cost is convex (a rising and a falling line), so the best
@@ -218,8 +223,7 @@ mod tests {
     fn gqa_shapes_are_all_kv() {
         // Llama-3-8B: hidden 4096, 8 KV heads of 128 → K+V = 2048 values < X = 4096.
         // SmolLM2-135M: hidden 576, 3 KV heads of 64 → 384 < 576.
-        for (hidden, kv_heads, head_dim) in [(4096u64, 8u64, 128u64), (576, 3, 64), (2048, 4, 64)]
-        {
+        for (hidden, kv_heads, head_dim) in [(4096u64, 8u64, 128u64), (576, 3, 64), (2048, 4, 64)] {
             let c = Costs {
                 kv_bytes: 2 * kv_heads * head_dim * 2,
                 x_bytes: hidden * 2,
@@ -262,7 +266,11 @@ mod tests {
         for share in [0.0, 0.25, 1.0 / 3.0, 0.5, 0.75, 1.0] {
             for n in 1..50 {
                 let kv = (0..n).filter(|&i| is_kv_block(i, share)).count();
-                assert_eq!(kv, (share * n as f64 + 1e-9).floor() as usize, "{share} {n}");
+                assert_eq!(
+                    kv,
+                    (share * n as f64 + 1e-9).floor() as usize,
+                    "{share} {n}"
+                );
             }
         }
         assert!(check_share(-0.1).is_err() && check_share(1.5).is_err());

@@ -1,0 +1,138 @@
+//! Batch mode (`--prompts-file`): reads the prompts, generates them together as one ragged
+//! batch (`generate_batch`), prints each completion and writes `--ids-out` / `--stats-out`.
+use std::io::Write;
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+use kvpolicy::models::{generate_batch, TextTokenizer};
+use kvpolicy::{CausalLm, KvPolicy};
+
+use super::{generate_config, write_atomic, Args, StatsOut};
+
+/// The prompts of a file: text lines, or token ids from a `.jsonl` file.
+pub enum Prompts {
+    /// One prompt per line, to tokenize.
+    Text(Vec<String>),
+    /// One JSON array of token ids per line.
+    Ids(Vec<Vec<u32>>),
+}
+
+/// Reads `path`: `.jsonl` → one JSON array of token ids per line, else plain text, one
+/// prompt per line; blank lines are skipped; no prompt at all is an error.
+pub fn read(path: &Path) -> Result<Prompts> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read --prompts-file {}", path.display()))?;
+    let lines: Vec<(usize, &str)> = text
+        .lines()
+        .enumerate()
+        .map(|(i, l)| (i + 1, l.trim_end_matches('\r')))
+        .filter(|(_, l)| !l.trim().is_empty())
+        .collect();
+    if lines.is_empty() {
+        bail!(
+            "--prompts-file {} holds no prompts; write one prompt per line (or, in a .jsonl file, one JSON array of token ids per line)",
+            path.display()
+        );
+    }
+    let jsonl = path
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("jsonl"));
+    if !jsonl {
+        return Ok(Prompts::Text(
+            lines.into_iter().map(|(_, l)| l.to_string()).collect(),
+        ));
+    }
+    let mut out = Vec::with_capacity(lines.len());
+    for (n, line) in lines {
+        let ids: Vec<u32> = serde_json::from_str(line).with_context(|| {
+            format!(
+                "{} line {n} is not a JSON array of token ids (e.g. [1, 2, 3]): `{}`",
+                path.display(),
+                line.chars().take(60).collect::<String>()
+            )
+        })?;
+        if ids.is_empty() {
+            bail!(
+                "{} line {n} is an empty prompt; give at least one token id",
+                path.display()
+            );
+        }
+        out.push(ids);
+    }
+    Ok(Prompts::Ids(out))
+}
+
+/// Generates every prompt of the batch and writes the outputs.
+pub fn run(
+    args: &Args,
+    model: &dyn CausalLm,
+    tok: Option<&TextTokenizer>,
+    policy: &mut dyn KvPolicy,
+    prompts: Prompts,
+) -> Result<()> {
+    let ids: Vec<Vec<u32>> = match prompts {
+        Prompts::Ids(ids) => ids,
+        Prompts::Text(lines) => {
+            let tok = tok.context(
+                "this model has no tokenizer; give the prompts as token ids in a .jsonl file, or pass --tokenizer tokenizer.json",
+            )?;
+            lines
+                .iter()
+                .map(|l| tok.encode(l))
+                .collect::<std::result::Result<_, _>>()?
+        }
+    };
+    let cfg = generate_config(args);
+    let out = generate_batch(model, policy, &ids, &cfg)?;
+    let mut stdout = std::io::stdout().lock();
+    for (i, g) in out.requests.iter().enumerate() {
+        let text = match tok {
+            Some(t) => t.decode(&g.generated_ids)?,
+            None => g
+                .generated_ids
+                .iter()
+                .map(|t| t.to_string())
+                .collect::<Vec<_>>()
+                .join(" "),
+        };
+        writeln!(stdout, "[{}] {}", i + 1, text.replace('\n', "\\n"))?;
+    }
+    let stats = policy.stats();
+    let prefill_tokens: usize = ids.iter().map(Vec::len).sum();
+    let total_s = out.prefill_s + out.decode_s;
+    eprintln!(
+        "{} prompts, {prefill_tokens} prompt tokens and {} decode tokens in {:.2}s ({:.1} decode tok/s over the batch); policy {}; device KV peak {}; recomputed {} tokens",
+        ids.len(),
+        out.decode_tokens,
+        total_s,
+        out.decode_tokens as f64 / out.decode_s.max(1e-9),
+        policy.name(),
+        kvpolicy::core::format_bytes(stats.device_kv_peak_bytes),
+        stats.recompute_tokens,
+    );
+    if let Some(path) = &args.ids_out {
+        let v: Vec<_> = out
+            .requests
+            .iter()
+            .map(|g| serde_json::json!({"prompt_ids": g.prompt_ids, "generated_ids": g.generated_ids}))
+            .collect();
+        write_atomic(path, |p| Ok(std::fs::write(p, serde_json::to_string(&v)?)?))?;
+    }
+    if let Some(path) = &args.stats_out {
+        let info = model.info();
+        let st = StatsOut {
+            stats,
+            policy: policy.name(),
+            model: &info.source,
+            prefill_tokens,
+            prefill_s: out.prefill_s,
+            decode_tokens: out.decode_tokens,
+            decode_s: out.decode_s,
+            steps: Some(out.step_stats),
+        };
+        write_atomic(path, |p| {
+            Ok(std::fs::write(p, serde_json::to_string_pretty(&st)?)?)
+        })?;
+    }
+    Ok(())
+}
