@@ -60,10 +60,10 @@ fn hybrid_logits_equal_full_for_every_block_size_and_ratio() -> Result<()> {
                     let blocks = s.div_ceil(block as u64);
                     assert_eq!(st.act_blocks + st.kv_blocks, blocks, "{name}");
                     match ratio {
-                        Some(r) if r == 1.0 => {
+                        Some(1.0) => {
                             assert_eq!((st.act_blocks, st.recompute_tokens), (0, 0), "{name}")
                         }
-                        Some(r) if r == 0.0 => assert_eq!(st.kv_blocks, 0, "{name}"),
+                        Some(0.0) => assert_eq!(st.kv_blocks, 0, "{name}"),
                         Some(_) => assert!(
                             st.act_blocks.abs_diff(st.kv_blocks) <= 1 && st.recompute_tokens > 0,
                             "{name}: {st:?}"

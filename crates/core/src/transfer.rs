@@ -107,6 +107,27 @@ struct Progress {
 /// more than copying them (a decode step's write-back is one token per head).
 pub const INLINE_BYTES: u64 = 64 * 1024;
 
+/// The one simulated wire of the process: when it is next free.
+static LINK_FREE_AT: Mutex<Option<Instant>> = Mutex::new(None);
+
+/// How long a batch of `bytes` must still wait on the simulated link of `bytes_per_s`: every
+/// engine of the process shares one wire (as every engine of one GPU shares its PCIe
+/// link), so a batch starts when the wire is free and ends bytes ÷ bandwidth later.
+fn shared_link_delay(bytes: u64, bytes_per_s: f64) -> std::time::Duration {
+    let now = Instant::now();
+    let took = std::time::Duration::from_secs_f64(bytes as f64 / bytes_per_s);
+    let end = match LINK_FREE_AT.lock() {
+        Ok(mut free) => {
+            let start = free.map_or(now, |f| f.max(now));
+            let end = start + took;
+            *free = Some(end);
+            end
+        }
+        Err(_) => now + took,
+    };
+    end.saturating_duration_since(now)
+}
+
 /// Runs copies on a background thread (small batches inline when the queue is empty).
 pub struct CpuTransferEngine {
     tx: Option<Sender<(u64, Vec<CopyJob>)>>,
@@ -131,7 +152,8 @@ impl CpuTransferEngine {
     }
 
     /// A worker that simulates a host↔device link of `bytes_per_s` (CPU experiments: each
-    /// batch takes at least its bytes ÷ the bandwidth; nothing runs inline).
+    /// batch occupies the process's one simulated wire for its bytes ÷ the bandwidth, after
+    /// the batches of every engine queued before it; nothing runs inline).
     pub fn with_link(bytes_per_s: f64) -> Result<Self> {
         if !(bytes_per_s.is_finite() && bytes_per_s > 0.0) {
             return Err(KvError::Step(format!(
@@ -149,15 +171,10 @@ impl CpuTransferEngine {
             .name("kv-transfer".into())
             .spawn(move || {
                 for (id, jobs) in rx {
-                    let started = Instant::now();
                     let err = run_jobs(&jobs).err().map(|e| e.to_string());
                     if let Some(bw) = link {
-                        // A simulated link: the batch takes at least bytes / bandwidth.
                         let bytes: u64 = jobs.iter().map(CopyJob::bytes).sum();
-                        let want = std::time::Duration::from_secs_f64(bytes as f64 / bw);
-                        if let Some(rest) = want.checked_sub(started.elapsed()) {
-                            std::thread::sleep(rest);
-                        }
+                        std::thread::sleep(shared_link_delay(bytes, bw));
                     }
                     let (lock, cv) = &*st;
                     if let Ok(mut p) = lock.lock() {

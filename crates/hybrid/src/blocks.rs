@@ -46,6 +46,19 @@ pub struct BlockTable {
     pub kv_share: f64,
 }
 
+/// How a pool's tensors are laid out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PoolLayout {
+    /// Element type.
+    pub dtype: DType,
+    /// Tokens per block.
+    pub block: usize,
+    /// Values per row: `n_kv·head_dim` for K/V, `hidden` for X.
+    pub width: usize,
+    /// Layers.
+    pub n_layers: usize,
+}
+
 /// Slots of `block_size` tokens for every layer, on one tier, of one kind. Each layer has
 /// one tensor per stored quantity (K and V, or X), `(slots·block_size, width)`; a token's
 /// row is `slot·block_size + offset`.
@@ -69,26 +82,24 @@ pub struct Pool {
 }
 
 impl Pool {
-    /// An empty pool of rows `width` values wide (`n_kv·head_dim` for K/V, `hidden` for X).
+    /// An empty pool of `kind` on `tier` (on `device`), laid out as `layout` says, holding
+    /// at most `limit` slots.
     pub fn new(
         kind: Kind,
         tier: Tier,
         device: &Device,
-        dtype: DType,
-        block: usize,
-        width: usize,
-        n_layers: usize,
+        layout: PoolLayout,
         limit: Option<usize>,
     ) -> Self {
         Self {
             kind,
             tier,
             device: device.clone(),
-            dtype,
-            block,
-            width,
+            dtype: layout.dtype,
+            block: layout.block,
+            width: layout.width,
             layers: Vec::new(),
-            n_layers,
+            n_layers: layout.n_layers,
             slots: 0,
             limit,
             free: Vec::new(),

@@ -4,9 +4,10 @@
 //! a mini-batch that transfers while it recomputes leaves neither the link nor the device
 //! idle.
 //!
-//! Requests are placed largest first; each goes to the open mini-batch with room whose
-//! summed imbalance it brings closest to zero, or opens a new one. A request larger than a
-//! unit on its own gets a mini-batch to itself.
+//! First-fit decreasing on the bytes says how many mini-batches are needed; then requests,
+//! largest first, each go to the mini-batch with room whose summed imbalance they bring
+//! closest to zero (a new one only when none has room). A request larger than a unit on
+//! its own gets a mini-batch to itself.
 
 /// What one request brings to a step.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -28,19 +29,36 @@ pub fn pack(loads: &[Load], cap: Option<u64>) -> Vec<Vec<usize>> {
         };
     };
     let mut order: Vec<usize> = (0..loads.len()).collect();
-    order.sort_by(|&a, &b| loads[b].bytes.cmp(&loads[a].bytes).then(a.cmp(&b)));
+    order.sort_by(|&a, &b| {
+        loads[b]
+            .bytes
+            .cmp(&loads[a].bytes)
+            .then(loads[b].imbalance_s.abs().total_cmp(&loads[a].imbalance_s.abs()))
+            .then(a.cmp(&b))
+    });
+    // How many mini-batches are needed at all: first-fit decreasing on the bytes.
+    let mut fill: Vec<u64> = Vec::new();
+    for &i in &order {
+        match fill.iter_mut().find(|f| **f + loads[i].bytes <= cap) {
+            Some(f) => *f += loads[i].bytes,
+            None => fill.push(loads[i].bytes),
+        }
+    }
+    // Then that many, each request going where the summed imbalance ends closest to zero
+    // (ties: the emptier one); a new one only when none has room.
     // (members, bytes, imbalance)
-    let mut bins: Vec<(Vec<usize>, u64, f64)> = Vec::new();
+    let mut bins: Vec<(Vec<usize>, u64, f64)> = vec![(Vec::new(), 0, 0.0); fill.len()];
     for i in order {
         let l = loads[i];
         let best = bins
             .iter()
             .enumerate()
-            .filter(|(_, b)| b.1 + l.bytes <= cap)
+            .filter(|(_, b)| b.0.is_empty() || b.1 + l.bytes <= cap)
             .min_by(|(_, a), (_, b)| {
                 (a.2 + l.imbalance_s)
                     .abs()
                     .total_cmp(&(b.2 + l.imbalance_s).abs())
+                    .then(a.1.cmp(&b.1))
             })
             .map(|(j, _)| j);
         match best.and_then(|j| bins.get_mut(j)) {
@@ -53,6 +71,7 @@ pub fn pack(loads: &[Load], cap: Option<u64>) -> Vec<Vec<usize>> {
         }
     }
     bins.into_iter()
+        .filter(|b| !b.0.is_empty())
         .map(|(mut m, _, _)| {
             m.sort_unstable();
             m

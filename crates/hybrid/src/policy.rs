@@ -21,7 +21,7 @@ use kvpolicy_core::{
     Probe, Profile, Result, SeqLoad, Ticket, TransferEngine,
 };
 
-use crate::blocks::{BlockRef, BlockTable, Kind, Pool, Rows, Tier};
+use crate::blocks::{BlockRef, BlockTable, Kind, Pool, PoolLayout, Rows, Tier};
 use crate::pack::{pack, Load};
 use crate::ratio::{check_share, is_kv_block, Costs, LinearCost};
 
@@ -205,19 +205,22 @@ impl HybridPolicy {
                 }
             }
             None => {
+                let layout = |width| PoolLayout {
+                    dtype: dt,
+                    block: b,
+                    width,
+                    n_layers: n,
+                };
                 self.pools = Some(Pools {
                     dev_act: Pool::new(
                         Kind::Act,
                         Tier::Device,
                         &self.device,
-                        dt,
-                        b,
-                        shape.hidden,
-                        n,
+                        layout(shape.hidden),
                         dev_limit,
                     ),
-                    host_act: Pool::new(Kind::Act, Tier::Host, &host, dt, b, shape.hidden, n, None),
-                    host_kv: Pool::new(Kind::Kv, Tier::Host, &host, dt, b, kv_w, n, None),
+                    host_act: Pool::new(Kind::Act, Tier::Host, &host, layout(shape.hidden), None),
+                    host_kv: Pool::new(Kind::Kv, Tier::Host, &host, layout(kv_w), None),
                 });
             }
         }
@@ -250,16 +253,11 @@ impl HybridPolicy {
                     tp.push((tokens as f64, p.transfer_s((tokens as u64 * kvb) as f64)));
                     rp.push((tokens as f64, p.recompute_s(tokens as f64)));
                 }
-                let fit = |pts: &[(f64, f64)], what: &str| {
-                    LinearCost::fit(pts).map_err(|e| {
-                        KvError::Step(format!("profiling {what} for `hybrid` failed: {e}"))
-                    })
-                };
                 Costs {
                     kv_bytes: kvb,
                     x_bytes: xb,
-                    transfer: fit(&tp, "transfers")?,
-                    recompute: fit(&rp, "recompute")?,
+                    transfer: LinearCost::fit_or_rate(&tp),
+                    recompute: LinearCost::fit_or_rate(&rp),
                 }
             }
         };
@@ -324,21 +322,34 @@ impl HybridPolicy {
         let x_rows = table.rows(cached, block, Kind::Act, Tier::Host);
         let mut jobs = Vec::new();
         let mut bytes = 0;
+        // One copy job per run of consecutive pool rows (a block, or neighbouring slots):
+        // the worker reads the pool directly, nothing is gathered on the compute thread.
         let mut gather = |pool: &Pool, j: usize, rows: &Rows| -> Result<Option<Tensor>> {
             if rows.rows.is_empty() {
                 return Ok(None);
             }
             let src = pool.tensor(layer, j)?;
-            let idx = Tensor::new(rows.rows.as_slice(), src.device())?;
-            let src = src.index_select(&idx, 0)?;
-            let dst = Tensor::zeros(src.dims(), src.dtype(), &self.device)?;
-            bytes += (src.elem_count() * src.dtype().size_in_bytes()) as u64;
-            jobs.push(CopyJob {
-                src,
-                dst: dst.clone(),
-                dim: 0,
-                offset: 0,
-            });
+            let shape = (rows.rows.len(), src.dim(1)?);
+            // SAFETY: the runs below cover every row of `dst`, and `dst` is read only after
+            // waiting on this batch's ticket, which fails if any copy did; an uninitialised
+            // row is therefore never read (zeroing it would cost a pass over the buffer).
+            let dst = unsafe { Tensor::empty(shape, src.dtype(), &self.device)? };
+            let mut start = 0;
+            while start < rows.rows.len() {
+                let mut end = start + 1;
+                while end < rows.rows.len() && rows.rows[end] == rows.rows[end - 1] + 1 {
+                    end += 1;
+                }
+                let job = CopyJob {
+                    src: src.narrow(0, rows.rows[start] as usize, end - start)?,
+                    dst: dst.clone(),
+                    dim: 0,
+                    offset: start,
+                };
+                bytes += job.bytes();
+                jobs.push(job);
+                start = end;
+            }
             Ok(Some(dst))
         };
         let k = gather(&pools.host_kv, 0, &kv_rows)?;
@@ -359,25 +370,12 @@ impl HybridPolicy {
         }))
     }
 
-    /// Stages the unit of `(layer, group)`: every sequence of the group not staged yet, at
-    /// its planned cached length (`current`'s given).
-    fn stage_unit(
-        &mut self,
-        layer: usize,
-        group: &[usize],
-        current: Option<(usize, usize)>,
-    ) -> Result<()> {
-        for &seq in group {
-            if self.staged.contains_key(&(layer, seq)) {
+    /// Stages `members` (sequence, tokens cached) at `layer`, skipping those staged.
+    fn stage_unit(&mut self, layer: usize, members: &[(usize, usize)]) -> Result<()> {
+        for &(seq, cached) in members {
+            if self.staged.contains_key(&(layer, seq)) || cached == 0 {
                 continue;
             }
-            let cached = match current {
-                Some((s, c)) if s == seq => c,
-                _ => match self.loads.get(&seq) {
-                    Some(l) => l.cached,
-                    None => continue,
-                },
-            };
             if let Some(s) = self.stage_one(layer, seq, cached)? {
                 self.staged.insert((layer, seq), s);
             }
@@ -385,14 +383,53 @@ impl HybridPolicy {
         Ok(())
     }
 
-    /// The unit after the one of `seq` at `layer`, column by column.
-    fn next_unit(&self, layer: usize, seq: usize) -> Option<(usize, Vec<usize>)> {
-        let g = self.plan.iter().position(|g| g.contains(&seq))?;
-        if let Some(next) = self.plan.get(g + 1) {
-            return Some((layer, next.clone()));
-        }
+    /// The members (sequence, tokens cached) of the unit of `seq` at `layer`.
+    fn unit_of(&self, layer: usize, seq: usize, cached: usize) -> (usize, Vec<(usize, usize)>) {
+        let group = self.plan.iter().find(|g| g.contains(&seq));
+        let members = match group {
+            Some(g) => g
+                .iter()
+                .filter_map(|s| self.loads.get(s).map(|l| (*s, l.cached)))
+                .collect(),
+            None => vec![(seq, cached)],
+        };
+        (layer, members)
+    }
+
+    /// The unit after the one of `seq` at `layer`, column by column: the next mini-batch,
+    /// else the first one at the next layer, else — after the last layer — the first one
+    /// at layer 0 of the next step (its tokens then include this step's). Without a plan
+    /// (one sequence, [`KvPolicy::plan`] not called) a unit is the sequence alone.
+    fn next_unit(
+        &self,
+        layer: usize,
+        seq: usize,
+        cached: usize,
+        new: usize,
+    ) -> (usize, Vec<(usize, usize)>) {
         let n_layers = self.shape.as_ref().map_or(0, |s| s.n_layers);
-        (layer + 1 < n_layers).then(|| (layer + 1, self.plan.first().cloned().unwrap_or_default()))
+        let at = |g: &Vec<usize>, grown: bool| -> Vec<(usize, usize)> {
+            g.iter()
+                .filter_map(|s| {
+                    self.loads
+                        .get(s)
+                        .map(|l| (*s, if grown { l.cached + l.new } else { l.cached }))
+                })
+                .collect()
+        };
+        let Some(g) = self.plan.iter().position(|g| g.contains(&seq)) else {
+            return if layer + 1 < n_layers {
+                (layer + 1, vec![(seq, cached)])
+            } else {
+                (0, vec![(seq, cached + new)])
+            };
+        };
+        match (self.plan.get(g + 1), self.plan.first()) {
+            (Some(next), _) => (layer, at(next, false)),
+            (None, Some(first)) if layer + 1 < n_layers => (layer + 1, at(first, false)),
+            (None, Some(first)) => (0, at(first, true)),
+            (None, None) => (layer, Vec::new()),
+        }
     }
 
     fn drop_staged(&mut self, s: &Staged) {
@@ -429,13 +466,11 @@ impl HybridPolicy {
             Some(s) => s,
             None => {
                 // Not prefetched: stage this sequence's unit now.
-                let group = self
-                    .plan
-                    .iter()
-                    .find(|g| g.contains(&step.seq))
-                    .cloned()
-                    .unwrap_or_else(|| vec![step.seq]);
-                self.stage_unit(step.layer, &group, Some((step.seq, cached)))?;
+                let (layer, mut members) = self.unit_of(step.layer, step.seq, cached);
+                for m in members.iter_mut().filter(|m| m.0 == step.seq) {
+                    m.1 = cached;
+                }
+                self.stage_unit(layer, &members)?;
                 match self.staged.remove(&key) {
                     Some(s) => s,
                     None => {
@@ -445,9 +480,8 @@ impl HybridPolicy {
             }
         };
         // Queue the next unit before computing on this one.
-        if let Some((layer, group)) = self.next_unit(step.layer, step.seq) {
-            self.stage_unit(layer, &group, None)?;
-        }
+        let (layer, members) = self.next_unit(step.layer, step.seq, cached, step.k.dim(2)?);
+        self.stage_unit(layer, &members)?;
         let (nkv, d) = (step.spec.n_kv_heads, step.spec.head_dim);
         let heads = |t: &Tensor| -> Result<Tensor> {
             let n = t.dim(0)?;
@@ -719,8 +753,20 @@ impl KvPolicy for HybridPolicy {
     }
 
     fn plan(&mut self, loads: &[SeqLoad]) -> Result<Vec<Vec<usize>>> {
-        // A new step: whatever was staged for the last one is stale.
-        self.clear_staged();
+        // A new step: keep what the last one prefetched for it (layer 0 at the length this
+        // step starts from), drop the rest.
+        let keep: HashMap<usize, usize> = loads.iter().map(|l| (l.seq, l.cached)).collect();
+        let stale: Vec<(usize, usize)> = self
+            .staged
+            .iter()
+            .filter(|((layer, seq), st)| *layer != 0 || keep.get(seq) != Some(&st.cached))
+            .map(|(k, _)| *k)
+            .collect();
+        for k in stale {
+            if let Some(st) = self.staged.remove(&k) {
+                self.drop_staged(&st);
+            }
+        }
         let (kvb, xb) = match &self.shape {
             Some(s) => (Self::kv_row_bytes(s), Self::x_row_bytes(s)),
             None => (0, 0),
