@@ -1,12 +1,14 @@
 //! Property tests (proptest): random attention shapes (heads, KV heads, head width, layers,
 //! sliding window, batch), random sequences of prefill chunks and decode steps, random
-//! policy options (head groups, forced splits, growth steps, budgets that fit). Every
+//! policy options (head groups, forced splits, growth steps, block sizes, KV:ACT shares,
+//! budgets that fit). Every
 //! policy's attention output equals `full`'s within 1e-5 at every step and layer.
 //!
 //! Policies are driven directly through [`AttnStep`]s, without a model. K and V are random;
 //! the layer input X is their concatenation, so the test's [`KvRegen`] (split X back into K
 //! and V) regenerates them exactly, as a model's projections would.
 use candle_core::{Device, Tensor};
+use kvpolicy::core::SeqLoad;
 use kvpolicy::{build_policy, AttnSpec, AttnStep, HeadGroup, KvPolicy, KvRegen, PolicyOptions};
 use proptest::prelude::*;
 
@@ -45,6 +47,11 @@ struct Case {
     head_group: usize,
     split: usize,
     grow: usize,
+    /// `hybrid`: tokens per block, forced KV share (`None`: from a synthetic profile), and
+    /// device-pool slots for activation blocks (`None`: no budget).
+    block: usize,
+    share: Option<f64>,
+    act_slots: Option<u64>,
     seed: u64,
 }
 
@@ -60,10 +67,28 @@ fn case() -> impl Strategy<Value = Case> {
         1usize..=4,
         0usize..=40,
         prop::sample::select(vec![1usize, 3, 8, 64]),
+        (
+            prop::sample::select(vec![1usize, 2, 3, 5, 16]),
+            prop::option::of(prop::sample::select(vec![0.0, 0.25, 0.5, 2.0 / 3.0, 1.0])),
+            prop::option::of(0u64..=3),
+        ),
         any::<u64>(),
     )
         .prop_map(
-            |(n_kv, group, head_dim, layers, batch, window, mut chunks, hg, split, grow, seed)| {
+            |(
+                n_kv,
+                group,
+                head_dim,
+                layers,
+                batch,
+                window,
+                mut chunks,
+                hg,
+                split,
+                grow,
+                (block, share, act_slots),
+                seed,
+            )| {
                 // A few decode steps after the prefill chunks.
                 chunks.extend([1, 1, 1]);
                 Case {
@@ -80,6 +105,9 @@ fn case() -> impl Strategy<Value = Case> {
                         .unwrap_or(1),
                     split,
                     grow,
+                    block,
+                    share,
+                    act_slots,
                     seed,
                 }
             },
@@ -100,8 +128,9 @@ fn tensor(dims: &[usize], seed: u64, dev: &Device) -> candle_core::Result<Tensor
     Tensor::from_vec(v, dims, dev)
 }
 
-/// Every step's output of every layer.
-fn drive(p: &mut dyn KvPolicy, c: &Case) -> Result<Vec<Tensor>, TestCaseError> {
+/// Every step's output of every layer. With `per_seq`, each batch row is its own sequence
+/// (`AttnStep::seq`), stepped layer by layer across the rows as a ragged batch would be.
+fn drive(p: &mut dyn KvPolicy, c: &Case, per_seq: bool) -> Result<Vec<Tensor>, TestCaseError> {
     let dev = Device::Cpu;
     let fail = |e: &dyn std::fmt::Display| TestCaseError::fail(e.to_string());
     let mut spec = AttnSpec::new(c.n_kv * c.group, c.n_kv, c.head_dim);
@@ -114,29 +143,148 @@ fn drive(p: &mut dyn KvPolicy, c: &Case) -> Result<Vec<Tensor>, TestCaseError> {
     let mut outs = Vec::new();
     let mut pos = 0;
     for (i, &t) in c.chunks.iter().enumerate() {
+        let plan = if per_seq {
+            let loads: Vec<SeqLoad> = (0..b)
+                .map(|seq| SeqLoad {
+                    seq,
+                    cached: pos,
+                    new: t,
+                })
+                .collect();
+            p.plan(&loads).map_err(|e| fail(&e))?
+        } else {
+            Vec::new()
+        };
         for layer in 0..c.layers {
             let salt = c.seed ^ ((i as u64) << 20) ^ ((layer as u64) << 40);
             let q = tensor(&[b, spec.n_heads, t, d], salt ^ 1, &dev).map_err(|e| fail(&e))?;
             let x = tensor(&[b, t, 2 * nkv * d], salt ^ 2, &dev).map_err(|e| fail(&e))?;
             let (k, v) = regen.regen(&x, pos).map_err(|e| fail(&e))?;
-            let out = p
-                .attend(&AttnStep {
-                    seq: 0,
-                    layer,
-                    q: &q,
-                    k: &k,
-                    v: &v,
-                    x: &x,
-                    pos,
-                    spec: &spec,
-                    regen: &regen,
-                })
-                .map_err(|e| fail(&e))?;
-            outs.push(out);
+            let rows: Vec<(usize, usize)> = if per_seq {
+                // In the policy's mini-batch order, as a model runs a ragged batch.
+                plan.iter().flatten().map(|&r| (r, 1)).collect()
+            } else {
+                vec![(0, b)]
+            };
+            let mut parts = Vec::new();
+            for (r, n) in rows {
+                let row = |t: &Tensor| t.narrow(0, r, n).map_err(|e| fail(&e));
+                let out = p
+                    .attend(&AttnStep {
+                        seq: r,
+                        layer,
+                        q: &row(&q)?,
+                        k: &row(&k)?,
+                        v: &row(&v)?,
+                        x: &row(&x)?,
+                        pos,
+                        spec: &spec,
+                        regen: &regen,
+                    })
+                    .map_err(|e| fail(&e))?;
+                parts.push((r, out));
+            }
+            // Back in row order for the comparison.
+            parts.sort_by_key(|(r, _)| *r);
+            let parts: Vec<Tensor> = parts.into_iter().map(|(_, t)| t).collect();
+            outs.push(Tensor::cat(&parts, 0).map_err(|e| fail(&e))?);
         }
         pos += t;
     }
     Ok(outs)
+}
+
+/// Every policy variant against `full` on case `c`.
+fn check(c: &Case) -> Result<(), TestCaseError> {
+    let opts = |f: &dyn Fn(&mut PolicyOptions)| {
+        let mut o = PolicyOptions {
+            grow_tokens: c.grow,
+            ..PolicyOptions::default()
+        };
+        f(&mut o);
+        o
+    };
+    let mut full =
+        build_policy("full", &opts(&|_| {})).map_err(|e| TestCaseError::fail(e.to_string()))?;
+    let want = drive(full.as_mut(), &c, false)?;
+    let total: usize = c.chunks.iter().sum();
+    // hybrid: a budget of two staging units of the whole run plus `act_slots` blocks.
+    let kv_row = (2 * c.n_kv * c.head_dim * 4) as u64;
+    let act_slot = (c.layers * c.block * 2 * c.n_kv * c.head_dim * 4) as u64;
+    let budget = c
+        .act_slots
+        .map(|n| 2 * total as u64 * kv_row + n * act_slot);
+    let hybrid = opts(&|o| {
+        o.block_size = c.block;
+        o.kv_act_ratio = c.share;
+        o.device_kv_budget = budget;
+        o.profile = Some(kvpolicy::Profile {
+            h2d_bytes_per_s: 1e9,
+            recompute_tokens_per_s: 1e6,
+            device: None,
+            shape: None,
+        });
+    });
+    let variants: Vec<(&str, PolicyOptions)> = vec![
+        ("hybrid", hybrid),
+        ("layer", opts(&|_| {})),
+        (
+            "headwise",
+            opts(&|o| o.head_group = HeadGroup::Fixed(c.head_group)),
+        ),
+        ("headwise", opts(&|o| o.head_group = HeadGroup::Auto)),
+        (
+            "recompute",
+            opts(&|o| o.recompute_split = Some(c.split.min(total))),
+        ),
+        ("recompute", opts(&|_| {})),
+    ];
+    for (name, o) in variants {
+        let mut p = build_policy(name, &o).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        let per_seq = p.batched();
+        if per_seq {
+            let shape = kvpolicy::KvShape {
+                n_layers: c.layers,
+                n_heads: c.n_kv * c.group,
+                n_kv_heads: c.n_kv,
+                head_dim: c.head_dim,
+                hidden: 2 * c.n_kv * c.head_dim,
+                batch: c.batch,
+                dtype: candle_core::DType::F32,
+                max_tokens: total,
+            };
+            p.prepare(&shape)
+                .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        }
+        let got = drive(p.as_mut(), &c, per_seq)?;
+        if let (true, Some(n)) = (per_seq, c.act_slots) {
+            let st = p.stats();
+            prop_assert!(
+                st.device_blocks <= n,
+                "{} resident blocks > {}",
+                st.device_blocks,
+                n
+            );
+            prop_assert!(st.device_kv_peak_bytes <= budget.unwrap_or(u64::MAX));
+        }
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            let d = (g - w)
+                .and_then(|t| t.abs())
+                .and_then(|t| t.flatten_all())
+                .and_then(|t| t.max(0))
+                .and_then(|t| t.to_scalar::<f32>())
+                .map_err(|e| TestCaseError::fail(e.to_string()))?;
+            prop_assert!(
+                d <= 1e-5,
+                "{} {:?}: output {} differs by {}",
+                name,
+                o.head_group,
+                i,
+                d
+            );
+        }
+    }
+    Ok(())
 }
 
 proptest! {
@@ -144,33 +292,49 @@ proptest! {
 
     #[test]
     fn every_policy_equals_full(c in case()) {
-        let opts = |f: &dyn Fn(&mut PolicyOptions)| {
-            let mut o = PolicyOptions { grow_tokens: c.grow, ..PolicyOptions::default() };
-            f(&mut o);
-            o
-        };
-        let mut full = build_policy("full", &opts(&|_| {})).map_err(|e| TestCaseError::fail(e.to_string()))?;
-        let want = drive(full.as_mut(), &c)?;
-        let total: usize = c.chunks.iter().sum();
-        let variants: Vec<(&str, PolicyOptions)> = vec![
-            ("layer", opts(&|_| {})),
-            ("headwise", opts(&|o| o.head_group = HeadGroup::Fixed(c.head_group))),
-            ("headwise", opts(&|o| o.head_group = HeadGroup::Auto)),
-            ("recompute", opts(&|o| o.recompute_split = Some(c.split.min(total)))),
-            ("recompute", opts(&|_| {})),
-        ];
-        for (name, o) in variants {
-            let mut p = build_policy(name, &o).map_err(|e| TestCaseError::fail(e.to_string()))?;
-            let got = drive(p.as_mut(), &c)?;
-            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                let d = (g - w)
-                    .and_then(|t| t.abs())
-                    .and_then(|t| t.flatten_all())
-                    .and_then(|t| t.max(0))
-                    .and_then(|t| t.to_scalar::<f32>())
-                    .map_err(|e| TestCaseError::fail(e.to_string()))?;
-                prop_assert!(d <= 1e-5, "{} {:?}: output {} differs by {}", name, o.head_group, i, d);
-            }
-        }
+        check(&c)?;
     }
+}
+
+/// Cases proptest shrank failures to, kept as they were found.
+#[test]
+fn shrunk_failures() -> Result<(), TestCaseError> {
+    let base = Case {
+        n_kv: 1,
+        group: 1,
+        head_dim: 2,
+        layers: 1,
+        batch: 1,
+        window: None,
+        chunks: vec![1, 1, 1, 1],
+        head_group: 1,
+        split: 0,
+        grow: 1,
+        block: 1,
+        share: None,
+        act_slots: None,
+        seed: 0,
+    };
+    // hybrid, one layer: the next step's layer-0 prefetch ran before the step wrote its
+    // own tokens there.
+    check(&base)?;
+    // hybrid, three layers, two sequences, all-ACT: staging went past the device budget.
+    check(&Case {
+        layers: 3,
+        batch: 2,
+        chunks: vec![5, 5, 2, 6, 2, 1, 1, 1, 1],
+        block: 16,
+        share: Some(0.0),
+        act_slots: Some(0),
+        ..base.clone()
+    })?;
+    check(&Case {
+        layers: 3,
+        batch: 2,
+        chunks: vec![5, 1, 7, 1, 4, 1, 1, 1],
+        block: 5,
+        share: Some(0.0),
+        act_slots: Some(1),
+        ..base
+    })
 }

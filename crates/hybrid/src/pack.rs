@@ -33,7 +33,12 @@ pub fn pack(loads: &[Load], cap: Option<u64>) -> Vec<Vec<usize>> {
         loads[b]
             .bytes
             .cmp(&loads[a].bytes)
-            .then(loads[b].imbalance_s.abs().total_cmp(&loads[a].imbalance_s.abs()))
+            .then(
+                loads[b]
+                    .imbalance_s
+                    .abs()
+                    .total_cmp(&loads[a].imbalance_s.abs()),
+            )
             .then(a.cmp(&b))
     });
     // How many mini-batches are needed at all: first-fit decreasing on the bytes.

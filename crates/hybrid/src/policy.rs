@@ -313,13 +313,36 @@ impl HybridPolicy {
 
     /// Host rows of tokens `0..cached` of `seq` at `layer`, gathered and queued for the
     /// device.
-    fn stage_one(&mut self, layer: usize, seq: usize, cached: usize) -> Result<Option<Staged>> {
+    /// A prefetch that would overfill the staging area (two units) is skipped; a unit that
+    /// is needed now first evicts what was prefetched if it must.
+    fn stage_one(
+        &mut self,
+        layer: usize,
+        seq: usize,
+        cached: usize,
+        prefetch: bool,
+    ) -> Result<Option<Staged>> {
         let block = self.block;
-        let (Some(pools), Some(table)) = (self.pools.as_ref(), self.seqs.get(&seq)) else {
+        let (kv_rows, x_rows) = match self.seqs.get(&seq) {
+            Some(t) => (
+                t.rows(cached, block, Kind::Kv, Tier::Host),
+                t.rows(cached, block, Kind::Act, Tier::Host),
+            ),
+            None => return Ok(None),
+        };
+        if let (Some(cap), Some(shape)) = (self.unit_cap, &self.shape) {
+            let need = kv_rows.rows.len() as u64 * Self::kv_row_bytes(shape)
+                + x_rows.rows.len() as u64 * Self::x_row_bytes(shape);
+            if self.staged_bytes + need > 2 * cap {
+                if prefetch {
+                    return Ok(None);
+                }
+                self.clear_staged();
+            }
+        }
+        let Some(pools) = self.pools.as_ref() else {
             return Ok(None);
         };
-        let kv_rows = table.rows(cached, block, Kind::Kv, Tier::Host);
-        let x_rows = table.rows(cached, block, Kind::Act, Tier::Host);
         let mut jobs = Vec::new();
         let mut bytes = 0;
         // One copy job per run of consecutive pool rows (a block, or neighbouring slots):
@@ -371,12 +394,17 @@ impl HybridPolicy {
     }
 
     /// Stages `members` (sequence, tokens cached) at `layer`, skipping those staged.
-    fn stage_unit(&mut self, layer: usize, members: &[(usize, usize)]) -> Result<()> {
+    fn stage_unit(
+        &mut self,
+        layer: usize,
+        members: &[(usize, usize)],
+        prefetch: bool,
+    ) -> Result<()> {
         for &(seq, cached) in members {
             if self.staged.contains_key(&(layer, seq)) || cached == 0 {
                 continue;
             }
-            if let Some(s) = self.stage_one(layer, seq, cached)? {
+            if let Some(s) = self.stage_one(layer, seq, cached, prefetch)? {
                 self.staged.insert((layer, seq), s);
             }
         }
@@ -398,8 +426,9 @@ impl HybridPolicy {
 
     /// The unit after the one of `seq` at `layer`, column by column: the next mini-batch,
     /// else the first one at the next layer, else — after the last layer — the first one
-    /// at layer 0 of the next step (its tokens then include this step's). Without a plan
-    /// (one sequence, [`KvPolicy::plan`] not called) a unit is the sequence alone.
+    /// at layer 0 of the next step (its tokens then include this step's; from layer 1 on, when
+    /// those rows are written). Without a plan ([`KvPolicy::plan`] not called) a unit is
+    /// one sequence, prefetched only when it is the only one.
     fn next_unit(
         &self,
         layer: usize,
@@ -417,18 +446,26 @@ impl HybridPolicy {
                 })
                 .collect()
         };
+        // The next step's layer-0 rows of this step's tokens exist once layer 0 is done
+        // for every sequence, i.e. from layer 1 on.
+        let wrap = layer > 0;
         let Some(g) = self.plan.iter().position(|g| g.contains(&seq)) else {
-            return if layer + 1 < n_layers {
-                (layer + 1, vec![(seq, cached)])
-            } else {
-                (0, vec![(seq, cached + new)])
+            // Unplanned sequences side by side would each hold a prefetch: only a lone
+            // sequence prefetches, so at most two units are ever staged.
+            if self.seqs.len() > 1 {
+                return (layer, Vec::new());
+            }
+            return match () {
+                _ if layer + 1 < n_layers => (layer + 1, vec![(seq, cached)]),
+                _ if wrap => (0, vec![(seq, cached + new)]),
+                _ => (layer, Vec::new()),
             };
         };
         match (self.plan.get(g + 1), self.plan.first()) {
             (Some(next), _) => (layer, at(next, false)),
             (None, Some(first)) if layer + 1 < n_layers => (layer + 1, at(first, false)),
-            (None, Some(first)) => (0, at(first, true)),
-            (None, None) => (layer, Vec::new()),
+            (None, Some(first)) if wrap => (0, at(first, true)),
+            _ => (layer, Vec::new()),
         }
     }
 
@@ -470,7 +507,7 @@ impl HybridPolicy {
                 for m in members.iter_mut().filter(|m| m.0 == step.seq) {
                     m.1 = cached;
                 }
-                self.stage_unit(layer, &members)?;
+                self.stage_unit(layer, &members, false)?;
                 match self.staged.remove(&key) {
                     Some(s) => s,
                     None => {
@@ -481,7 +518,7 @@ impl HybridPolicy {
         };
         // Queue the next unit before computing on this one.
         let (layer, members) = self.next_unit(step.layer, step.seq, cached, step.k.dim(2)?);
-        self.stage_unit(layer, &members)?;
+        self.stage_unit(layer, &members, true)?;
         let (nkv, d) = (step.spec.n_kv_heads, step.spec.head_dim);
         let heads = |t: &Tensor| -> Result<Tensor> {
             let n = t.dim(0)?;
