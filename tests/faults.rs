@@ -7,6 +7,7 @@ use anyhow::Result;
 use candle_core::Tensor;
 use kvpolicy::core::{CopyJob, CpuTransferEngine, Grouping, OffloadPolicy, Ticket, TransferEngine};
 use kvpolicy::models::{generate, GenerateConfig};
+use kvpolicy::hybrid::HybridPolicy;
 use kvpolicy::recompute::RecomputePolicy;
 use kvpolicy::{build_policy, CausalLm, HeadGroup, KvError, KvPolicy, PolicyOptions};
 
@@ -55,6 +56,14 @@ fn policy(kind: &str, fail_at: u64) -> Result<Box<dyn KvPolicy>> {
             OffloadPolicy::new("headwise", Grouping::Heads(HeadGroup::Fixed(1)), &opts)?
                 .with_engine(faulty(fail_at)?),
         ),
+        "hybrid" => Box::new(
+            HybridPolicy::new(&PolicyOptions {
+                block_size: 2,
+                kv_act_ratio: Some(0.5),
+                ..opts
+            })?
+            .with_engine(faulty(fail_at)?),
+        ),
         _ => Box::new(RecomputePolicy::new(&opts)?.with_engine(faulty(fail_at)?)),
     })
 }
@@ -84,8 +93,14 @@ fn a_failed_transfer_is_reported_and_reset_recovers_exactly() -> Result<()> {
         let (prompt, decode) = common::fixture_ids(name)?;
         let mut full = build_policy("full", &PolicyOptions::default())?;
         let want = run(model, full.as_mut(), &prompt, &decode)?;
-        for kind in ["layer", "headwise", "recompute"] {
-            for fail_at in [1, 2, 3, 7, 20, 50] {
+        for kind in ["layer", "headwise", "recompute", "hybrid"] {
+            // hybrid submits one batch per (layer, sequence) with a cache: fewer in all.
+            let points: &[u64] = if kind == "hybrid" {
+                &[1, 2, 3, 7, 20, 30]
+            } else {
+                &[1, 2, 3, 7, 20, 50]
+            };
+            for &fail_at in points {
                 let mut p = policy(kind, fail_at)?;
                 let e = run(model, p.as_mut(), &prompt, &decode)
                     .err()

@@ -141,6 +141,13 @@ impl HybridPolicy {
         })
     }
 
+    /// Uses `engine` for host→device copies instead of the default one (tests inject
+    /// failures this way).
+    pub fn with_engine(mut self, engine: Box<dyn TransferEngine>) -> Self {
+        self.engine = engine;
+        self
+    }
+
     /// The cost models in use, once known.
     pub fn costs(&self) -> Option<&Costs> {
         self.costs.as_ref()
