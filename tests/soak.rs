@@ -1,6 +1,7 @@
 //! A test-scale soak: 2,000 decode steps under each policy on a small random-weight model,
 //! with the memory stats flat — the host tier grows only in its chunks as tokens arrive, the
-//! device tier stays at the buffers the current capacity needs.
+//! device tier stays at the buffers the current capacity needs (for `hybrid`: its pools,
+//! grown by doubling, and one prefetched unit).
 mod common;
 
 use anyhow::Result;
@@ -79,6 +80,58 @@ fn two_thousand_steps_with_flat_memory() -> Result<()> {
                 s.device_kv_peak_bytes
             );
         }
+    }
+    hybrid_steps_with_flat_memory(model.as_ref(), &prompt)
+}
+
+/// `hybrid` at a 1:1 ratio: the pools grow by doubling their slots as blocks are needed,
+/// and between steps the device holds the activation pool plus the next step's layer-0
+/// K/V rows (prefetched), nothing else.
+fn hybrid_steps_with_flat_memory(model: &dyn kvpolicy::CausalLm, prompt: &[u32]) -> Result<()> {
+    const BLOCK: usize = 16;
+    let info = model.info().clone();
+    let (layers, nkv, d, hidden) = (info.n_layers, info.n_kv_heads, info.head_dim, info.hidden);
+    let opts = PolicyOptions {
+        block_size: BLOCK,
+        kv_act_ratio: Some(0.5),
+        ..PolicyOptions::default()
+    };
+    let mut p = build_policy("hybrid", &opts)?;
+    prefill(model, p.as_mut(), prompt, 0, false)?;
+    // Pool slots after doubling from 4 until `n` fit.
+    let slots = |n: usize| {
+        let mut s = 0;
+        while s < n {
+            s = (s * 2).max(4);
+        }
+        s as u64
+    };
+    let act_slot = (layers * BLOCK * hidden * 4) as u64;
+    let kv_slot = (layers * 2 * BLOCK * nkv * d * 4) as u64;
+    for i in 0..STEPS {
+        let pos = prompt.len() + i;
+        let ids = Tensor::new(&[(i % 64) as u32], &Device::Cpu)?.unsqueeze(0)?;
+        model.forward(&ids, pos, p.as_mut(), LogitsMode::Last)?;
+        let s = p.stats();
+        let tokens = pos + 1;
+        let n = tokens.div_ceil(BLOCK);
+        // Block i is K/V when ⌊(i+1)/2⌋ > ⌊i/2⌋: the odd ones.
+        let kv_blocks: Vec<usize> = (0..n).filter(|i| i % 2 == 1).collect();
+        let act = n - kv_blocks.len();
+        let kv_tokens: usize = kv_blocks
+            .iter()
+            .map(|&b| (tokens - b * BLOCK).min(BLOCK))
+            .sum();
+        assert_eq!((s.act_blocks, s.kv_blocks), (act as u64, kv_blocks.len() as u64));
+        assert_eq!(s.device_blocks, act as u64);
+        assert_eq!(s.host_kv_bytes, slots(kv_blocks.len()) * kv_slot, "at {tokens}");
+        let staged = (kv_tokens * 2 * nkv * d * 4) as u64;
+        assert_eq!(
+            s.device_kv_bytes,
+            slots(act) * act_slot + staged,
+            "at {tokens} tokens"
+        );
+        assert!(s.recompute_tokens > 0);
     }
     Ok(())
 }
