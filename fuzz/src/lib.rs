@@ -80,7 +80,7 @@ pub fn policy_ops(data: &[u8]) {
     let Some((&first, ops)) = data.split_first() else {
         return;
     };
-    let names = ["full", "layer", "headwise", "recompute"];
+    let names = ["full", "layer", "headwise", "recompute", "hybrid"];
     let mut opts = PolicyOptions {
         grow_tokens: 1 + (first as usize % 5),
         head_group: HeadGroup::Fixed(1 + (first as usize >> 6)),
@@ -94,7 +94,16 @@ pub fn policy_ops(data: &[u8]) {
     if first & 16 != 0 {
         opts.device_kv_budget = Some(64 * first as u64);
     }
-    let Ok(mut p) = build_policy(names[first as usize % 4], &opts) else {
+    // hybrid: blocks of 1–4 tokens, a forced share or a fixed profile (no timing here).
+    opts.block_size = 1 + (first as usize >> 5) % 4;
+    opts.kv_act_ratio = (first & 32 != 0).then_some(f64::from(first % 3) / 2.0);
+    opts.profile = Some(kvpolicy::Profile {
+        h2d_bytes_per_s: 1e9,
+        recompute_tokens_per_s: 1e6,
+        device: None,
+        shape: None,
+    });
+    let Ok(mut p) = build_policy(names[first as usize % names.len()], &opts) else {
         return;
     };
     let dev = Device::Cpu;
@@ -107,6 +116,10 @@ pub fn policy_ops(data: &[u8]) {
         );
         if a == 255 {
             p.reset();
+            continue;
+        }
+        if a == 254 {
+            p.release(b as usize % 3);
             continue;
         }
         spec.sliding_window = if c & 1 == 1 {
@@ -126,7 +139,7 @@ pub fn policy_ops(data: &[u8]) {
             return;
         };
         let _ = p.attend(&AttnStep {
-            seq: 0,
+            seq: if p.batched() { (c as usize >> 5) % 3 } else { 0 },
             layer,
             q: &q,
             k: &k,

@@ -34,9 +34,11 @@
 //!   `layer` moves; [`KvStats::split`](kvpolicy_core::KvStats) and `recompute_tokens` say
 //!   so.
 //! * **Runtime** ([`policy`]): per layer and step, the X[0:l) copy is queued first, then
-//!   K/V[l:s), on the transfer engine; the device regenerates and attends the first range
-//!   as soon as X is in while K/V is still in flight, attends the rest, and merges the two
-//!   with their log-sum-exp (exact). The next layer's ranges are prefetched into a second
+//!   K/V[l:s), on the transfer engine; the device regenerates the first range into the
+//!   K/V buffer as soon as X is in, while K/V[l:s) is still in flight, then attends once
+//!   over the assembled range (attending the two ranges apart and merging them by their
+//!   log-sum-exp is exact too, but its rounding flipped a near-tied greedy token of the
+//!   quantized default model). The next layer's ranges are prefetched into a second
 //!   buffer set while this one computes (ping-pong, as in `layer`). The step's new K/V
 //!   (and X, inside the prefix) go back to the host behind the compute.
 //! * Device memory: two buffer sets, each one layer's K/V at the current capacity plus X
