@@ -203,3 +203,42 @@ fn batch_and_hybrid_errors() -> Result<()> {
     )?;
     Ok(())
 }
+
+#[test]
+fn output_paths_that_cannot_be_written() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let file = dir.path().join("p.jsonl");
+    std::fs::write(&file, "[1, 2]\n[3]\n")?;
+    let f = file.to_string_lossy().into_owned();
+    let model = common::fixture("llama_mha").to_string_lossy().into_owned();
+    let missing = dir.path().join("no/such/dir/out.json");
+    let m = missing.to_string_lossy().into_owned();
+    for input in [["--prompt-ids", "1,2"], ["--prompts-file", f.as_str()]] {
+        for (flag, path, needle) in [
+            ("--ids-out", m.as_str(), format!("cannot write {m}")),
+            ("--stats-out", m.as_str(), format!("cannot write {m}")),
+            (
+                "--stats-out",
+                "/",
+                "output path has no file name".to_string(),
+            ),
+        ] {
+            let mut a = vec![
+                "--model-dir",
+                model.as_str(),
+                "--cpu",
+                "--max-new-tokens",
+                "2",
+            ];
+            a.extend(input);
+            a.extend([flag, path]);
+            let o = llama(&a)?;
+            let err = String::from_utf8_lossy(&o.stderr);
+            assert_eq!(o.status.code(), Some(1), "{a:?}: {err}");
+            assert!(err.contains(&needle), "{a:?}: {err}");
+            assert!(!err.contains("panicked"), "{a:?}: {err}");
+        }
+    }
+    assert!(!missing.exists());
+    Ok(())
+}

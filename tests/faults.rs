@@ -6,8 +6,8 @@ mod common;
 use anyhow::Result;
 use candle_core::Tensor;
 use kvpolicy::core::{CopyJob, CpuTransferEngine, Grouping, OffloadPolicy, Ticket, TransferEngine};
-use kvpolicy::models::{generate, GenerateConfig};
 use kvpolicy::hybrid::HybridPolicy;
+use kvpolicy::models::{generate, GenerateConfig};
 use kvpolicy::recompute::RecomputePolicy;
 use kvpolicy::{build_policy, CausalLm, HeadGroup, KvError, KvPolicy, PolicyOptions};
 

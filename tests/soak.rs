@@ -122,9 +122,16 @@ fn hybrid_steps_with_flat_memory(model: &dyn kvpolicy::CausalLm, prompt: &[u32])
             .iter()
             .map(|&b| (tokens - b * BLOCK).min(BLOCK))
             .sum();
-        assert_eq!((s.act_blocks, s.kv_blocks), (act as u64, kv_blocks.len() as u64));
+        assert_eq!(
+            (s.act_blocks, s.kv_blocks),
+            (act as u64, kv_blocks.len() as u64)
+        );
         assert_eq!(s.device_blocks, act as u64);
-        assert_eq!(s.host_kv_bytes, slots(kv_blocks.len()) * kv_slot, "at {tokens}");
+        assert_eq!(
+            s.host_kv_bytes,
+            slots(kv_blocks.len()) * kv_slot,
+            "at {tokens}"
+        );
         let staged = (kv_tokens * 2 * nkv * d * 4) as u64;
         assert_eq!(
             s.device_kv_bytes,

@@ -139,7 +139,11 @@ pub fn policy_ops(data: &[u8]) {
             return;
         };
         let _ = p.attend(&AttnStep {
-            seq: if p.batched() { (c as usize >> 5) % 3 } else { 0 },
+            seq: if p.batched() {
+                (c as usize >> 5) % 3
+            } else {
+                0
+            },
             layer,
             q: &q,
             k: &k,
