@@ -1,0 +1,20 @@
+//! `kvpolicy-kernels`: the custom ops the policies run on the device.
+//!
+//! * [`HeadsInto`] — KVPR §3.1 / HybridServe §4.1's regeneration epilogue: after the
+//!   `X·W` projection (cuBLAS through candle), one kernel splits the projected rows into
+//!   heads, applies RoPE to K at the tokens' positions, and writes the result straight into
+//!   the destination K (or V) buffer — a strided view of the policy's device buffer — with
+//!   no intermediate tensors. It is a candle in-place op: the CUDA kernel runs with the
+//!   `cuda` feature, and its `cpu_fwd` is the reference implementation, so the CPU tests
+//!   cover the semantics (checked against plain tensor code in `tests`).
+//!
+//! Without the `cuda` feature nothing is compiled for the GPU and the build script does
+//! nothing; the CPU path is always available.
+#![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+pub mod heads_into;
+
+pub use heads_into::{heads_into, HeadsInto, Rotation};
+
+#[cfg(feature = "cuda")]
+mod cuda;

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The CUDA 13.0 build toolchain, from PyPI, for compiling `--features cuda` on a machine
+# without a GPU (CI, and development here). Prints the environment to export:
+#
+#   eval "$(bash scripts/cuda-toolchain.sh [DIR])"      # DIR defaults to ~/.cache/kvpolicy-cuda13
+#
+# What it installs, and why:
+# - nvcc, NVVM, the CRT headers, the runtime, CCCL 13.0: candle's kernels and ours are built
+#   to PTX with nvcc; 13.0 because the GPU machines' driver is CUDA 13.0 and a newer nvcc
+#   emits PTX that driver refuses.
+# - cuBLAS, cuRAND, NVRTC 13.0: candle (cudarc, dynamic linking) links them at build time.
+# - libcuda.so: the driver is not on PyPI, so a link-time stand-in with SONAME libcuda.so.1
+#   is compiled, one function per driver entry point cudarc declares, each returning
+#   CUDA_ERROR_STUB_LIBRARY (34). On a GPU machine the real driver is loaded at run time.
+set -euo pipefail
+DIR=${1:-$HOME/.cache/kvpolicy-cuda13}
+PY=$DIR/venv/bin/python
+if [ ! -x "$PY" ]; then
+  python3 -m venv "$DIR/venv" >&2
+  "$DIR/venv/bin/pip" install --quiet --disable-pip-version-check \
+    nvidia-cuda-nvcc==13.0.88 nvidia-nvvm==13.0.88 nvidia-cuda-crt==13.0.88 \
+    nvidia-cuda-runtime==13.0.96 nvidia-cuda-cccl==13.0.85 \
+    nvidia-cublas==13.0.2.14 nvidia-curand==10.4.0.35 nvidia-cuda-nvrtc==13.0.88 >&2
+fi
+CU=$(echo "$DIR"/venv/lib/python3*/site-packages/nvidia/cu13)
+[ -x "$CU/bin/nvcc" ] || { echo "nvcc missing under $CU" >&2; exit 1; }
+# The wheels ship versioned sonames only; the linker looks for the plain names.
+for lib in cublas cublasLt cudart nvrtc; do ln -sf "lib$lib.so.13" "$CU/lib/lib$lib.so"; done
+ln -sf libcurand.so.10 "$CU/lib/libcurand.so"
+STUB=$DIR/libcuda-stub
+if [ ! -s "$STUB/libcuda.so" ]; then
+  mkdir -p "$STUB"
+  SYMS=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-*/src/driver/sys/mod.rs 2>/dev/null | sort -V | tail -1)
+  [ -n "$SYMS" ] || { echo "cudarc's sources are not fetched yet: run 'cargo fetch' first" >&2; exit 1; }
+  {
+    echo "/* Link-time stand-in for the CUDA driver; returns CUDA_ERROR_STUB_LIBRARY. */"
+    grep -o 'fn cu[A-Za-z0-9_]*\s*(' "$SYMS" | sed -e 's/^fn //' -e 's/\s*($//' | sort -u |
+      while read -r f; do echo "int $f(void) { return 34; }"; done
+  } > "$STUB/stub.c"
+  cc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$STUB/libcuda.so" "$STUB/stub.c"
+fi
+cat <<ENV
+export PATH="$CU/bin:\$PATH"
+export CUDA_ROOT="$CU" CUDA_HOME="$CU" CUDA_PATH="$CU"
+export CUDA_COMPUTE_CAP=\${CUDA_COMPUTE_CAP:-90}
+export CUDARC_CUDA_VERSION=13000
+export LIBRARY_PATH="$CU/lib:$STUB\${LIBRARY_PATH:+:\$LIBRARY_PATH}"
+ENV
