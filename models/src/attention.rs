@@ -6,6 +6,7 @@
 //! which partial recompute (KVPR §3.1) and activation blocks (HybridServe §4.1) rely on.
 use candle_core::Tensor;
 use kvpolicy_core::{AttnSpec, AttnStep, KvError, KvPolicy, KvRegen};
+use kvpolicy_kernels::heads_into;
 
 use crate::error::Result;
 use crate::layers::Linear;
@@ -157,6 +158,33 @@ impl KvRegen for Attention {
                 k = rope.apply(&k, pos)?;
             }
             Ok((k, v))
+        };
+        run().map_err(kv_error)
+    }
+
+    fn regen_into(
+        &self,
+        x: &Tensor,
+        pos: usize,
+        k_dst: &Tensor,
+        v_dst: &Tensor,
+    ) -> kvpolicy_core::Result<()> {
+        // The projections (cuBLAS / gemm through candle), then one pass each that splits
+        // the rows into heads, rotates K and writes into the destination range.
+        let run = || -> Result<()> {
+            let (_, t, _) = x.dims3()?;
+            let k = self.k.forward(x)?.contiguous()?;
+            let v = self.v.forward(x)?.contiguous()?;
+            let rope = match &self.rope {
+                Some(r) => {
+                    let (cos, sin) = r.cos_sin(pos, t, k.dtype(), k.device())?;
+                    Some((cos, sin, r.rotation()))
+                }
+                None => None,
+            };
+            heads_into(k_dst, &k, rope.as_ref().map(|(c, s, r)| (c, s, *r)))?;
+            heads_into(v_dst, &v, None)?;
+            Ok(())
         };
         run().map_err(kv_error)
     }

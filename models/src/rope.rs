@@ -187,6 +187,14 @@ impl Rope {
         self.apply_with(x, &cos, &sin)
     }
 
+    /// The pairing of this encoding, as the fused regeneration kernel names it.
+    pub fn rotation(&self) -> kvpolicy_kernels::Rotation {
+        match self.style {
+            RopeStyle::Half => kvpolicy_kernels::Rotation::Half,
+            RopeStyle::Interleaved => kvpolicy_kernels::Rotation::Interleaved,
+        }
+    }
+
     /// Rotates `x` with precomputed cos/sin (shared by Q and K of a step).
     pub fn apply_with(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         let x = x.contiguous()?;

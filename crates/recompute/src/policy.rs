@@ -493,9 +493,8 @@ impl KvPolicy for RecomputePolicy {
                 .ok_or_else(|| KvError::Step("device X buffer missing".into()))?
                 .narrow(1, 0, l)?
                 .contiguous()?;
-            let (kr, vr) = step.regen.regen(&x, start)?;
-            dev.k.slice_set(&kr.contiguous()?, 2, 0)?;
-            dev.v.slice_set(&vr.contiguous()?, 2, 0)?;
+            step.regen
+                .regen_into(&x, start, &dev.k.narrow(2, 0, l)?, &dev.v.narrow(2, 0, l)?)?;
             let b = shape.batch as u64;
             self.stats.recompute_tokens += l as u64 * b;
             self.stats.recompute_flops += l as u64 * b * step.regen.flops_per_token();
