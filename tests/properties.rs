@@ -206,7 +206,7 @@ fn check(c: &Case) -> Result<(), TestCaseError> {
     };
     let mut full =
         build_policy("full", &opts(&|_| {})).map_err(|e| TestCaseError::fail(e.to_string()))?;
-    let want = drive(full.as_mut(), &c, false)?;
+    let want = drive(full.as_mut(), c, false)?;
     let total: usize = c.chunks.iter().sum();
     // hybrid: a budget of two staging units of the whole run plus `act_slots` blocks.
     let kv_row = (2 * c.n_kv * c.head_dim * 4) as u64;
@@ -256,7 +256,7 @@ fn check(c: &Case) -> Result<(), TestCaseError> {
             p.prepare(&shape)
                 .map_err(|e| TestCaseError::fail(e.to_string()))?;
         }
-        let got = drive(p.as_mut(), &c, per_seq)?;
+        let got = drive(p.as_mut(), c, per_seq)?;
         if let (true, Some(n)) = (per_seq, c.act_slots) {
             let st = p.stats();
             prop_assert!(
