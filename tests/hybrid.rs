@@ -52,6 +52,10 @@ fn hybrid_logits_equal_full_for_every_block_size_and_ratio() -> Result<()> {
                     let got = teacher_forced(model, p.as_mut(), &prompt, &decode, chunk)?;
                     let d = common::max_abs_diff(&got, &want)?;
                     let st = p.stats();
+                    println!(
+                        "{name} chunk {chunk} block {block} ratio {ratio:?}: max |Δ| {d:.2e}, {} ACT / {} KV blocks",
+                        st.act_blocks, st.kv_blocks
+                    );
                     assert!(
                         d <= 1e-4,
                         "{name} chunk {chunk} block {block} ratio {ratio:?}: max |Δ| = {d}"
@@ -143,6 +147,7 @@ fn a_ragged_batch_equals_each_prompt_alone() -> Result<()> {
                     anyhow::bail!("no logits");
                 };
                 let d = common::max_abs_diff(a, b)?;
+                println!("batch {name} {policy} chunk {chunk} prompt {i}: max |Δ| {d:.2e}");
                 assert!(d <= 1e-4, "{name} {policy} chunk {chunk} prompt {i}: {d}");
             }
             // Every request finished and was released.
