@@ -14,8 +14,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use kvpolicy::core::SeqLoad;
-use kvpolicy::models::{load, resolve, ModelSpec, SeqChunk};
+use kvpolicy::models::{batch_step, load, resolve, ModelSpec, SeqChunk};
 use kvpolicy::{build_policy_batched, CausalLm, KvPolicy, LogitsMode, PolicyOptions};
 
 const POLICIES: [&str; 3] = ["hybrid", "layer", "recompute"];
@@ -46,21 +45,7 @@ fn model(dev: &Device) -> Box<dyn CausalLm> {
 
 /// Runs one step of `chunks` (one per sequence) through the policy's plan.
 fn step(m: &dyn CausalLm, p: &mut dyn KvPolicy, chunks: &[SeqChunk]) {
-    let loads: Vec<SeqLoad> = chunks
-        .iter()
-        .map(|c| SeqLoad {
-            seq: c.seq,
-            cached: c.pos,
-            new: c.ids.len(),
-        })
-        .collect();
-    let plan = p.plan(&loads).unwrap_or_else(|e| panic!("plan: {e}"));
-    let groups: Vec<Vec<SeqChunk>> = plan
-        .iter()
-        .map(|g| g.iter().map(|&i| chunks[i].clone()).collect())
-        .collect();
-    m.forward_batch(&groups, p, LogitsMode::Last)
-        .unwrap_or_else(|e| panic!("{}: {e}", p.name()));
+    batch_step(m, p, chunks, LogitsMode::Last).unwrap_or_else(|e| panic!("{}: {e}", p.name()));
 }
 
 fn batch(c: &mut Criterion) {

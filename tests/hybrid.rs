@@ -5,9 +5,8 @@
 mod common;
 
 use anyhow::Result;
-use candle_core::{DType, Device, Tensor};
-use kvpolicy::models::source::ModelFiles;
-use kvpolicy::models::{generate, generate_batch, load, GenerateConfig, Generation, SeqChunk};
+use candle_core::Tensor;
+use kvpolicy::models::{generate, generate_batch, GenerateConfig, Generation, SeqChunk};
 use kvpolicy::{
     build_policy, build_policy_batched, CausalLm, KvPolicy, LogitsMode, PolicyOptions, Profile,
 };
@@ -299,19 +298,9 @@ fn grouped_query_models_derive_all_kv() -> Result<()> {
 
 #[test]
 fn smollm2_greedy_ids_equal_full() -> Result<()> {
-    let loaded = load(
-        &ModelFiles::Gguf(common::default_gguf()?),
-        &Device::Cpu,
-        DType::F32,
-        None,
-    )?;
+    let loaded = common::load_default_gguf()?;
     let model = loaded.model.as_ref();
-    let refs = common::llamacpp_refs()?;
-    let g = refs["greedy"]
-        .as_array()
-        .and_then(|a| a.first())
-        .ok_or_else(|| anyhow::anyhow!("no greedy reference"))?;
-    let prompt = common::ids_of(&g["prompt_ids"])?;
+    let prompt = common::greedy_reference_prompt()?;
     let cfg = GenerateConfig {
         max_new_tokens: 16,
         stop_at_eos: false,

@@ -171,6 +171,22 @@ pub fn prefill(
     Ok((last, all))
 }
 
+/// The sampling `cfg` asks for: greedy at temperature 0, else nucleus or full sampling.
+fn sampling(cfg: &GenerateConfig) -> Sampling {
+    if cfg.temperature <= 0.0 {
+        Sampling::ArgMax
+    } else if let Some(p) = cfg.top_p {
+        Sampling::TopP {
+            p,
+            temperature: cfg.temperature,
+        }
+    } else {
+        Sampling::All {
+            temperature: cfg.temperature,
+        }
+    }
+}
+
 /// Generates after `prompt`; `on_token` sees each new token as it is chosen.
 pub fn generate(
     model: &dyn CausalLm,
@@ -209,19 +225,7 @@ pub fn generate(
             }
         }
         None => {
-            let sampling = if cfg.temperature <= 0.0 {
-                Sampling::ArgMax
-            } else if let Some(p) = cfg.top_p {
-                Sampling::TopP {
-                    p,
-                    temperature: cfg.temperature,
-                }
-            } else {
-                Sampling::All {
-                    temperature: cfg.temperature,
-                }
-            };
-            let mut sampler = LogitsProcessor::from_sampling(cfg.seed, sampling);
+            let mut sampler = LogitsProcessor::from_sampling(cfg.seed, sampling(cfg));
             for i in 0..cfg.max_new_tokens {
                 let tok = sampler.sample(&last)?;
                 on_token(tok)?;
@@ -249,6 +253,50 @@ pub fn generate(
         decode_tokens,
         decode_s,
     })
+}
+
+/// Runs one ragged step: asks the policy for its mini-batches ([`KvPolicy::plan`]), checks
+/// that they hold every chunk once, and runs them through [`CausalLm::forward_batch`].
+/// Returns the chunks in the order run and their logits, one tensor each.
+pub fn batch_step(
+    model: &dyn CausalLm,
+    policy: &mut dyn KvPolicy,
+    chunks: &[SeqChunk],
+    mode: LogitsMode,
+) -> Result<(Vec<SeqChunk>, Vec<Tensor>)> {
+    let loads: Vec<SeqLoad> = chunks
+        .iter()
+        .map(|c| SeqLoad {
+            seq: c.seq,
+            cached: c.pos,
+            new: c.ids.len(),
+        })
+        .collect();
+    let plan = policy.plan(&loads)?;
+    let mut seen = vec![false; chunks.len()];
+    for &i in plan.iter().flatten() {
+        match seen.get_mut(i) {
+            Some(s) if !*s => *s = true,
+            _ => {
+                return Err(ModelError::Input(format!(
+                    "policy `{}` planned mini-batches that do not hold each sequence once",
+                    policy.name()
+                )))
+            }
+        }
+    }
+    if seen.iter().any(|s| !s) {
+        return Err(ModelError::Input(format!(
+            "policy `{}` left a sequence out of its mini-batches",
+            policy.name()
+        )));
+    }
+    let groups: Vec<Vec<SeqChunk>> = plan
+        .iter()
+        .map(|g| g.iter().filter_map(|&i| chunks.get(i).cloned()).collect())
+        .collect();
+    let logits = model.forward_batch(&groups, policy, mode)?;
+    Ok((groups.into_iter().flatten().collect(), logits))
 }
 
 /// What a batch generation produced.
@@ -309,18 +357,6 @@ pub fn generate_batch(
         prompts.len(),
         longest + cfg.max_new_tokens,
     ))?;
-    let sampling = if cfg.temperature <= 0.0 {
-        Sampling::ArgMax
-    } else if let Some(p) = cfg.top_p {
-        Sampling::TopP {
-            p,
-            temperature: cfg.temperature,
-        }
-    } else {
-        Sampling::All {
-            temperature: cfg.temperature,
-        }
-    };
     let mut reqs: Vec<Active> = prompts
         .iter()
         .map(|p| Active {
@@ -328,7 +364,7 @@ pub fn generate_batch(
             pos: 0,
             generated: Vec::new(),
             rows: Vec::new(),
-            sampler: LogitsProcessor::from_sampling(cfg.seed, sampling.clone()),
+            sampler: LogitsProcessor::from_sampling(cfg.seed, sampling(cfg)),
             decode_tokens: 0,
             done: false,
         })
@@ -362,40 +398,9 @@ pub fn generate_batch(
             break;
         }
         let prefilling = chunks.iter().any(|c| c.pos < reqs[c.seq].prompt.len());
-        let loads: Vec<SeqLoad> = chunks
-            .iter()
-            .map(|c| SeqLoad {
-                seq: c.seq,
-                cached: c.pos,
-                new: c.ids.len(),
-            })
-            .collect();
-        let plan = policy.plan(&loads)?;
-        let mut seen = vec![false; chunks.len()];
-        for &i in plan.iter().flatten() {
-            match seen.get_mut(i) {
-                Some(s) if !*s => *s = true,
-                _ => {
-                    return Err(ModelError::Input(format!(
-                        "policy `{}` planned mini-batches that do not hold each sequence once",
-                        policy.name()
-                    )))
-                }
-            }
-        }
-        if seen.iter().any(|s| !s) {
-            return Err(ModelError::Input(format!(
-                "policy `{}` left a sequence out of its mini-batches",
-                policy.name()
-            )));
-        }
-        let groups: Vec<Vec<SeqChunk>> = plan
-            .iter()
-            .map(|g| g.iter().map(|&i| chunks[i].clone()).collect())
-            .collect();
         let start = Instant::now();
-        let logits = model.forward_batch(&groups, policy, mode)?;
-        for (chunk, rows) in groups.iter().flatten().zip(logits) {
+        let (groups, logits) = batch_step(model, policy, &chunks, mode)?;
+        for (chunk, rows) in groups.iter().zip(logits) {
             let r = &mut reqs[chunk.seq];
             let was_decode = r.pos >= r.prompt.len();
             r.pos += chunk.ids.len();

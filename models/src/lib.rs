@@ -30,8 +30,8 @@ pub use config::{LlamaConfig, ModelConfig, OptConfig};
 pub use decoder::Decoder;
 pub use error::{ModelError, Result};
 pub use generate::{
-    generate, generate_batch, prefill, validate_request, BatchGeneration, GenerateConfig,
-    Generation,
+    batch_step, generate, generate_batch, prefill, validate_request, BatchGeneration,
+    GenerateConfig, Generation,
 };
 pub use gguf::GgufFile;
 pub use model::{CausalLm, LogitsMode, ModelInfo, SeqChunk};

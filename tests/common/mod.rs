@@ -90,6 +90,26 @@ pub fn llamacpp_refs() -> Result<serde_json::Value> {
     Ok(serde_json::from_str(&text)?)
 }
 
+/// The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) on the CPU in f32.
+pub fn load_default_gguf() -> Result<Loaded> {
+    Ok(load(
+        &ModelFiles::Gguf(default_gguf()?),
+        &Device::Cpu,
+        DType::F32,
+        None,
+    )?)
+}
+
+/// The prompt of llama.cpp's first greedy reference for the default model.
+pub fn greedy_reference_prompt() -> Result<Vec<u32>> {
+    let refs = llamacpp_refs()?;
+    let g = refs["greedy"]
+        .as_array()
+        .and_then(|a| a.first())
+        .context("no greedy reference")?;
+    ids_of(&g["prompt_ids"])
+}
+
 /// Ids in a JSON array.
 pub fn ids_of(v: &serde_json::Value) -> Result<Vec<u32>> {
     Ok(serde_json::from_value(v.clone())?)
