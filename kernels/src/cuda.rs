@@ -1,4 +1,5 @@
 //! Launches `cuda/heads_into.cu` on candle's CUDA stream (feature `cuda`).
+use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CudaStorage, DType, Result};
