@@ -166,8 +166,9 @@ impl KvRegen for Attention {
         &self,
         x: &Tensor,
         pos: usize,
-        k_dst: &Tensor,
-        v_dst: &Tensor,
+        k_buf: &Tensor,
+        v_buf: &Tensor,
+        offset: usize,
     ) -> kvpolicy_core::Result<()> {
         // The projections (cuBLAS / gemm through candle), then one pass each that splits
         // the rows into heads, rotates K and writes into the destination range.
@@ -182,8 +183,10 @@ impl KvRegen for Attention {
                 }
                 None => None,
             };
-            heads_into(k_dst, &k, rope.as_ref().map(|(c, s, r)| (c, s, *r)))?;
-            heads_into(v_dst, &v, None)?;
+            let k_dst = k_buf.narrow(2, offset, t)?;
+            let v_dst = v_buf.narrow(2, offset, t)?;
+            heads_into(&k_dst, &k, rope.as_ref().map(|(c, s, r)| (c, s, *r)))?;
+            heads_into(&v_dst, &v, None)?;
             Ok(())
         };
         run().map_err(kv_error)

@@ -16,34 +16,22 @@ pub trait KvRegen {
     /// Floating-point operations that regenerating one token costs.
     fn flops_per_token(&self) -> u64;
     /// Regenerates K and V of inputs `x` `(b, t, hidden)` at positions `pos..` straight
-    /// into `k_dst` and `v_dst`, `(b, n_kv_heads, t, head_dim)` views of device buffers (a
-    /// token range). The default writes [`KvRegen::regen`]'s tensors; models write the
-    /// projections through one fused kernel instead (`kvpolicy-kernels`).
-    fn regen_into(&self, x: &Tensor, pos: usize, k_dst: &Tensor, v_dst: &Tensor) -> Result<()> {
+    /// into tokens `offset..offset+t` of `k_buf` and `v_buf`, contiguous
+    /// `(b, n_kv_heads, capacity, head_dim)` device buffers. The default writes
+    /// [`KvRegen::regen`]'s tensors; models write the projections through one fused kernel
+    /// instead (`kvpolicy-kernels`).
+    fn regen_into(
+        &self,
+        x: &Tensor,
+        pos: usize,
+        k_buf: &Tensor,
+        v_buf: &Tensor,
+        offset: usize,
+    ) -> Result<()> {
         let (k, v) = self.regen(x, pos)?;
-        let (kd, vd) = (k_dst.dims4()?, v_dst.dims4()?);
-        if k.dims4()? != kd || v.dims4()? != vd {
-            return Err(crate::error::KvError::Step(format!(
-                "regenerated K/V {:?} do not fit the destination {:?}",
-                k.dims(),
-                kd
-            )));
-        }
-        // A narrow along the token axis keeps its storage: write through a copy job.
-        crate::transfer::CopyJob {
-            src: k,
-            dst: k_dst.clone(),
-            dim: 2,
-            offset: 0,
-        }
-        .run()?;
-        crate::transfer::CopyJob {
-            src: v,
-            dst: v_dst.clone(),
-            dim: 2,
-            offset: 0,
-        }
-        .run()
+        k_buf.slice_set(&k.contiguous()?, 2, offset)?;
+        v_buf.slice_set(&v.contiguous()?, 2, offset)?;
+        Ok(())
     }
     /// K and V for inputs `x` `(b, t, hidden)` whose row `i` sits at position
     /// `positions[i]` (rows need not be contiguous; HybridServe's activation blocks). The

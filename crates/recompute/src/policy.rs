@@ -493,8 +493,7 @@ impl KvPolicy for RecomputePolicy {
                 .ok_or_else(|| KvError::Step("device X buffer missing".into()))?
                 .narrow(1, 0, l)?
                 .contiguous()?;
-            step.regen
-                .regen_into(&x, start, &dev.k.narrow(2, 0, l)?, &dev.v.narrow(2, 0, l)?)?;
+            step.regen.regen_into(&x, start, &dev.k, &dev.v, 0)?;
             let b = shape.batch as u64;
             self.stats.recompute_tokens += l as u64 * b;
             self.stats.recompute_flops += l as u64 * b * step.regen.flops_per_token();
