@@ -5,11 +5,8 @@
 mod common;
 
 use anyhow::Result;
-use candle_core::Tensor;
 use kvpolicy::models::{generate, generate_batch, GenerateConfig, Generation, SeqChunk};
-use kvpolicy::{
-    build_policy, build_policy_batched, CausalLm, KvPolicy, LogitsMode, PolicyOptions, Profile,
-};
+use kvpolicy::{build_policy, build_policy_batched, CausalLm, LogitsMode, PolicyOptions, Profile};
 
 fn hybrid_opts(block: usize, ratio: Option<f64>) -> PolicyOptions {
     PolicyOptions {
@@ -17,23 +14,6 @@ fn hybrid_opts(block: usize, ratio: Option<f64>) -> PolicyOptions {
         kv_act_ratio: ratio,
         ..PolicyOptions::default()
     }
-}
-
-fn teacher_forced(
-    model: &dyn CausalLm,
-    policy: &mut dyn KvPolicy,
-    prompt: &[u32],
-    decode: &[u32],
-    chunk: usize,
-) -> Result<Tensor> {
-    let cfg = GenerateConfig {
-        prefill_chunk: chunk,
-        decode_ids: Some(decode.to_vec()),
-        collect_logits: true,
-        ..GenerateConfig::default()
-    };
-    let g = generate(model, policy, prompt, &cfg, &mut |_| Ok(()))?;
-    g.logits.ok_or_else(|| anyhow::anyhow!("no logits"))
 }
 
 #[test]
@@ -44,11 +24,13 @@ fn hybrid_logits_equal_full_for_every_block_size_and_ratio() -> Result<()> {
         let (prompt, decode) = common::fixture_ids(&name)?;
         for chunk in [0, 5] {
             let mut full = build_policy("full", &PolicyOptions::default())?;
-            let want = teacher_forced(model, full.as_mut(), &prompt, &decode, chunk)?;
+            let want =
+                common::teacher_forced_logits(model, full.as_mut(), &prompt, &decode, chunk)?;
             for block in [1, 4, 16] {
                 for ratio in [Some(1.0), Some(0.5), Some(0.0), None] {
                     let mut p = build_policy("hybrid", &hybrid_opts(block, ratio))?;
-                    let got = teacher_forced(model, p.as_mut(), &prompt, &decode, chunk)?;
+                    let got =
+                        common::teacher_forced_logits(model, p.as_mut(), &prompt, &decode, chunk)?;
                     let d = common::max_abs_diff(&got, &want)?;
                     let st = p.stats();
                     println!(
@@ -282,7 +264,7 @@ fn grouped_query_models_derive_all_kv() -> Result<()> {
             ..hybrid_opts(4, None)
         };
         let mut p = build_policy("hybrid", &opts)?;
-        teacher_forced(model, p.as_mut(), &prompt, &decode, 0)?;
+        common::teacher_forced_logits(model, p.as_mut(), &prompt, &decode, 0)?;
         let st = p.stats();
         if all_kv {
             assert_eq!((st.act_blocks, st.recompute_tokens), (0, 0), "{name}");

@@ -5,8 +5,8 @@ mod common;
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use kvpolicy::models::source::ModelFiles;
-use kvpolicy::models::{generate, load, prefill, GenerateConfig, Generation};
-use kvpolicy::{build_policy, CausalLm, HeadGroup, KvPolicy, PolicyOptions};
+use kvpolicy::models::{generate, load, prefill, GenerateConfig};
+use kvpolicy::{build_policy, HeadGroup, PolicyOptions};
 
 fn opts(group: HeadGroup, grow: usize, budget: Option<u64>) -> PolicyOptions {
     PolicyOptions {
@@ -15,22 +15,6 @@ fn opts(group: HeadGroup, grow: usize, budget: Option<u64>) -> PolicyOptions {
         device_kv_budget: budget,
         ..PolicyOptions::default()
     }
-}
-
-fn teacher_forced(
-    model: &dyn CausalLm,
-    policy: &mut dyn KvPolicy,
-    prompt: &[u32],
-    decode: &[u32],
-    chunk: usize,
-) -> Result<Generation> {
-    let cfg = GenerateConfig {
-        prefill_chunk: chunk,
-        decode_ids: Some(decode.to_vec()),
-        collect_logits: true,
-        ..GenerateConfig::default()
-    };
-    Ok(generate(model, policy, prompt, &cfg, &mut |_| Ok(()))?)
 }
 
 #[test]
@@ -42,7 +26,7 @@ fn offload_logits_equal_full() -> Result<()> {
         let (prompt, decode) = common::fixture_ids(&name)?;
         for chunk in [1, 5, 16, 64] {
             let mut full = build_policy("full", &opts(HeadGroup::Auto, 256, None))?;
-            let want = teacher_forced(model, full.as_mut(), &prompt, &decode, chunk)?
+            let want = common::teacher_forced(model, full.as_mut(), &prompt, &decode, chunk)?
                 .logits
                 .unwrap_or(Tensor::zeros(1, DType::F32, &Device::Cpu)?);
             let mut cases = vec![("layer", HeadGroup::Auto)];
@@ -58,7 +42,8 @@ fn offload_logits_equal_full() -> Result<()> {
                 // grow 4: buffers regrow many times mid-run; 256: one allocation.
                 for grow in [4, 256] {
                     let mut p = build_policy(policy, &opts(group, grow, None))?;
-                    let got = teacher_forced(model, p.as_mut(), &prompt, &decode, chunk)?.logits;
+                    let got =
+                        common::teacher_forced(model, p.as_mut(), &prompt, &decode, chunk)?.logits;
                     let got = got.ok_or_else(|| anyhow::anyhow!("no logits"))?;
                     let d = common::max_abs_diff(&got, &want)?;
                     assert!(
@@ -87,7 +72,7 @@ fn device_memory_is_two_unit_buffers() -> Result<()> {
         ("layer", HeadGroup::Auto, 2),
     ] {
         let mut p = build_policy(policy, &opts(group, cap, None))?;
-        teacher_forced(model, p.as_mut(), &prompt, &decode, 5)?;
+        common::teacher_forced(model, p.as_mut(), &prompt, &decode, 5)?;
         let s = p.stats();
         assert_eq!(s.device_kv_peak_bytes, unit(heads), "{policy} {group:?}");
         assert_eq!(s.device_kv_bytes, unit(heads));
@@ -98,7 +83,7 @@ fn device_memory_is_two_unit_buffers() -> Result<()> {
         );
     }
     let mut full = build_policy("full", &opts(HeadGroup::Auto, cap, None))?;
-    teacher_forced(model, full.as_mut(), &prompt, &decode, 5)?;
+    common::teacher_forced(model, full.as_mut(), &prompt, &decode, 5)?;
     assert_eq!(
         full.stats().device_kv_peak_bytes,
         (info.n_layers * info.n_kv_heads * cap * info.head_dim * 2 * 4) as u64

@@ -7,7 +7,7 @@ use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use kvpolicy::models::source::ModelFiles;
 use kvpolicy::models::{generate, load, prefill, GenerateConfig, Generation};
-use kvpolicy::{build_policy, CausalLm, KvPolicy, PolicyOptions, Profile};
+use kvpolicy::{build_policy, PolicyOptions, Profile};
 
 fn opts(split: Option<usize>, profile: Option<Profile>, grow: usize) -> PolicyOptions {
     PolicyOptions {
@@ -30,22 +30,6 @@ fn synthetic(kv_bytes: f64, ratio: f64) -> Profile {
     }
 }
 
-fn teacher_forced(
-    model: &dyn CausalLm,
-    policy: &mut dyn KvPolicy,
-    prompt: &[u32],
-    decode: &[u32],
-    chunk: usize,
-) -> Result<Generation> {
-    let cfg = GenerateConfig {
-        prefill_chunk: chunk,
-        decode_ids: Some(decode.to_vec()),
-        collect_logits: true,
-        ..GenerateConfig::default()
-    };
-    Ok(generate(model, policy, prompt, &cfg, &mut |_| Ok(()))?)
-}
-
 fn logits(g: Generation) -> Result<Tensor> {
     g.logits.ok_or_else(|| anyhow::anyhow!("no logits"))
 }
@@ -61,7 +45,7 @@ fn recompute_logits_equal_full_for_every_split() -> Result<()> {
         let kv = (2 * info.n_kv_heads * info.head_dim * 4) as f64;
         for chunk in [0, 5] {
             let mut full = build_policy("full", &PolicyOptions::default())?;
-            let want = logits(teacher_forced(
+            let want = logits(common::teacher_forced(
                 model,
                 full.as_mut(),
                 &prompt,
@@ -79,7 +63,13 @@ fn recompute_logits_equal_full_for_every_split() -> Result<()> {
             cases.push(("scheduled, measured".into(), opts(None, None, 256)));
             for (what, o) in cases {
                 let mut p = build_policy("recompute", &o)?;
-                let got = logits(teacher_forced(model, p.as_mut(), &prompt, &decode, chunk)?)?;
+                let got = logits(common::teacher_forced(
+                    model,
+                    p.as_mut(),
+                    &prompt,
+                    &decode,
+                    chunk,
+                )?)?;
                 let d = common::max_abs_diff(&got, &want)?;
                 println!(
                     "{name} chunk {chunk} {what}: max |Δ| = {d:.2e}, split {}, recomputed {}",
@@ -156,9 +146,9 @@ fn grouped_query_models_derive_split_zero() -> Result<()> {
         let (prompt, decode) = common::fixture_ids(name)?;
         let kv = (2 * info.n_kv_heads * info.head_dim * 4) as f64;
         let mut p = build_policy("recompute", &opts(None, Some(synthetic(kv, 0.01)), 8))?;
-        teacher_forced(model, p.as_mut(), &prompt, &decode, 0)?;
+        common::teacher_forced(model, p.as_mut(), &prompt, &decode, 0)?;
         let mut layer = build_policy("layer", &opts(None, None, 8))?;
-        teacher_forced(model, layer.as_mut(), &prompt, &decode, 0)?;
+        common::teacher_forced(model, layer.as_mut(), &prompt, &decode, 0)?;
         let (r, l) = (p.stats(), layer.stats());
         assert_eq!(
             (r.split, r.recompute_tokens, r.recompute_flops),
@@ -175,7 +165,7 @@ fn grouped_query_models_derive_split_zero() -> Result<()> {
     let (prompt, decode) = common::fixture_ids("llama_mha")?;
     let kv = (2 * info.n_kv_heads * info.head_dim * 4) as f64;
     let mut p = build_policy("recompute", &opts(None, Some(synthetic(kv, 0.01)), 8))?;
-    teacher_forced(model, p.as_mut(), &prompt, &decode, 0)?;
+    common::teacher_forced(model, p.as_mut(), &prompt, &decode, 0)?;
     assert!(p.stats().split > 0 && p.stats().recompute_tokens > 0);
     Ok(())
 }

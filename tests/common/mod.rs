@@ -7,7 +7,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
 use kvpolicy::models::source::{default_files, ModelFiles};
-use kvpolicy::models::{load, resolve, Loaded, ModelSpec};
+use kvpolicy::models::{generate, load, resolve, GenerateConfig, Generation, Loaded, ModelSpec};
+use kvpolicy::{CausalLm, KvPolicy};
 
 /// `tests/fixtures/NAME`.
 pub fn fixture(name: &str) -> PathBuf {
@@ -88,6 +89,37 @@ pub fn example_bin(name: &str) -> PathBuf {
 pub fn llamacpp_refs() -> Result<serde_json::Value> {
     let text = std::fs::read_to_string(fixture("smollm2_llamacpp.json"))?;
     Ok(serde_json::from_str(&text)?)
+}
+
+/// Prefill `prompt` in chunks of `chunk` (0 = one pass), then feed `decode` one token per
+/// step, keeping every position's logits.
+pub fn teacher_forced(
+    model: &dyn CausalLm,
+    policy: &mut dyn KvPolicy,
+    prompt: &[u32],
+    decode: &[u32],
+    chunk: usize,
+) -> Result<Generation> {
+    let cfg = GenerateConfig {
+        prefill_chunk: chunk,
+        decode_ids: Some(decode.to_vec()),
+        collect_logits: true,
+        ..GenerateConfig::default()
+    };
+    Ok(generate(model, policy, prompt, &cfg, &mut |_| Ok(()))?)
+}
+
+/// [`teacher_forced`]'s logits `(rows, vocab)`.
+pub fn teacher_forced_logits(
+    model: &dyn CausalLm,
+    policy: &mut dyn KvPolicy,
+    prompt: &[u32],
+    decode: &[u32],
+    chunk: usize,
+) -> Result<Tensor> {
+    teacher_forced(model, policy, prompt, decode, chunk)?
+        .logits
+        .context("no logits collected")
 }
 
 /// The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) on the CPU in f32.
