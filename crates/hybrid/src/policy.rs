@@ -205,6 +205,19 @@ impl HybridPolicy {
         }
         let (b, dt, n) = (self.block, shape.dtype, shape.n_layers);
         let host = Device::Cpu;
+        let same_rows = self.shape.as_ref().is_some_and(|s| {
+            (s.n_kv_heads, s.head_dim, s.hidden, s.dtype)
+                == (shape.n_kv_heads, shape.head_dim, shape.hidden, shape.dtype)
+        });
+        if self.seqs.is_empty() {
+            // Nothing cached: size everything afresh (a new run, or a new model).
+            self.clear_staged();
+            self.pools = None;
+            if !same_rows {
+                self.costs = None;
+                self.profile = None;
+            }
+        }
         match &mut self.pools {
             Some(p) => {
                 for pool in [&mut p.dev_act, &mut p.host_act, &mut p.host_kv] {
