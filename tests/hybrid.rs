@@ -354,3 +354,20 @@ fn bad_options_are_clear_errors() -> Result<()> {
     assert!(e.contains("prompt 2 of the batch"), "{e}");
     Ok(())
 }
+
+#[test]
+fn one_policy_serves_models_of_different_shapes_in_turn() -> Result<()> {
+    let mut p = build_policy("hybrid", &hybrid_opts(4, Some(0.5)))?;
+    for name in ["llama_mha", "gemma", "llama_mha"] {
+        let loaded = common::load_fixture(name)?;
+        let model = loaded.model.as_ref();
+        let (prompt, decode) = common::fixture_ids(name)?;
+        let mut full = build_policy("full", &PolicyOptions::default())?;
+        let want = common::teacher_forced_logits(model, full.as_mut(), &prompt, &decode, 0)?;
+        p.reset();
+        let got = common::teacher_forced_logits(model, p.as_mut(), &prompt, &decode, 0)?;
+        let d = common::max_abs_diff(&got, &want)?;
+        assert!(d <= 1e-4, "{name}: {d}");
+    }
+    Ok(())
+}
