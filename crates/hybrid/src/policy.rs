@@ -683,9 +683,11 @@ impl KvPolicy for HybridPolicy {
         }
         let known = self.shape.clone();
         let seen = known.as_ref().map_or(0, |s| s.n_layers);
-        let mut shape = KvShape::for_step(known.as_ref(), seen, step)?;
+        // Steps carry one sequence; a batched run's shape counts its requests: compare
+        // per sequence, keep the count for sizing.
+        let per_seq = known.clone().map(|k| KvShape { batch: b, ..k });
+        let mut shape = KvShape::for_step(per_seq.as_ref(), seen, step)?;
         if let Some(k) = &known {
-            // A batched run's shape counts its requests; keep that for sizing.
             shape.batch = k.batch;
         }
         if known.as_ref() != Some(&shape) {
