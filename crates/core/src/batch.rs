@@ -74,10 +74,16 @@ impl KvPolicy for PerSequence {
             }
             self.seqs.insert(step.seq, p);
         }
-        let out = match self.seqs.get_mut(&step.seq) {
-            Some(p) => p.attend(step)?,
-            None => unreachable_seq(step.seq)?,
-        };
+        let out = self
+            .seqs
+            .get_mut(&step.seq)
+            .ok_or_else(|| {
+                crate::error::KvError::Step(format!(
+                    "sequence {} has no cache after it was created",
+                    step.seq
+                ))
+            })?
+            .attend(step)?;
         self.device_peak = self.device_peak.max(self.live_device_bytes());
         Ok(out)
     }
@@ -130,10 +136,4 @@ fn add_cumulative(s: &mut KvStats, q: &KvStats) {
     s.recompute_flops += q.recompute_flops;
     s.recompute_tokens += q.recompute_tokens;
     s.transfer_wait_s += q.transfer_wait_s;
-}
-
-fn unreachable_seq(seq: usize) -> Result<Tensor> {
-    Err(crate::error::KvError::Step(format!(
-        "sequence {seq} has no cache after it was created"
-    )))
 }

@@ -431,17 +431,29 @@ impl HybridPolicy {
         Ok(())
     }
 
-    /// The members (sequence, tokens cached) of the unit of `seq` at `layer`.
-    fn unit_of(&self, layer: usize, seq: usize, cached: usize) -> (usize, Vec<(usize, usize)>) {
-        let group = self.plan.iter().find(|g| g.contains(&seq));
-        let members = match group {
-            Some(g) => g
-                .iter()
-                .filter_map(|s| self.loads.get(s).map(|l| (*s, l.cached)))
+    /// `group`'s members with the tokens each has cached at this step (`grown`: at the
+    /// next one, this step's tokens included).
+    fn members(&self, group: &[usize], grown: bool) -> Vec<(usize, usize)> {
+        group
+            .iter()
+            .filter_map(|s| {
+                self.loads
+                    .get(s)
+                    .map(|l| (*s, if grown { l.cached + l.new } else { l.cached }))
+            })
+            .collect()
+    }
+
+    /// The members of the unit of `seq` (which has `cached` tokens) at this step.
+    fn unit_of(&self, seq: usize, cached: usize) -> Vec<(usize, usize)> {
+        match self.plan.iter().find(|g| g.contains(&seq)) {
+            Some(g) => self
+                .members(g, false)
+                .into_iter()
+                .map(|(s, c)| (s, if s == seq { cached } else { c }))
                 .collect(),
             None => vec![(seq, cached)],
-        };
-        (layer, members)
+        }
     }
 
     /// The unit after the one of `seq` at `layer`, column by column: the next mini-batch,
@@ -457,15 +469,7 @@ impl HybridPolicy {
         new: usize,
     ) -> (usize, Vec<(usize, usize)>) {
         let n_layers = self.shape.as_ref().map_or(0, |s| s.n_layers);
-        let at = |g: &Vec<usize>, grown: bool| -> Vec<(usize, usize)> {
-            g.iter()
-                .filter_map(|s| {
-                    self.loads
-                        .get(s)
-                        .map(|l| (*s, if grown { l.cached + l.new } else { l.cached }))
-                })
-                .collect()
-        };
+        let at = |g: &Vec<usize>, grown: bool| self.members(g, grown);
         // The next step's layer-0 rows of this step's tokens exist once layer 0 is done
         // for every sequence, i.e. from layer 1 on.
         let wrap = layer > 0;
@@ -523,11 +527,8 @@ impl HybridPolicy {
             Some(s) => s,
             None => {
                 // Not prefetched: stage this sequence's unit now.
-                let (layer, mut members) = self.unit_of(step.layer, step.seq, cached);
-                for m in members.iter_mut().filter(|m| m.0 == step.seq) {
-                    m.1 = cached;
-                }
-                self.stage_unit(layer, &members, false)?;
+                let members = self.unit_of(step.seq, cached);
+                self.stage_unit(step.layer, &members, false)?;
                 match self.staged.remove(&key) {
                     Some(s) => s,
                     None => {
