@@ -15,11 +15,14 @@
 pub mod attention;
 pub mod batch;
 pub mod buffer;
+#[cfg(feature = "cuda")]
+pub mod cuda_transfer;
 pub mod error;
 pub mod offload;
 pub mod policy;
 pub mod profile;
 pub mod registry;
+pub mod runs;
 pub mod size;
 pub mod stats;
 pub mod transfer;
@@ -34,6 +37,10 @@ pub use profile::{Probe, Profile};
 pub use registry::{HeadGroup, PolicyBuilder, PolicyOptions, PolicyRegistry};
 pub use size::{format_bytes, parse_bytes};
 pub use stats::{DeviceMeter, KvStats};
+#[cfg(feature = "cuda")]
+pub use cuda_transfer::CudaTransferEngine;
+pub use runs::{copy_runs, Run};
 pub use transfer::{
-    engine_for, run_jobs, CopyJob, CpuTransferEngine, SyncTransferEngine, Ticket, TransferEngine,
+    engine_for, grown_host, run_jobs, CopyJob, CpuTransferEngine, SyncTransferEngine, Ticket,
+    TransferEngine,
 };

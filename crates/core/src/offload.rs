@@ -17,12 +17,12 @@
 use candle_core::{Device, Tensor};
 
 use crate::attention::{attend, AttnSpec};
-use crate::buffer::{grown, round_up};
+use crate::buffer::round_up;
 use crate::error::{KvError, Result};
 use crate::policy::{AttnStep, KvPolicy, KvShape};
 use crate::registry::{HeadGroup, PolicyOptions};
 use crate::stats::{DeviceMeter, KvStats};
-use crate::transfer::{engine_for, CopyJob, Ticket, TransferEngine};
+use crate::transfer::{engine_for, grown_host, CopyJob, Ticket, TransferEngine};
 
 /// Contexts below this keep all heads of a layer in one unit under `auto` without a budget;
 /// each doubling beyond halves the unit (HeadInfer §3.3's adaptive head grouping).
@@ -60,7 +60,6 @@ pub struct OffloadPolicy {
     grouping: Grouping,
     grow_tokens: usize,
     device: Device,
-    host: Device,
     engine: Box<dyn TransferEngine>,
     shape: Option<KvShape>,
     layers: Vec<Option<HostLayer>>,
@@ -96,7 +95,6 @@ impl OffloadPolicy {
             grouping,
             grow_tokens: opts.grow_tokens.max(1),
             device: opts.device.clone(),
-            host: Device::Cpu,
             engine: engine_for(&opts.device, opts.link_bandwidth)?,
             shape: None,
             layers: Vec::new(),
@@ -237,10 +235,10 @@ impl OffloadPolicy {
         // Host storage grows in large chunks (8× the device growth step).
         let cap = round_up(tokens, self.grow_tokens * 8);
         let dims = (shape.batch, shape.n_kv_heads, cap, shape.head_dim);
-        let old = self.layers[layer].as_ref();
-        let grow = |t: Option<&Tensor>| grown(t, dims, 2, shape.dtype, &self.host);
-        let k = grow(old.map(|o| &o.k))?;
-        let v = grow(old.map(|o| &o.v))?;
+        let old = self.layers[layer].take();
+        let engine = self.engine.as_mut();
+        let k = grown_host(engine, old.as_ref().map(|o| &o.k), dims, 2, shape.dtype)?;
+        let v = grown_host(engine, old.as_ref().map(|o| &o.v), dims, 2, shape.dtype)?;
         self.layers[layer] = Some(HostLayer { k, v, cap });
         Ok(())
     }
@@ -429,7 +427,10 @@ impl KvPolicy for OffloadPolicy {
 
     fn reset(&mut self) {
         let _ = self.engine.wait_all();
-        self.layers.clear();
+        for h in self.layers.drain(..).flatten() {
+            let _ = self.engine.host_release(&h.k);
+            let _ = self.engine.host_release(&h.v);
+        }
         self.lens.clear();
         self.specs.clear();
         self.bufs = [None, None];
@@ -454,6 +455,7 @@ impl KvPolicy for OffloadPolicy {
                 .flatten()
                 .map(|h| bytes(&h.k) + bytes(&h.v))
                 .sum(),
+            host_pinned_bytes: self.engine.pinned_bytes(),
             kv_tokens: self.seq_len() as u64,
             ..self.stats.clone()
         }

@@ -14,6 +14,9 @@ pub struct KvStats {
     pub device_kv_peak_bytes: u64,
     /// Bytes of KV (or activation) buffers held on the host tier now.
     pub host_kv_bytes: u64,
+    /// Bytes of host-tier buffers page-locked for asynchronous copies (CUDA engine; 0 on
+    /// CPU).
+    pub host_pinned_bytes: u64,
     /// Bytes copied host→device.
     pub h2d_bytes: u64,
     /// Bytes copied device→host.

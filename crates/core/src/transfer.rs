@@ -5,13 +5,18 @@
 //! even on a CPU-only machine (HeadInfer §3.2's ping-pong schedule); jobs run in submission
 //! order, so a write-back always lands before a later prefetch of the same range.
 //! [`SyncTransferEngine`] copies at submission (the fallback for devices without a copy
-//! stream until the CUDA engine exists).
+//! engine of their own). On CUDA, `CudaTransferEngine` (feature `cuda`) issues the copies on
+//! a dedicated copy stream from page-locked host buffers and orders them with events.
+//!
+//! The host tier's buffers are allocated through the engine ([`TransferEngine::host_zeros`])
+//! so that an engine able to page-lock them does, and handed back with
+//! [`TransferEngine::host_release`] before they are dropped.
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use candle_core::Tensor;
+use candle_core::{DType, Device, Shape, Tensor};
 
 use crate::error::{KvError, Result};
 
@@ -73,6 +78,45 @@ pub trait TransferEngine: Send {
     fn wait(&mut self, ticket: Ticket) -> Result<f64>;
     /// Blocks until everything submitted is done.
     fn wait_all(&mut self) -> Result<f64>;
+
+    /// A zeroed host-tier buffer (CPU memory; page-locked where the engine can do so, kept
+    /// so until [`Self::host_release`]).
+    fn host_zeros(&mut self, shape: Shape, dtype: DType) -> Result<Tensor> {
+        Ok(Tensor::zeros(shape, dtype, &Device::Cpu)?)
+    }
+
+    /// Hands back a buffer from [`Self::host_zeros`] that its owner is about to drop (after
+    /// every copy touching it is done).
+    fn host_release(&mut self, buffer: &Tensor) -> Result<()> {
+        let _ = buffer;
+        Ok(())
+    }
+
+    /// Bytes of host-tier buffers page-locked now (0 for engines that do not pin).
+    fn pinned_bytes(&self) -> u64 {
+        0
+    }
+}
+
+/// A host-tier buffer of `dims` from `engine` whose leading part along `dim` holds a copy of
+/// `old`, which is handed back to the engine: how host buffers grow (see [`grown`] for the
+/// device tier). Waits for every queued copy first, since they may target `old`.
+///
+/// [`grown`]: crate::buffer::grown
+pub fn grown_host(
+    engine: &mut dyn TransferEngine,
+    old: Option<&Tensor>,
+    dims: impl Into<Shape>,
+    dim: usize,
+    dtype: DType,
+) -> Result<Tensor> {
+    let t = engine.host_zeros(dims.into(), dtype)?;
+    if let Some(o) = old {
+        engine.wait_all()?;
+        t.slice_set(o, dim, 0)?;
+        engine.host_release(o)?;
+    }
+    Ok(t)
 }
 
 /// Copies at submission time.
@@ -270,18 +314,20 @@ impl Drop for CpuTransferEngine {
 }
 
 /// The engine suited to a device: a worker thread on the CPU (simulating a link of
-/// `link_bytes_per_s` when given), synchronous copies elsewhere.
-pub fn engine_for(
-    device: &candle_core::Device,
-    link_bytes_per_s: Option<f64>,
-) -> Result<Box<dyn TransferEngine>> {
-    match (device.is_cpu(), link_bytes_per_s) {
-        (true, None) => Ok(Box::new(CpuTransferEngine::new()?)),
-        (true, Some(bw)) => Ok(Box::new(CpuTransferEngine::with_link(bw)?)),
-        (false, None) => Ok(Box::new(SyncTransferEngine::default())),
-        (false, Some(_)) => Err(KvError::Step(
+/// `link_bytes_per_s` when given), a copy stream with pinned host buffers on CUDA (feature
+/// `cuda`), synchronous copies elsewhere.
+pub fn engine_for(device: &Device, link_bytes_per_s: Option<f64>) -> Result<Box<dyn TransferEngine>> {
+    if !device.is_cpu() && link_bytes_per_s.is_some() {
+        return Err(KvError::Step(
             "a simulated link is for CPU runs only; drop --link-bandwidth on a GPU".into(),
-        )),
+        ));
+    }
+    match (device, link_bytes_per_s) {
+        (Device::Cpu, None) => Ok(Box::new(CpuTransferEngine::new()?)),
+        (Device::Cpu, Some(bw)) => Ok(Box::new(CpuTransferEngine::with_link(bw)?)),
+        #[cfg(feature = "cuda")]
+        (Device::Cuda(d), _) => Ok(Box::new(crate::cuda_transfer::CudaTransferEngine::new(d)?)),
+        _ => Ok(Box::new(SyncTransferEngine::default())),
     }
 }
 

@@ -4,7 +4,7 @@
 //! and kind; a request's [`BlockTable`] maps its logical blocks to pool slots, and freeing
 //! the request returns them.
 use candle_core::{DType, Device, Tensor};
-use kvpolicy_core::{grown, KvError, Result};
+use kvpolicy_core::{grown, grown_host, KvError, Result, TransferEngine};
 
 /// What a block stores.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -139,21 +139,41 @@ impl Pool {
         !self.free.is_empty() || self.limit.is_none_or(|l| self.slots < l)
     }
 
-    /// Adds layers up to `n_layers`, each allocated for the current slots.
-    pub fn ensure_layers(&mut self, n_layers: usize) -> Result<()> {
+    /// A `(rows, width)` buffer holding a copy of `old` at its start: from `engine` on the
+    /// host tier (page-locked where it can), on the device otherwise.
+    fn alloc(
+        &self,
+        engine: &mut dyn TransferEngine,
+        old: Option<&Tensor>,
+        rows: usize,
+    ) -> Result<Tensor> {
+        match self.tier {
+            Tier::Host => grown_host(engine, old, (rows, self.width), 0, self.dtype),
+            Tier::Device => grown(old, (rows, self.width), 0, self.dtype, &self.device),
+        }
+    }
+
+    /// Adds layers up to `n_layers`, each allocated for the current slots (host buffers
+    /// through `engine`).
+    pub fn ensure_layers(
+        &mut self,
+        n_layers: usize,
+        engine: &mut dyn TransferEngine,
+    ) -> Result<()> {
         self.n_layers = self.n_layers.max(n_layers);
         let rows = self.slots * self.block;
         while self.slots > 0 && self.layers.len() < self.n_layers {
             let qs = (0..self.quantities())
-                .map(|_| grown(None, (rows, self.width), 0, self.dtype, &self.device))
+                .map(|_| self.alloc(engine, None, rows))
                 .collect::<Result<Vec<_>>>()?;
             self.layers.push(qs);
         }
         Ok(())
     }
 
-    /// Allocates every layer for `slots` slots up front (preallocation), keeping contents.
-    pub fn reserve(&mut self, slots: usize) -> Result<()> {
+    /// Allocates every layer for `slots` slots up front (preallocation), keeping contents
+    /// (host buffers through `engine`).
+    pub fn reserve(&mut self, slots: usize, engine: &mut dyn TransferEngine) -> Result<()> {
         let slots = match self.limit {
             Some(l) => slots.min(l),
             None => slots,
@@ -167,7 +187,7 @@ impl Pool {
             let mut qs = Vec::with_capacity(self.quantities());
             for j in 0..self.quantities() {
                 let old = self.layers.get(l).and_then(|q| q.get(j));
-                qs.push(grown(old, (rows, self.width), 0, self.dtype, &self.device)?);
+                qs.push(self.alloc(engine, old, rows)?);
             }
             layers.push(qs);
         }
@@ -178,7 +198,7 @@ impl Pool {
     }
 
     /// Takes a free slot, growing the pool (doubling) when it may.
-    pub fn take(&mut self) -> Result<usize> {
+    pub fn take(&mut self, engine: &mut dyn TransferEngine) -> Result<usize> {
         if self.free.is_empty() {
             if !self.has_room() {
                 return Err(KvError::Step(format!(
@@ -186,7 +206,7 @@ impl Pool {
                     self.tier, self.kind, self.slots
                 )));
             }
-            self.reserve((self.slots * 2).max(4))?;
+            self.reserve((self.slots * 2).max(4), engine)?;
         }
         self.free
             .pop()
@@ -213,8 +233,13 @@ impl Pool {
         self.free = (0..self.slots).rev().collect();
     }
 
-    /// Drops the allocation.
-    pub fn release_all(&mut self) {
+    /// Drops the allocation (host buffers handed back to `engine`).
+    pub fn release_all(&mut self, engine: &mut dyn TransferEngine) {
+        if self.tier == Tier::Host {
+            for t in self.layers.iter().flatten() {
+                let _ = engine.host_release(t);
+            }
+        }
         self.layers.clear();
         self.slots = 0;
         self.free.clear();

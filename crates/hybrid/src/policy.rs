@@ -212,6 +212,7 @@ impl HybridPolicy {
         if self.seqs.is_empty() {
             // Nothing cached: size everything afresh (a new run, or a new model).
             self.clear_staged();
+            self.release_pools();
             self.pools = None;
             if !same_rows {
                 self.costs = None;
@@ -221,7 +222,7 @@ impl HybridPolicy {
         match &mut self.pools {
             Some(p) => {
                 for pool in [&mut p.dev_act, &mut p.host_act, &mut p.host_kv] {
-                    pool.ensure_layers(n)?;
+                    pool.ensure_layers(n, self.engine.as_mut())?;
                 }
             }
             None => {
@@ -297,6 +298,15 @@ impl HybridPolicy {
         Ok(())
     }
 
+    /// Drops every pool's allocation (host buffers back to the engine).
+    fn release_pools(&mut self) {
+        if let Some(p) = &mut self.pools {
+            for pool in [&mut p.dev_act, &mut p.host_act, &mut p.host_kv] {
+                pool.release_all(self.engine.as_mut());
+            }
+        }
+    }
+
     /// The share of K/V blocks a new request is kept at.
     fn share_for(&self, tokens: usize) -> f64 {
         match (self.forced_share, &self.costs) {
@@ -324,7 +334,7 @@ impl HybridPolicy {
                 Kind::Act if pools.dev_act.has_room() => Tier::Device,
                 _ => Tier::Host,
             };
-            let slot = pools.get(kind, tier).take()?;
+            let slot = pools.get(kind, tier).take(self.engine.as_mut())?;
             table.blocks.push(BlockRef { kind, tier, slot });
         }
         self.note_device();
@@ -750,11 +760,7 @@ impl KvPolicy for HybridPolicy {
     fn reset(&mut self) {
         self.clear_staged();
         self.seqs.clear();
-        if let Some(p) = &mut self.pools {
-            for pool in [&mut p.dev_act, &mut p.host_act, &mut p.host_kv] {
-                pool.release_all();
-            }
-        }
+        self.release_pools();
         self.plan.clear();
         self.loads.clear();
         self.device_peak = 0;
@@ -783,6 +789,7 @@ impl KvPolicy for HybridPolicy {
             act_blocks: count(Kind::Act),
             kv_blocks: count(Kind::Kv),
             device_blocks: dev_blocks,
+            host_pinned_bytes: self.engine.pinned_bytes(),
             sequences: self.seqs.len() as u64,
             ..self.stats.clone()
         }

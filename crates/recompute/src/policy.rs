@@ -11,7 +11,7 @@
 //! results are bitwise `full`'s whenever regeneration reproduces the forward pass's K/V.
 use candle_core::{Device, Tensor};
 use kvpolicy_core::{
-    attend, engine_for, grown, round_up, AttnSpec, AttnStep, CopyJob, DeviceMeter, KvError,
+    attend, engine_for, grown_host, round_up, AttnSpec, AttnStep, CopyJob, DeviceMeter, KvError,
     KvPolicy, KvShape, KvStats, PolicyOptions, Probe, Profile, Result, Ticket, TransferEngine,
 };
 
@@ -71,7 +71,6 @@ struct Plan {
 /// Partial recompute over an offloaded cache (see the crate docs).
 pub struct RecomputePolicy {
     device: Device,
-    host: Device,
     engine: Box<dyn TransferEngine>,
     grow_tokens: usize,
     forced: Option<usize>,
@@ -112,7 +111,6 @@ impl RecomputePolicy {
         }
         Ok(Self {
             device: opts.device.clone(),
-            host: Device::Cpu,
             engine: engine_for(&opts.device, opts.link_bandwidth)?,
             grow_tokens: opts.grow_tokens.max(1),
             forced: opts.recompute_split,
@@ -249,23 +247,24 @@ impl RecomputePolicy {
         };
         let dims = (shape.batch, shape.n_kv_heads, cap, shape.head_dim);
         // The old buffers stay in place until the new ones are complete.
-        let old = self.layers[layer].as_ref();
-        let (k, v) = match old {
+        let old = self.layers[layer].take();
+        let engine = self.engine.as_mut();
+        let (k, v) = match &old {
             Some(o) if o.cap == cap => (o.k.clone(), o.v.clone()),
-            _ => {
-                let grow = |t: Option<&Tensor>| grown(t, dims, 2, shape.dtype, &self.host);
-                (grow(old.map(|o| &o.k))?, grow(old.map(|o| &o.v))?)
-            }
+            old => (
+                grown_host(engine, old.as_ref().map(|o| &o.k), dims, 2, shape.dtype)?,
+                grown_host(engine, old.as_ref().map(|o| &o.v), dims, 2, shape.dtype)?,
+            ),
         };
-        let x = match (old, xcap) {
+        let x = match (&old, xcap) {
             (_, 0) => None,
             (Some(o), c) if o.xcap == c => o.x.clone(),
-            (old, c) => Some(grown(
-                old.and_then(|o| o.x.as_ref()),
+            (old, c) => Some(grown_host(
+                engine,
+                old.as_ref().and_then(|o| o.x.as_ref()),
                 (shape.batch, c, hidden),
                 1,
                 shape.dtype,
-                &self.host,
             )?),
         };
         self.layers[layer] = Some(HostLayer { k, v, cap, x, xcap });
@@ -545,7 +544,11 @@ impl KvPolicy for RecomputePolicy {
 
     fn reset(&mut self) {
         let _ = self.engine.wait_all();
-        self.layers.clear();
+        for h in self.layers.drain(..).flatten() {
+            for t in [Some(&h.k), Some(&h.v), h.x.as_ref()].into_iter().flatten() {
+                let _ = self.engine.host_release(t);
+            }
+        }
         self.lens.clear();
         self.specs.clear();
         self.bufs = [None, None];
@@ -574,6 +577,7 @@ impl KvPolicy for RecomputePolicy {
                 .flatten()
                 .map(|h| bytes_of(&h.k) + bytes_of(&h.v) + h.x.as_ref().map_or(0, bytes_of))
                 .sum(),
+            host_pinned_bytes: self.engine.pinned_bytes(),
             kv_tokens: self.seq_len() as u64,
             ..self.stats.clone()
         }
