@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs on a GPU machine over a copy of the repo, with binaries built here by
 #   CARGO_TARGET_DIR=… cargo build --release --features cuda --example llama --example kvbench
-# and copied (stripped) into .device-bin/. Writes results under $OUT (default ./gpu-out).
+#   CARGO_TARGET_DIR=… cargo test --release --features cuda --test cuda --no-run
+# and copied (stripped) into .device-bin/ (the test binary as .device-bin/cuda-tests). Writes results under $OUT (default ./gpu-out).
 # Usage: bash scripts/gpu_run.sh [CONTEXT] [STEPS]
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -10,6 +11,9 @@ B=.device-bin
 NV=$(python3 -c "import nvidia,os;print(os.path.dirname(nvidia.__file__))" 2>/dev/null)
 export LD_LIBRARY_PATH="$NV/cu13/lib:${LD_LIBRARY_PATH:-}"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+echo "== GPU tests (engine copies, pinned tier, every policy vs full in f32 and bf16)"
+"$B/cuda-tests" --test-threads 1 > "$OUT/cuda-tests.log" 2>&1
+echo "cuda tests exit $?"; tail -3 "$OUT/cuda-tests.log"
 echo "== exactness (fixtures, every policy vs full, f32 vs HF)"
 python3 scripts/policy_exactness.py "$B/llama" --out "$OUT/exactness.md" > "$OUT/exactness.log" 2>&1
 echo "exactness exit $?"; tail -3 "$OUT/exactness.log"

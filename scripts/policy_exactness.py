@@ -18,7 +18,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 FIX = ROOT / "tests" / "fixtures"
-# (policy, extra flags); `recompute:16` forces a split so regeneration runs on GQA fixtures too.
+# (policy, extra flags); `recompute:16` and hybrid's 1:1 ratio force regeneration on GQA fixtures too.
 POLICIES = [
     ("full", []),
     ("layer", []),
@@ -27,6 +27,8 @@ POLICIES = [
     ("headwise", ["--head-group", "auto"]),
     ("recompute", []),
     ("recompute", ["--recompute-split", "16"]),
+    ("hybrid", []),
+    ("hybrid", ["--kv-act-ratio", "0.5", "--block-size", "4"]),
 ]
 
 

@@ -13,6 +13,7 @@
 //! context), and optionally writes CSV and SVG charts.
 #[path = "../common/atomic.rs"]
 mod atomic;
+mod bandwidth;
 mod plot;
 mod report;
 mod stock;
@@ -21,7 +22,7 @@ mod sweep;
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
-use candle_core::{DType, Device, Tensor};
+use candle_core::Device;
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use kvpolicy::models::source::ModelFiles;
@@ -95,21 +96,6 @@ fn parse_size(s: &str) -> std::result::Result<u64, String> {
     kvpolicy::parse_bytes(s).map_err(|e| e.to_string())
 }
 
-/// Host→device bandwidth in bytes/s for a `mib` MiB pageable copy (median of 5).
-fn h2d_bandwidth(dev: &Device, mib: usize) -> Result<f64> {
-    let n = mib * 1024 * 1024 / 4;
-    let host = Tensor::zeros(n, DType::F32, &Device::Cpu)?;
-    let mut v = Vec::new();
-    for _ in 0..5 {
-        let t = std::time::Instant::now();
-        let d = host.to_device(dev)?;
-        dev.synchronize()?;
-        v.push((n * 4) as f64 / t.elapsed().as_secs_f64());
-        drop(d);
-    }
-    Ok(sweep::median(v))
-}
-
 fn main() -> Result<()> {
     let mut args = Args::parse();
     if args.quick {
@@ -142,7 +128,7 @@ fn main() -> Result<()> {
         .collect::<Result<_>>()?;
     let bw = args
         .bandwidth_mib
-        .map(|m| h2d_bandwidth(&dev, m))
+        .map(|m| bandwidth::measure(&dev, m))
         .transpose()?;
 
     let spec = match (&args.gguf, &args.model_dir, &args.config) {
@@ -184,8 +170,15 @@ fn main() -> Result<()> {
         candle_core::utils::get_num_threads(),
         dev.location()
     );
-    if let Some(b) = bw {
-        println!("host→device bandwidth (pageable): {:.2} GB/s", b / 1e9);
+    if let Some(b) = &bw {
+        let pageable = b
+            .pageable
+            .map_or("n/a (CPU)".into(), |p| format!("{:.2} GB/s", p / 1e9));
+        println!(
+            "host→device bandwidth: pageable {pageable}; transfer engine {:.2} GB/s ({})",
+            b.engine / 1e9,
+            if b.pinned { "page-locked" } else { "pageable" }
+        );
     }
     if let Some(b) = args.link_bandwidth {
         println!("simulated link: {}/s", kvpolicy::core::format_bytes(b));
@@ -218,7 +211,7 @@ fn main() -> Result<()> {
         }
     }
     bar.finish_and_clear();
-    print!("{}", report::markdown(&rows, bw));
+    print!("{}", report::markdown(&rows, bw.map(|b| b.engine)));
     let mut seen: Vec<&Profile> = Vec::new();
     for p in rows.iter().filter_map(|r| r.profile.as_ref()) {
         if !seen.contains(&p) {

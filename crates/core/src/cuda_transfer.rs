@@ -25,8 +25,8 @@ use std::ffi::c_void;
 use std::sync::Arc;
 use std::time::Instant;
 
-use candle_core::cuda::cudarc::driver::{sys, CudaEvent, CudaStream, DevicePtr};
 use candle_core::backend::BackendDevice;
+use candle_core::cuda::cudarc::driver::{sys, CudaEvent, CudaStream, DevicePtr};
 use candle_core::cuda::CudaStorageSlice;
 use candle_core::{CpuStorage, CudaDevice, DType, Device, Shape, Storage, Tensor, TensorId};
 
@@ -180,8 +180,11 @@ impl CudaTransferEngine {
                 job.dim
             )));
         }
-        let Some(runs) = copy_runs(job.src.layout(), region.layout(), job.src.dtype().size_in_bytes())
-        else {
+        let Some(runs) = copy_runs(
+            job.src.layout(),
+            region.layout(),
+            job.src.dtype().size_in_bytes(),
+        ) else {
             return Ok(false);
         };
         let (src_store, _) = job.src.storage_and_layout();
@@ -202,7 +205,12 @@ impl CudaTransferEngine {
             return Ok(false);
         }
         let stream = self.copy.cu_stream();
-        for Run { src: so, dst: d_o, len } in runs {
+        for Run {
+            src: so,
+            dst: d_o,
+            len,
+        } in runs
+        {
             // SAFETY: the runs lie inside both storages (they come from the views' layouts),
             // the storages outlive the copy (the job is kept until the batch's event has
             // completed), and the copy stream is ordered after the compute that wrote them.
@@ -236,7 +244,9 @@ impl CudaTransferEngine {
         let to_host = self.pending.iter().take(idx + 1).any(|p| p.to_host);
         let p = &self.pending[idx];
         if to_host {
-            p.done.synchronize().map_err(|e| cuda_err("waiting for a copy", e))?;
+            p.done
+                .synchronize()
+                .map_err(|e| cuda_err("waiting for a copy", e))?;
         } else {
             self.device
                 .cuda_stream()

@@ -30,16 +30,16 @@ pub mod transfer;
 pub use attention::{attend, attend_partial, merge_partials, AttnSpec, Partial};
 pub use batch::{PerSequence, PolicyFactory};
 pub use buffer::{grown, round_up, KvBuffer};
+#[cfg(feature = "cuda")]
+pub use cuda_transfer::CudaTransferEngine;
 pub use error::{KvError, Result};
 pub use offload::{Grouping, OffloadPolicy};
 pub use policy::{AttnStep, KvPolicy, KvRegen, KvShape, SeqLoad};
 pub use profile::{Probe, Profile};
 pub use registry::{HeadGroup, PolicyBuilder, PolicyOptions, PolicyRegistry};
+pub use runs::{copy_runs, Run};
 pub use size::{format_bytes, parse_bytes};
 pub use stats::{DeviceMeter, KvStats};
-#[cfg(feature = "cuda")]
-pub use cuda_transfer::CudaTransferEngine;
-pub use runs::{copy_runs, Run};
 pub use transfer::{
     engine_for, grown_host, run_jobs, CopyJob, CpuTransferEngine, SyncTransferEngine, Ticket,
     TransferEngine,

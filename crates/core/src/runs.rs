@@ -102,6 +102,7 @@ pub fn copy_runs(src: &Layout, dst: &Layout, elem: usize) -> Option<Vec<Run>> {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 mod tests {
     use super::*;
     use candle_core::{DType, Device, Tensor};
@@ -116,7 +117,12 @@ mod tests {
 
     /// Copies `src` (a view of `base`) into `dst.narrow(dim, offset, ..)` through runs and
     /// through `slice_set`, and compares the two results.
-    fn check(src: &Tensor, dst_dims: &[usize], dim: usize, offset: usize) -> candle_core::Result<usize> {
+    fn check(
+        src: &Tensor,
+        dst_dims: &[usize],
+        dim: usize,
+        offset: usize,
+    ) -> candle_core::Result<usize> {
         let dev = Device::Cpu;
         let n: usize = dst_dims.iter().product();
         let want = (Tensor::arange(0f32, n as f32, &dev)?.reshape(dst_dims)? * -1.0)?;
@@ -136,7 +142,8 @@ mod tests {
 
     #[test]
     fn one_head_token_range_is_one_run() -> candle_core::Result<()> {
-        let base = Tensor::arange(0f32, 2.0 * 4.0 * 16.0 * 8.0, &Device::Cpu)?.reshape((2, 4, 16, 8))?;
+        let base =
+            Tensor::arange(0f32, 2.0 * 4.0 * 16.0 * 8.0, &Device::Cpu)?.reshape((2, 4, 16, 8))?;
         let src = base.narrow(0, 1, 1)?.narrow(1, 2, 1)?.narrow(2, 3, 5)?;
         assert_eq!(check(&src, &[1, 1, 12, 8], 2, 4)?, 1);
         // All heads of a token range: one run per head on each side.

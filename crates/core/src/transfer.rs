@@ -316,7 +316,10 @@ impl Drop for CpuTransferEngine {
 /// The engine suited to a device: a worker thread on the CPU (simulating a link of
 /// `link_bytes_per_s` when given), a copy stream with pinned host buffers on CUDA (feature
 /// `cuda`), synchronous copies elsewhere.
-pub fn engine_for(device: &Device, link_bytes_per_s: Option<f64>) -> Result<Box<dyn TransferEngine>> {
+pub fn engine_for(
+    device: &Device,
+    link_bytes_per_s: Option<f64>,
+) -> Result<Box<dyn TransferEngine>> {
     if !device.is_cpu() && link_bytes_per_s.is_some() {
         return Err(KvError::Step(
             "a simulated link is for CPU runs only; drop --link-bandwidth on a GPU".into(),
