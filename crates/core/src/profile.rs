@@ -124,7 +124,8 @@ impl Profile {
     ) -> Result<Self> {
         let dev = probe.device;
         let n = probe.transfer_bytes.max(1);
-        let src = Tensor::zeros(n, DType::U8, &Device::Cpu)?;
+        // From a host-tier buffer of the engine, as the policies copy (page-locked on CUDA).
+        let src = engine.host_zeros(n.into(), DType::U8)?;
         let dst = Tensor::zeros(n, DType::U8, dev)?;
         let mut rates = Vec::new();
         for i in 0..4 {
@@ -141,6 +142,7 @@ impl Profile {
                 rates.push(n as f64 / start.elapsed().as_secs_f64().max(1e-9));
             }
         }
+        engine.host_release(&src)?;
         let h2d = median(rates);
         let tokens = probe.tokens.max(1);
         let x = Tensor::zeros((probe.batch, tokens, probe.hidden), probe.dtype, dev)?;
