@@ -34,8 +34,9 @@ fn timed(bytes: usize, dev: &Device, mut copy: impl FnMut() -> Result<()>) -> Re
     Ok(median(v))
 }
 
-/// Measures both paths for a `mib` MiB copy.
-pub fn measure(dev: &Device, mib: usize) -> Result<Bandwidth> {
+/// Measures both paths for a `mib` MiB copy (through the simulated link of
+/// `link_bytes_per_s` on the CPU, when given, as the policies copy).
+pub fn measure(dev: &Device, mib: usize, link_bytes_per_s: Option<f64>) -> Result<Bandwidth> {
     anyhow::ensure!(mib > 0, "--bandwidth-mib must be at least 1");
     let n = mib * 1024 * 1024 / 4;
     let pageable_src = Tensor::zeros(n, DType::F32, &Device::Cpu)?;
@@ -47,7 +48,7 @@ pub fn measure(dev: &Device, mib: usize) -> Result<Bandwidth> {
             Ok(())
         })?)
     };
-    let mut engine = engine_for(dev, None)?;
+    let mut engine = engine_for(dev, link_bytes_per_s)?;
     let src = engine.host_zeros(n.into(), DType::F32)?;
     let pinned = engine.pinned_bytes() > 0;
     let dst = Tensor::zeros(n, DType::F32, dev)?;

@@ -128,7 +128,7 @@ fn main() -> Result<()> {
         .collect::<Result<_>>()?;
     let bw = args
         .bandwidth_mib
-        .map(|m| bandwidth::measure(&dev, m))
+        .map(|m| bandwidth::measure(&dev, m, base.link_bandwidth))
         .transpose()?;
 
     let spec = match (&args.gguf, &args.model_dir, &args.config) {

@@ -27,8 +27,8 @@ pub fn markdown(rows: &[Row], bandwidth: Option<f64>) -> String {
     );
     let mut rule = String::from("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     if bandwidth.is_some() {
-        s.push_str(" PCIe bound s/token | s/token |");
-        rule.push_str("---:|---:|");
+        s.push_str(" PCIe bound s/token | s/token | bound ÷ s/token | copy s/token |");
+        rule.push_str("---:|---:|---:|---:|");
     }
     s.push('\n');
     s.push_str(&rule);
@@ -67,12 +67,17 @@ pub fn markdown(rows: &[Row], bandwidth: Option<f64>) -> String {
             r.split,
         ));
         if let Some(b) = bandwidth {
-            let bound = if r.h2d_bytes_per_token > 0 {
-                format!("{:.4}", r.h2d_bytes_per_token as f64 / b)
+            let step = 1.0 / r.decode_tok_s;
+            let (bound, of_bound) = if r.h2d_bytes_per_token > 0 {
+                let bound = r.h2d_bytes_per_token as f64 / b;
+                (format!("{bound:.4}"), format!("{:.2}", bound / step))
             } else {
-                "-".into()
+                ("-".into(), "-".into())
             };
-            s.push_str(&format!(" {bound} | {:.4} |", 1.0 / r.decode_tok_s));
+            s.push_str(&format!(
+                " {bound} | {step:.4} | {of_bound} | {:.4} |",
+                r.copy_s_per_token
+            ));
         }
         s.push('\n');
     }

@@ -71,6 +71,7 @@ impl Stock {
             h2d_bytes_per_token: 0,
             d2h_bytes_per_token: 0,
             split: 0,
+            copy_s_per_token: 0.0,
             profile: None,
         })
     }

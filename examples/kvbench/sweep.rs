@@ -68,6 +68,8 @@ pub struct Row {
     pub d2h_bytes_per_token: u64,
     /// Tokens regenerated per layer in the last step (`recompute`).
     pub split: u64,
+    /// Seconds per decoded token the transfer engine spent copying (overlapped or not).
+    pub copy_s_per_token: f64,
     /// The profile the policy planned with, if any.
     #[serde(skip)]
     pub profile: Option<Profile>,
@@ -125,6 +127,7 @@ pub fn measure(
         h2d_bytes_per_token: per(after.h2d_bytes, before.h2d_bytes),
         d2h_bytes_per_token: per(after.d2h_bytes, before.d2h_bytes),
         split: after.split,
+        copy_s_per_token: (after.copy_s - before.copy_s) / steps.max(1) as f64,
         profile,
     })
 }

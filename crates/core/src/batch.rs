@@ -104,6 +104,7 @@ impl KvPolicy for PerSequence {
             let q = p.stats();
             s.device_kv_bytes += q.device_kv_bytes;
             s.host_kv_bytes += q.host_kv_bytes;
+            s.host_pinned_bytes += q.host_pinned_bytes;
             add_cumulative(&mut s, &q);
             s.split = q.split;
             s.kv_tokens = s.kv_tokens.max(q.kv_tokens);
@@ -136,4 +137,5 @@ fn add_cumulative(s: &mut KvStats, q: &KvStats) {
     s.recompute_flops += q.recompute_flops;
     s.recompute_tokens += q.recompute_tokens;
     s.transfer_wait_s += q.transfer_wait_s;
+    s.copy_s += q.copy_s;
 }

@@ -93,6 +93,7 @@ enum Mem {
 /// A batch in flight: its completion event and the jobs (buffers) it must outlive.
 struct Pending {
     id: u64,
+    start: CudaEvent,
     done: CudaEvent,
     to_host: bool,
     _jobs: Vec<CopyJob>,
@@ -113,6 +114,8 @@ pub struct CudaTransferEngine {
     submitted: u64,
     pending: VecDeque<Pending>,
     pinned: Vec<Pinned>,
+    /// Copy-stream seconds of retired batches.
+    busy_s: f64,
 }
 
 // SAFETY: the raw pointers in `pinned` are addresses of CPU tensors this engine keeps alive
@@ -143,14 +146,23 @@ impl CudaTransferEngine {
             submitted: 0,
             pending: VecDeque::new(),
             pinned: Vec::new(),
+            busy_s: 0.0,
         })
     }
 
-    /// Drops finished batches (their jobs' buffers may be freed now).
+    /// Seconds between a batch's two timing events (it is complete).
+    fn seconds(p: &Pending) -> f64 {
+        p.start
+            .elapsed_ms(&p.done)
+            .map_or(0.0, |ms| f64::from(ms) / 1e3)
+    }
+
+    /// Drops finished batches (their jobs' buffers may be freed now), adding up their time.
     fn retire(&mut self) -> Result<()> {
         while let Some(p) = self.pending.front() {
             match p.done.try_is_complete() {
                 Ok(true) => {
+                    self.busy_s += Self::seconds(p);
                     self.pending.pop_front();
                 }
                 Ok(false) => break,
@@ -269,6 +281,12 @@ impl TransferEngine for CudaTransferEngine {
         self.copy
             .join(&compute)
             .map_err(|e| cuda_err("ordering a copy after compute", e))?;
+        // Timing events (the default flags keep timing on).
+        let timed = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let start = self
+            .copy
+            .record_event(timed)
+            .map_err(|e| cuda_err("recording a copy event", e))?;
         let mut to_host = false;
         for job in &jobs {
             to_host |= job.dst.device().is_cpu();
@@ -285,11 +303,12 @@ impl TransferEngine for CudaTransferEngine {
         }
         let done = self
             .copy
-            .record_event(None)
+            .record_event(timed)
             .map_err(|e| cuda_err("recording a copy event", e))?;
         self.submitted += 1;
         self.pending.push_back(Pending {
             id: self.submitted,
+            start,
             done,
             to_host,
             _jobs: jobs,
@@ -306,7 +325,11 @@ impl TransferEngine for CudaTransferEngine {
         self.copy
             .synchronize()
             .map_err(|e| cuda_err("waiting for the copy stream", e))?;
-        self.pending.clear();
+        self.busy_s += self
+            .pending
+            .drain(..)
+            .map(|p| Self::seconds(&p))
+            .sum::<f64>();
         Ok(start.elapsed().as_secs_f64())
     }
 
@@ -357,6 +380,16 @@ impl TransferEngine for CudaTransferEngine {
 
     fn pinned_bytes(&self) -> u64 {
         self.pinned.iter().map(|p| p.bytes).sum()
+    }
+
+    fn copy_seconds(&self) -> f64 {
+        let done: f64 = self
+            .pending
+            .iter()
+            .filter(|p| p.done.is_complete())
+            .map(Self::seconds)
+            .sum();
+        self.busy_s + done
     }
 }
 

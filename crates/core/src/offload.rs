@@ -456,6 +456,7 @@ impl KvPolicy for OffloadPolicy {
                 .map(|h| bytes(&h.k) + bytes(&h.v))
                 .sum(),
             host_pinned_bytes: self.engine.pinned_bytes(),
+            copy_s: self.engine.copy_seconds(),
             kv_tokens: self.seq_len() as u64,
             ..self.stats.clone()
         }

@@ -790,6 +790,7 @@ impl KvPolicy for HybridPolicy {
             kv_blocks: count(Kind::Kv),
             device_blocks: dev_blocks,
             host_pinned_bytes: self.engine.pinned_bytes(),
+            copy_s: self.engine.copy_seconds(),
             sequences: self.seqs.len() as u64,
             ..self.stats.clone()
         }

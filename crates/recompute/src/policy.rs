@@ -578,6 +578,7 @@ impl KvPolicy for RecomputePolicy {
                 .map(|h| bytes_of(&h.k) + bytes_of(&h.v) + h.x.as_ref().map_or(0, bytes_of))
                 .sum(),
             host_pinned_bytes: self.engine.pinned_bytes(),
+            copy_s: self.engine.copy_seconds(),
             kv_tokens: self.seq_len() as u64,
             ..self.stats.clone()
         }
