@@ -17,7 +17,7 @@ use candle_core::{DType, Device, Tensor};
 use criterion::{
     criterion_group, criterion_main, BenchmarkId, Criterion, SamplingMode, Throughput,
 };
-use kvpolicy::core::{CopyJob, CpuTransferEngine, SyncTransferEngine, TransferEngine};
+use kvpolicy::core::{engine_for, CopyJob, CpuTransferEngine, SyncTransferEngine, TransferEngine};
 use kvpolicy::models::{load, prefill, resolve, ModelSpec};
 use kvpolicy::{build_policy, CausalLm, HeadGroup, KvPolicy, LogitsMode, PolicyOptions};
 
@@ -135,24 +135,38 @@ fn prefill_bench(c: &mut Criterion) {
 
 type MakeEngine = Box<dyn Fn() -> Box<dyn TransferEngine>>;
 
+/// Host→device copies through each engine, from a host buffer of that engine: `sync` copies
+/// pageable memory at submission; `worker` (CPU) on a thread; `cuda` (feature `cuda` on a
+/// GPU) on its copy stream from page-locked memory.
 fn transfer(c: &mut Criterion) {
     let dev = device();
     let mut g = c.benchmark_group("transfer");
     g.sample_size(20);
     for mib in [1usize, 16] {
         let n = mib << 20;
-        let src = Tensor::zeros(n, DType::U8, &Device::Cpu).unwrap_or_else(|e| panic!("{e}"));
         let dst = Tensor::zeros(n, DType::U8, &dev).unwrap_or_else(|e| panic!("{e}"));
         g.throughput(Throughput::Bytes(n as u64));
-        let engines: [(&str, MakeEngine); 2] = [
+        let own: (&str, MakeEngine) = if dev.is_cpu() {
             (
                 "worker",
                 Box::new(|| Box::new(CpuTransferEngine::new().unwrap_or_else(|e| panic!("{e}")))),
-            ),
+            )
+        } else {
+            let d = dev.clone();
+            (
+                "cuda",
+                Box::new(move || engine_for(&d, None).unwrap_or_else(|e| panic!("{e}"))),
+            )
+        };
+        let engines: [(&str, MakeEngine); 2] = [
+            own,
             ("sync", Box::new(|| Box::new(SyncTransferEngine::default()))),
         ];
         for (name, make) in engines {
             let mut e = make();
+            let src = e
+                .host_zeros(n.into(), DType::U8)
+                .unwrap_or_else(|e| panic!("{e}"));
             g.bench_with_input(BenchmarkId::new(name, n), &n, |b, _| {
                 b.iter(|| {
                     let job = CopyJob {
@@ -166,6 +180,7 @@ fn transfer(c: &mut Criterion) {
                     let _ = dev.synchronize();
                 })
             });
+            e.host_release(&src).unwrap_or_else(|e| panic!("{e}"));
         }
     }
     g.finish();
