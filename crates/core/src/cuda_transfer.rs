@@ -248,6 +248,23 @@ impl CudaTransferEngine {
         Ok(true)
     }
 
+    /// Issues every job of a batch in order; a job that is not expressible as runs is
+    /// copied the ordinary way after everything queued before it.
+    fn issue_all(&self, jobs: &[CopyJob], compute: &CudaStream) -> Result<()> {
+        for job in jobs {
+            if !self.issue(job)? {
+                self.copy
+                    .synchronize()
+                    .map_err(|e| cuda_err("waiting for the copy stream", e))?;
+                job.run()?;
+                self.copy
+                    .join(compute)
+                    .map_err(|e| cuda_err("ordering a copy after compute", e))?;
+            }
+        }
+        Ok(())
+    }
+
     fn wait_event(&mut self, ticket: Ticket) -> Result<f64> {
         let start = Instant::now();
         let Some(idx) = self.pending.iter().rposition(|p| p.id <= ticket.0) else {
@@ -287,19 +304,11 @@ impl TransferEngine for CudaTransferEngine {
             .copy
             .record_event(timed)
             .map_err(|e| cuda_err("recording a copy event", e))?;
-        let mut to_host = false;
-        for job in &jobs {
-            to_host |= job.dst.device().is_cpu();
-            if !self.issue(job)? {
-                // Not expressible as runs: copy it the ordinary way, after everything queued.
-                self.copy
-                    .synchronize()
-                    .map_err(|e| cuda_err("waiting for the copy stream", e))?;
-                job.run()?;
-                self.copy
-                    .join(&compute)
-                    .map_err(|e| cuda_err("ordering a copy after compute", e))?;
-            }
+        let to_host = jobs.iter().any(|j| j.dst.device().is_cpu());
+        if let Err(e) = self.issue_all(&jobs, &compute) {
+            // Copies of this batch may be in flight: let them end before its buffers go.
+            let _ = self.copy.synchronize();
+            return Err(e);
         }
         let done = self
             .copy
@@ -371,6 +380,10 @@ impl TransferEngine for CudaTransferEngine {
             return Ok(());
         };
         self.wait_all()?;
+        self.copy
+            .context()
+            .bind_to_thread()
+            .map_err(|e| cuda_err("binding the context", e))?;
         let p = self.pinned.swap_remove(i);
         // SAFETY: `p.ptr` was registered by `host_zeros` and no copy is in flight.
         check("unregistering host memory", unsafe {
@@ -397,6 +410,7 @@ impl Drop for CudaTransferEngine {
     fn drop(&mut self) {
         let _ = self.copy.synchronize();
         self.pending.clear();
+        let _ = self.copy.context().bind_to_thread();
         for p in self.pinned.drain(..) {
             // SAFETY: registered by `host_zeros`; the copy stream is idle.
             let _ = unsafe { sys::cuMemHostUnregister(p.ptr) };

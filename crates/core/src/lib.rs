@@ -10,6 +10,12 @@
 //! an offset, sliding windows, logit soft-capping, grouped-query attention without
 //! repeating K/V, and partial attentions that carry their log-sum-exp so that a policy may
 //! attend over pieces of the cache (head groups, token ranges) and merge them exactly.
+//!
+//! Policies that keep the cache off the device move it through a [`TransferEngine`]: a
+//! worker thread on the CPU ([`CpuTransferEngine`]), a copy stream with a page-locked host
+//! tier and events on CUDA (`CudaTransferEngine`, feature `cuda`), picked by
+//! [`engine_for`]. Host-tier buffers are allocated through the engine
+//! ([`TransferEngine::host_zeros`]) so the CUDA one can page-lock them.
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 pub mod attention;
