@@ -3,7 +3,8 @@
 //! CUDA engine page-locks) and handed back (`host_release`) before it is dropped — when a
 //! buffer grows, and at `reset()`. A ledger engine records both, so on the CPU we can assert
 //! what the CUDA engine relies on: locked bytes equal the host tier's bytes after every step,
-//! nothing is released twice or unknown, and nothing stays locked after a reset.
+//! nothing is released twice or unknown, and nothing stays locked after a reset (nor counted:
+//! the copy time starts again from zero).
 mod common;
 
 use std::sync::{Arc, Mutex};
@@ -56,6 +57,9 @@ impl TransferEngine for Locking {
             }
         }
         Ok(())
+    }
+    fn copy_seconds(&self) -> f64 {
+        self.inner.copy_seconds()
     }
     fn pinned_bytes(&self) -> u64 {
         self.ledger
@@ -119,7 +123,17 @@ fn host_buffers_come_from_the_engine_and_go_back() -> Result<()> {
                     let x = Tensor::new(&[tok], &Device::Cpu)?.unsqueeze(0)?;
                     model.forward(&x, prompt.len() + i, p.as_mut(), LogitsMode::Last)?;
                 }
+                assert!(
+                    p.stats().copy_s > 0.0,
+                    "{name} {kind}: no copy time counted"
+                );
                 p.reset();
+                // Counters start again from a reset, the engine's copy time included.
+                assert_eq!(
+                    p.stats().copy_s,
+                    0.0,
+                    "{name} {kind}: copy time survived reset"
+                );
                 let l = ledger
                     .lock()
                     .map_err(|_| anyhow::anyhow!("ledger poisoned"))?;

@@ -61,6 +61,8 @@ pub struct OffloadPolicy {
     grow_tokens: usize,
     device: Device,
     engine: Box<dyn TransferEngine>,
+    /// `engine.copy_seconds()` at the last reset (stats count from there).
+    copy_base: f64,
     shape: Option<KvShape>,
     layers: Vec<Option<HostLayer>>,
     lens: Vec<usize>,
@@ -96,6 +98,7 @@ impl OffloadPolicy {
             grow_tokens: opts.grow_tokens.max(1),
             device: opts.device.clone(),
             engine: engine_for(&opts.device, opts.link_bandwidth)?,
+            copy_base: 0.0,
             shape: None,
             layers: Vec::new(),
             lens: Vec::new(),
@@ -111,6 +114,7 @@ impl OffloadPolicy {
 
     /// Replaces the transfer engine (e.g. a synchronous or a fault-injecting one).
     pub fn with_engine(mut self, engine: Box<dyn TransferEngine>) -> Self {
+        self.copy_base = engine.copy_seconds();
         self.engine = engine;
         self
     }
@@ -439,6 +443,7 @@ impl KvPolicy for OffloadPolicy {
         self.prefetched = None;
         self.meter.reset();
         self.stats = KvStats::default();
+        self.copy_base = self.engine.copy_seconds();
         if let Some(s) = &mut self.shape {
             s.n_layers = 0;
         }
@@ -456,7 +461,7 @@ impl KvPolicy for OffloadPolicy {
                 .map(|h| bytes(&h.k) + bytes(&h.v))
                 .sum(),
             host_pinned_bytes: self.engine.pinned_bytes(),
-            copy_s: self.engine.copy_seconds(),
+            copy_s: self.engine.copy_seconds() - self.copy_base,
             kv_tokens: self.seq_len() as u64,
             ..self.stats.clone()
         }

@@ -33,8 +33,8 @@ pub struct KvStats {
     /// Seconds spent waiting for transfers that compute could not hide (host waits; on CUDA
     /// the compute stream waits on the device instead, so this stays near 0 there).
     pub transfer_wait_s: f64,
-    /// Seconds the transfer engine has spent copying since the policy was built (its worker
-    /// or copy stream busy, overlapped with compute or not): with the step time, the overlap.
+    /// Seconds the transfer engine spent copying (its worker or copy stream busy, overlapped
+    /// with compute or not): with the step time, the overlap.
     pub copy_s: f64,
     /// Activation blocks in use, on either tier (`hybrid`, HybridServe §4.1).
     pub act_blocks: u64,

@@ -71,6 +71,8 @@ pub struct HybridPolicy {
     given_profile: Option<Profile>,
     link: Option<f64>,
     engine: Box<dyn TransferEngine>,
+    /// `engine.copy_seconds()` at the last reset (stats count from there).
+    copy_base: f64,
     shape: Option<KvShape>,
     costs: Option<Costs>,
     profile: Option<Profile>,
@@ -126,6 +128,7 @@ impl HybridPolicy {
             given_profile: opts.profile.clone(),
             link: opts.link_bandwidth,
             engine: engine_for(&opts.device, opts.link_bandwidth)?,
+            copy_base: 0.0,
             shape: None,
             costs: None,
             profile: None,
@@ -144,6 +147,7 @@ impl HybridPolicy {
     /// Uses `engine` for host→device copies instead of the default one (tests inject
     /// failures this way).
     pub fn with_engine(mut self, engine: Box<dyn TransferEngine>) -> Self {
+        self.copy_base = engine.copy_seconds();
         self.engine = engine;
         self
     }
@@ -765,6 +769,7 @@ impl KvPolicy for HybridPolicy {
         self.loads.clear();
         self.device_peak = 0;
         self.stats = KvStats::default();
+        self.copy_base = self.engine.copy_seconds();
     }
 
     fn stats(&self) -> KvStats {
@@ -790,7 +795,7 @@ impl KvPolicy for HybridPolicy {
             kv_blocks: count(Kind::Kv),
             device_blocks: dev_blocks,
             host_pinned_bytes: self.engine.pinned_bytes(),
-            copy_s: self.engine.copy_seconds(),
+            copy_s: self.engine.copy_seconds() - self.copy_base,
             sequences: self.seqs.len() as u64,
             ..self.stats.clone()
         }

@@ -72,6 +72,8 @@ struct Plan {
 pub struct RecomputePolicy {
     device: Device,
     engine: Box<dyn TransferEngine>,
+    /// `engine.copy_seconds()` at the last reset (stats count from there).
+    copy_base: f64,
     grow_tokens: usize,
     forced: Option<usize>,
     profile: Option<Profile>,
@@ -112,6 +114,7 @@ impl RecomputePolicy {
         Ok(Self {
             device: opts.device.clone(),
             engine: engine_for(&opts.device, opts.link_bandwidth)?,
+            copy_base: 0.0,
             grow_tokens: opts.grow_tokens.max(1),
             forced: opts.recompute_split,
             profile: opts.profile.clone(),
@@ -133,6 +136,7 @@ impl RecomputePolicy {
 
     /// Replaces the transfer engine.
     pub fn with_engine(mut self, engine: Box<dyn TransferEngine>) -> Self {
+        self.copy_base = engine.copy_seconds();
         self.engine = engine;
         self
     }
@@ -558,6 +562,7 @@ impl KvPolicy for RecomputePolicy {
         self.plan = None;
         self.meter.reset();
         self.stats = KvStats::default();
+        self.copy_base = self.engine.copy_seconds();
         if let Some(s) = &mut self.shape {
             s.n_layers = 0;
         }
@@ -578,7 +583,7 @@ impl KvPolicy for RecomputePolicy {
                 .map(|h| bytes_of(&h.k) + bytes_of(&h.v) + h.x.as_ref().map_or(0, bytes_of))
                 .sum(),
             host_pinned_bytes: self.engine.pinned_bytes(),
-            copy_s: self.engine.copy_seconds(),
+            copy_s: self.engine.copy_seconds() - self.copy_base,
             kv_tokens: self.seq_len() as u64,
             ..self.stats.clone()
         }
