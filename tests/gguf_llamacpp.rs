@@ -5,10 +5,12 @@
 //! quantize activations to Q8_1, so a one-ulp difference in a reduction order can move a
 //! logit by ~0.1, and where llama.cpp's two best tokens are closer than that, either
 //! implementation may pick either one — after which free-running sequences part. So this
-//! checks (1) free-running equality for 32 tokens on the first prompt, and (2) on every
-//! prompt, teacher-forced along llama.cpp's sequence, that we choose llama.cpp's token at
-//! each of the first 32 steps, except at most one step where the two candidates are within
-//! `NEAR_TIE` logits of each other in our model.
+//! checks, on every prompt, (1) teacher-forced along llama.cpp's sequence, that we choose
+//! llama.cpp's token at each of the first 32 steps, except at most one step where the two
+//! candidates are within `NEAR_TIE` logits of each other in our model, and (2) on the first
+//! prompt, that free-running greedy equals llama.cpp's for 32 tokens or parts from it
+//! exactly at such a near tie (seen: the attention's summation order alone moves step 14
+//! of the first prompt, a 0.007-logit tie, from one side to the other).
 mod common;
 
 use anyhow::{Context, Result};
@@ -63,13 +65,6 @@ fn greedy_follows_llamacpp() -> Result<()> {
         let got = generate(model, policy.as_mut(), &prompt, &cfg, &mut |_| Ok(()))?.generated_ids;
         let agree = got.iter().zip(&want).take_while(|(a, b)| a == b).count();
         println!("prompt {n}: free-running greedy equals llama.cpp for {agree} of {STEPS} tokens");
-        if n == 0 {
-            assert_eq!(
-                &got[..],
-                &want[..STEPS],
-                "prompt 0 must agree for {STEPS} tokens"
-            );
-        }
 
         // Teacher-forced along llama.cpp's sequence.
         let mut policy = build_policy("full", &PolicyOptions::default())?;
@@ -102,6 +97,12 @@ fn greedy_follows_llamacpp() -> Result<()> {
             near_ties.len() <= 1,
             "prompt {n}: too many disagreements {near_ties:?}"
         );
+        if n == 0 && agree < STEPS {
+            assert!(
+                near_ties.iter().any(|&(i, _)| i == agree),
+                "prompt 0: free-running greedy parts from llama.cpp at step {agree}, which is not a near tie ({near_ties:?})"
+            );
+        }
     }
     Ok(())
 }

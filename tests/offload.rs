@@ -4,6 +4,7 @@ mod common;
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
+use kvpolicy::models::generate::{chunk_len, kv_shape};
 use kvpolicy::models::source::ModelFiles;
 use kvpolicy::models::{generate, load, prefill, GenerateConfig};
 use kvpolicy::{build_policy, HeadGroup, PolicyOptions};
@@ -191,8 +192,21 @@ fn options_that_cannot_work_are_clear_errors() -> Result<()> {
     );
     let e = err("headwise", opts(HeadGroup::Fixed(4), 256, None))?;
     assert!(e.contains("does not divide"), "{e}");
+    // The budget also holds a step's scratch (attention over one unit, the activations),
+    // planned from the shape the generation loop passes.
+    let shape = kv_shape(
+        model.info(),
+        1,
+        prompt.len() + cfg.max_new_tokens,
+        chunk_len(cfg.prefill_chunk, prompt.len()),
+    );
+    let scratch = |heads: usize| shape.step_scratch_bytes(heads, 256, &Device::Cpu);
+    assert!(scratch(1) > 0 && scratch(2) >= scratch(1));
     // One head's two buffers at 256 tokens: 2 × 256 × 16 × 2 × 4 = 65536 bytes.
-    let e = err("headwise", opts(HeadGroup::Auto, 256, Some(65_535)))?;
+    let e = err(
+        "headwise",
+        opts(HeadGroup::Auto, 256, Some(65_535 + scratch(1))),
+    )?;
     assert!(
         e.contains("budget is smaller than one head group's buffers"),
         "{e}"
@@ -200,11 +214,27 @@ fn options_that_cannot_work_are_clear_errors() -> Result<()> {
     let e = err("full", opts(HeadGroup::Auto, 256, Some(100_000)))?;
     assert!(e.contains("use `--policy headwise`"), "{e}");
     // Auto under a budget picks the largest group that fits: 2 heads need 131072 bytes.
-    let mut p = build_policy("headwise", &opts(HeadGroup::Auto, 256, Some(131_071)))?;
+    let mut p = build_policy(
+        "headwise",
+        &opts(HeadGroup::Auto, 256, Some(65_536 + scratch(1))),
+    )?;
     generate(model, p.as_mut(), &prompt, &cfg, &mut |_| Ok(()))?;
     assert_eq!(p.stats().device_kv_peak_bytes, 65_536);
-    let mut p = build_policy("headwise", &opts(HeadGroup::Auto, 256, Some(131_072)))?;
+    let mut p = build_policy(
+        "headwise",
+        &opts(HeadGroup::Auto, 256, Some(131_071 + scratch(2))),
+    )?;
+    generate(model, p.as_mut(), &prompt, &cfg, &mut |_| Ok(()))?;
+    assert_eq!(p.stats().device_kv_peak_bytes, 65_536);
+    let mut p = build_policy(
+        "headwise",
+        &opts(HeadGroup::Auto, 256, Some(131_072 + scratch(2))),
+    )?;
     generate(model, p.as_mut(), &prompt, &cfg, &mut |_| Ok(()))?;
     assert_eq!(p.stats().device_kv_peak_bytes, 131_072);
+    // What the steps held besides the KV stayed within what was planned.
+    let st = p.stats();
+    assert!(st.attn_scratch_peak_bytes > 0);
+    assert!(st.device_scratch_peak_bytes <= scratch(2), "{st:?}");
     Ok(())
 }

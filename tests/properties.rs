@@ -211,9 +211,24 @@ fn check(c: &Case) -> Result<(), TestCaseError> {
     // hybrid: a budget of two staging units of the whole run plus `act_slots` blocks.
     let kv_row = (2 * c.n_kv * c.head_dim * 4) as u64;
     let act_slot = (c.layers * c.block * 2 * c.n_kv * c.head_dim * 4) as u64;
+    // Plus a step's attention scratch, planned as the policy plans it (one pass over the
+    // whole run: no step size is given).
+    let shape = kvpolicy::KvShape {
+        n_layers: c.layers,
+        n_heads: c.n_kv * c.group,
+        n_kv_heads: c.n_kv,
+        head_dim: c.head_dim,
+        hidden: 2 * c.n_kv * c.head_dim,
+        batch: c.batch,
+        dtype: candle_core::DType::F32,
+        max_tokens: total,
+        step_tokens: 0,
+        activation_bytes_per_token: 0,
+    };
+    let scratch = shape.step_scratch_bytes(c.n_kv, total, &candle_core::Device::Cpu);
     let budget = c
         .act_slots
-        .map(|n| 2 * total as u64 * kv_row + n * act_slot);
+        .map(|n| 2 * total as u64 * kv_row + n * act_slot + scratch);
     let hybrid = opts(&|o| {
         o.block_size = c.block;
         o.kv_act_ratio = c.share;
@@ -243,16 +258,6 @@ fn check(c: &Case) -> Result<(), TestCaseError> {
         let mut p = build_policy(name, &o).map_err(|e| TestCaseError::fail(e.to_string()))?;
         let per_seq = p.batched();
         if per_seq {
-            let shape = kvpolicy::KvShape {
-                n_layers: c.layers,
-                n_heads: c.n_kv * c.group,
-                n_kv_heads: c.n_kv,
-                head_dim: c.head_dim,
-                hidden: 2 * c.n_kv * c.head_dim,
-                batch: c.batch,
-                dtype: candle_core::DType::F32,
-                max_tokens: total,
-            };
             p.prepare(&shape)
                 .map_err(|e| TestCaseError::fail(e.to_string()))?;
         }

@@ -96,8 +96,8 @@ pub struct Args {
     /// Run on the CPU even when a GPU is available.
     #[arg(long)]
     pub cpu: bool,
-    /// Prompt tokens per prefill pass (0 = the whole prompt in one pass).
-    #[arg(long, default_value_t = 0)]
+    /// Prompt tokens per prefill pass, so that a long prompt's activations and attention scratch stay small (0 = the whole prompt in one pass).
+    #[arg(long, default_value_t = kvpolicy::models::generate::DEFAULT_PREFILL_CHUNK)]
     pub prefill_chunk: usize,
     /// Teacher forcing: after the prompt, feed exactly these comma-separated ids, one decode step each.
     #[arg(long, value_delimiter = ',')]
@@ -133,6 +133,7 @@ pub(crate) struct StatsOut<'a> {
 /// example's name and `archs` the architectures (`ModelInfo::architecture`) it runs.
 pub fn main(example: &str, archs: &[&str]) -> ExitCode {
     let args = Args::parse();
+    init_tracing();
     match run(&args, example, archs) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -140,6 +141,19 @@ pub fn main(example: &str, archs: &[&str]) -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// With `RUST_LOG` set (e.g. `RUST_LOG=kvpolicy_models=debug`), the `load`,
+/// `prefill_chunk` and `decode_step` spans print on stderr with their durations.
+fn init_tracing() {
+    if std::env::var_os("RUST_LOG").is_none() {
+        return;
+    }
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_span_events(tracing_subscriber::fmt::format::FmtSpan::CLOSE)
+        .with_writer(std::io::stderr)
+        .try_init();
 }
 
 fn parse_budget(s: &str) -> std::result::Result<u64, String> {
@@ -317,6 +331,7 @@ fn generate_config(args: &Args) -> GenerateConfig {
         decode_ids: args.decode_ids.clone(),
         collect_logits: args.dump_logits.is_some(),
         stop_at_eos: true,
+        progress: true,
     }
 }
 

@@ -8,12 +8,18 @@
 //!   `cuda` feature, and its `cpu_fwd` is the reference implementation, so the CPU tests
 //!   cover the semantics (checked against plain tensor code in `tests`).
 //!
+//! * [`flash_attn`] — exact attention with scratch bounded by tiles (online softmax,
+//!   per-tile masks from positions, GQA without repeating K/V, soft-cap, windows), returning
+//!   each row's log-sum-exp; every policy's attention runs through it.
+//!
 //! Without the `cuda` feature nothing is compiled for the GPU and the build script does
 //! nothing; the CPU path is always available.
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+pub mod flash;
 pub mod heads_into;
 
+pub use flash::{flash_attn, CallShape, FlashAttn, FlashOut, FlashParams, TILE_KEYS, TILE_ROWS};
 pub use heads_into::{heads_into, HeadsInto, Rotation};
 
 #[cfg(feature = "cuda")]

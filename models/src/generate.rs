@@ -11,10 +11,16 @@ use kvpolicy_core::{KvPolicy, KvShape, SeqLoad};
 use crate::error::{ModelError, Result};
 use crate::model::{CausalLm, LogitsMode, ModelInfo, SeqChunk};
 
+/// Prompt tokens per prefill pass by default: long prompts run in chunks, so a step's
+/// activations and attention scratch stay small whatever the prompt's length (HeadInfer
+/// §3.3's chunked prefill); shorter prompts run in one pass.
+pub const DEFAULT_PREFILL_CHUNK: usize = 2048;
+
 /// How to generate.
 #[derive(Clone, Debug)]
 pub struct GenerateConfig {
-    /// Prompt tokens per prefill forward pass (0 = the whole prompt at once).
+    /// Prompt tokens per prefill forward pass (0 = the whole prompt at once; default
+    /// [`DEFAULT_PREFILL_CHUNK`]).
     pub prefill_chunk: usize,
     /// Tokens to sample after the prompt (ignored when `decode_ids` is set).
     pub max_new_tokens: usize,
@@ -30,12 +36,19 @@ pub struct GenerateConfig {
     pub collect_logits: bool,
     /// Stop sampling at an end-of-sequence token.
     pub stop_at_eos: bool,
+    /// Show a progress bar on stderr while prefilling prompts of at least
+    /// [`PROGRESS_MIN_PROMPT`] tokens (hidden when stderr is not a terminal).
+    pub progress: bool,
 }
+
+/// Prompts this long or longer get a prefill progress bar when [`GenerateConfig::progress`]
+/// is on.
+pub const PROGRESS_MIN_PROMPT: usize = 4096;
 
 impl Default for GenerateConfig {
     fn default() -> Self {
         Self {
-            prefill_chunk: 0,
+            prefill_chunk: DEFAULT_PREFILL_CHUNK,
             max_new_tokens: 32,
             temperature: 0.0,
             top_p: None,
@@ -43,6 +56,7 @@ impl Default for GenerateConfig {
             decode_ids: None,
             collect_logits: false,
             stop_at_eos: true,
+            progress: false,
         }
     }
 }
@@ -115,8 +129,9 @@ pub fn validate_request(info: &ModelInfo, prompt: &[u32], cfg: &GenerateConfig) 
     Ok(())
 }
 
-/// The cache shape `info`'s model needs for `batch` sequences of up to `max_tokens` tokens.
-pub fn kv_shape(info: &ModelInfo, batch: usize, max_tokens: usize) -> KvShape {
+/// The cache shape `info`'s model needs for `batch` sequences of up to `max_tokens` tokens,
+/// run in steps of at most `step_tokens` tokens (the prefill chunk; 0 = all at once).
+pub fn kv_shape(info: &ModelInfo, batch: usize, max_tokens: usize, step_tokens: usize) -> KvShape {
     KvShape {
         n_layers: info.n_layers,
         n_heads: info.n_heads,
@@ -126,7 +141,19 @@ pub fn kv_shape(info: &ModelInfo, batch: usize, max_tokens: usize) -> KvShape {
         batch,
         dtype: info.dtype,
         max_tokens,
+        step_tokens,
+        activation_bytes_per_token: info.activation_bytes_per_token(),
     }
+}
+
+/// Tokens per prefill pass for a prompt of `prompt` tokens: `chunk`, or the whole prompt
+/// when `chunk` is 0 or longer.
+pub fn chunk_len(chunk: usize, prompt: usize) -> usize {
+    match chunk {
+        0 => prompt,
+        c => c.min(prompt),
+    }
+    .max(1)
 }
 
 fn ids_tensor(ids: &[u32], info: &ModelInfo) -> Result<Tensor> {
@@ -142,6 +169,34 @@ pub fn prefill(
     chunk: usize,
     collect: bool,
 ) -> Result<(Tensor, Option<Tensor>)> {
+    prefill_with(model, policy, prompt, chunk, collect, &mut |_| {})
+}
+
+/// A prefill progress bar on stderr: tokens, tokens/s and time left; hidden when stderr is
+/// not a terminal.
+fn progress_bar(total: usize) -> indicatif::ProgressBar {
+    let bar = indicatif::ProgressBar::with_draw_target(
+        Some(total as u64),
+        indicatif::ProgressDrawTarget::stderr(),
+    );
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "prefill [{bar:30}] {pos}/{len} tokens, {per_sec}, ETA {eta}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    bar
+}
+
+/// [`prefill`], calling `on_chunk` with the prompt tokens done after every chunk.
+pub fn prefill_with(
+    model: &dyn CausalLm,
+    policy: &mut dyn KvPolicy,
+    prompt: &[u32],
+    chunk: usize,
+    collect: bool,
+    on_chunk: &mut dyn FnMut(usize),
+) -> Result<(Tensor, Option<Tensor>)> {
     let info = model.info();
     let chunk = if chunk == 0 { prompt.len() } else { chunk };
     let mode = if collect {
@@ -153,6 +208,7 @@ pub fn prefill(
     let mut last = None;
     let mut pos = 0;
     for piece in prompt.chunks(chunk) {
+        let _span = tracing::info_span!("prefill_chunk", pos, tokens = piece.len()).entered();
         let logits = model.forward(&ids_tensor(piece, info)?, pos, policy, mode)?;
         let logits = logits.squeeze(0)?;
         let n = logits.dim(0)?;
@@ -161,6 +217,7 @@ pub fn prefill(
             rows.push(logits);
         }
         pos += piece.len();
+        on_chunk(pos);
     }
     let last = last.ok_or_else(|| ModelError::Input("the prompt is empty".into()))?;
     let all = if collect {
@@ -198,16 +255,33 @@ pub fn generate(
     let info = model.info().clone();
     validate_request(&info, prompt, cfg)?;
     let new = cfg.decode_ids.as_ref().map_or(cfg.max_new_tokens, Vec::len);
-    policy.prepare(&kv_shape(&info, 1, prompt.len() + new))?;
+    let step = chunk_len(cfg.prefill_chunk, prompt.len());
+    policy.prepare(&kv_shape(&info, 1, prompt.len() + new, step))?;
     let start = Instant::now();
-    let (mut last, prompt_rows) =
-        prefill(model, policy, prompt, cfg.prefill_chunk, cfg.collect_logits)?;
+    let bar =
+        (cfg.progress && prompt.len() >= PROGRESS_MIN_PROMPT).then(|| progress_bar(prompt.len()));
+    let (mut last, prompt_rows) = prefill_with(
+        model,
+        policy,
+        prompt,
+        cfg.prefill_chunk,
+        cfg.collect_logits,
+        &mut |done| {
+            if let Some(b) = &bar {
+                b.set_position(done as u64);
+            }
+        },
+    )?;
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
     let prefill_s = start.elapsed().as_secs_f64();
     let mut rows: Vec<Tensor> = prompt_rows.into_iter().collect();
     let mut generated = Vec::new();
     let mut decode_tokens = 0;
     let start = Instant::now();
     let mut step = |tok: u32, pos: usize, rows: &mut Vec<Tensor>| -> Result<Tensor> {
+        let _span = tracing::debug_span!("decode_step", pos).entered();
         let logits = model.forward(&ids_tensor(&[tok], &info)?, pos, policy, LogitsMode::Last)?;
         let row = logits.squeeze(0)?;
         if cfg.collect_logits {
@@ -356,6 +430,7 @@ pub fn generate_batch(
         &info,
         prompts.len(),
         longest + cfg.max_new_tokens,
+        chunk_len(cfg.prefill_chunk, longest),
     ))?;
     let mut reqs: Vec<Active> = prompts
         .iter()

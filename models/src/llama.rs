@@ -187,6 +187,7 @@ pub fn from_varbuilder(
         n_kv_heads: nkv,
         head_dim: hd,
         hidden: h,
+        intermediate: cfg.intermediate_size,
         dtype: vb.dtype(),
         device: vb.device().clone(),
         bos: TokenIds::first_of(&cfg.bos_token_id),
@@ -285,8 +286,10 @@ pub fn from_gguf(g: &GgufFile, device: &Device) -> Result<Decoder> {
         })
     };
     let mut layers = Vec::new(); // n_layers comes from the file: no reservation
+    let mut intermediate = None;
     for i in 0..n_layers {
         let ff = ffn(g, i)?;
+        intermediate = Some(intermediate.unwrap_or(0).max(ff));
         let attn = Attention {
             layer: i,
             q: ql(format!("blk.{i}.attn_q.weight"), nh * hd, h)?,
@@ -331,6 +334,7 @@ pub fn from_gguf(g: &GgufFile, device: &Device) -> Result<Decoder> {
         n_kv_heads: nkv,
         head_dim: hd,
         hidden: h,
+        intermediate: intermediate.unwrap_or(0),
         dtype: DType::F32,
         device: device.clone(),
         bos: g.meta_u32_opt("tokenizer.ggml.bos_token_id"),

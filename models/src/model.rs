@@ -35,6 +35,8 @@ pub struct ModelInfo {
     pub head_dim: usize,
     /// Model width.
     pub hidden: usize,
+    /// Width of the feed-forward layer's inner activations.
+    pub intermediate: usize,
     /// Activation dtype.
     pub dtype: DType,
     /// Compute device.
@@ -43,6 +45,25 @@ pub struct ModelInfo {
     pub bos: Option<u32>,
     /// End-of-sequence tokens.
     pub eos: Vec<u32>,
+}
+
+impl ModelInfo {
+    /// Device bytes of activations one layer step holds at once per token, besides the KV
+    /// and the attention scratch: the larger of the attention phase (residual, normalised
+    /// input, query projections before and after RoPE, new K/V, the f32 attention output and
+    /// its reshaped copy) and the MLP phase (residual, its sum, normalised input, gate, up,
+    /// activation and product). An estimate from the tensor shapes, used to plan budgets.
+    pub fn activation_bytes_per_token(&self) -> u64 {
+        let e = self.dtype.size_in_bytes();
+        let (h, q, kv) = (
+            self.hidden,
+            self.n_heads * self.head_dim,
+            self.n_kv_heads * self.head_dim,
+        );
+        let attention = e * (2 * h + 3 * q + 4 * kv) + 4 * 2 * self.n_heads * (self.head_dim + 1);
+        let mlp = e * (3 * h + 4 * self.intermediate);
+        attention.max(mlp) as u64
+    }
 }
 
 /// One request's tokens in a ragged batch step: `ids` continue sequence `seq` at `pos`.

@@ -104,6 +104,7 @@ pub fn from_varbuilder(
         n_kv_heads: nh,
         head_dim: hd,
         hidden: h,
+        intermediate: cfg.ffn_dim,
         dtype: vb.dtype(),
         device: vb.device().clone(),
         bos: TokenIds::first_of(&cfg.bos_token_id),

@@ -352,6 +352,7 @@ pub fn load(
     dtype: DType,
     tokenizer_override: Option<&Path>,
 ) -> Result<Loaded> {
+    let _span = tracing::info_span!("load", ?device, ?dtype).entered();
     match files {
         ModelFiles::Safetensors {
             config,

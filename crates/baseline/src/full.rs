@@ -3,9 +3,9 @@
 //! Each layer owns a [`KvBuffer`] that grows by whole chunks, so a decode step writes its
 //! new entries in place and attends over a strided view of the buffer. With a device
 //! budget the policy fails before allocating past it and points to the offload policies.
-use candle_core::Tensor;
+use candle_core::{Device, Tensor};
 use kvpolicy_core::{
-    attend, round_up, AttnStep, DeviceMeter, KvBuffer, KvError, KvPolicy, KvShape, KvStats,
+    attend_partial, round_up, AttnStep, DeviceMeter, KvBuffer, KvError, KvPolicy, KvShape, KvStats,
     PolicyOptions, Result,
 };
 
@@ -18,6 +18,9 @@ pub struct FullPolicy {
     layers: Vec<KvBuffer>,
     grow_tokens: usize,
     meter: DeviceMeter,
+    device: Device,
+    shape: Option<KvShape>,
+    stats: KvStats,
 }
 
 impl FullPolicy {
@@ -27,6 +30,9 @@ impl FullPolicy {
             layers: Vec::new(),
             grow_tokens: opts.grow_tokens,
             meter: DeviceMeter::new(opts.device_kv_budget),
+            device: opts.device.clone(),
+            shape: None,
+            stats: KvStats::default(),
         }
     }
 }
@@ -37,14 +43,19 @@ impl KvPolicy for FullPolicy {
     }
 
     fn prepare(&mut self, shape: &KvShape) -> Result<()> {
+        self.shape = Some(shape.clone());
         if let Some(budget) = self.meter.budget() {
             let cap = round_up(shape.max_tokens, self.grow_tokens);
-            let need = shape.n_layers as u64 * shape.kv_bytes(shape.n_kv_heads, cap);
+            let scratch =
+                shape.step_scratch_bytes(shape.n_kv_heads, shape.max_tokens, &self.device);
+            let need = shape.n_layers as u64 * shape.kv_bytes(shape.n_kv_heads, cap) + scratch;
             if need > budget {
                 return Err(KvError::BudgetExceeded {
                     what: format!(
-                        "all {} layers' KV for {} tokens",
-                        shape.n_layers, shape.max_tokens
+                        "all {} layers' KV for {} tokens and a step's scratch ({})",
+                        shape.n_layers,
+                        shape.max_tokens,
+                        kvpolicy_core::format_bytes(scratch)
                     ),
                     needed: need,
                     budget,
@@ -92,7 +103,11 @@ impl KvPolicy for FullPolicy {
             buf.append(step.k, step.v)?;
         }
         let (k, v) = buf.view(0, buf.len())?;
-        attend(step.q, &k, &v, step.pos, 0, step.spec)
+        let out = attend_partial(step.q, &k, &v, step.pos, 0, step.spec)?;
+        let t = step.q.dim(2)?;
+        let act = self.shape.as_ref().map_or(0, |s| s.activation_bytes(t));
+        self.stats.note_scratch(out.scratch_bytes, act);
+        Ok(out.out.to_dtype(step.q.dtype())?)
     }
 
     fn seq_len(&self) -> usize {
@@ -102,6 +117,7 @@ impl KvPolicy for FullPolicy {
     fn reset(&mut self) {
         self.layers.clear();
         self.meter.reset();
+        self.stats = KvStats::default();
     }
 
     fn stats(&self) -> KvStats {
@@ -109,7 +125,7 @@ impl KvPolicy for FullPolicy {
             device_kv_bytes: self.meter.current(),
             device_kv_peak_bytes: self.meter.peak(),
             kv_tokens: self.seq_len() as u64,
-            ..KvStats::default()
+            ..self.stats.clone()
         }
     }
 }

@@ -1,4 +1,6 @@
-//! Exact scaled-dot-product attention, written once for every policy.
+//! Exact scaled-dot-product attention, written once for every policy, with scratch bounded
+//! by tiles rather than by the context (HeadInfer §3.3: attention memory must not grow with
+//! the context, or a million tokens cannot fit however the KV is placed).
 //!
 //! * Queries of a step sit at absolute positions `q_pos..q_pos + t`; the keys handed in sit
 //!   at `k_pos..k_pos + s`. The causal and sliding-window masks are computed from those
@@ -13,11 +15,24 @@
 //!   disjoint key sets merge exactly ([`merge_partials`]): this is what lets head-wise
 //!   offload (HeadInfer §3) and partial recompute (KVPR §3) attend over pieces.
 //!
-//! Scores are computed in the inputs' dtype and turned into probabilities in f32, as HF's
-//! eager attention does.
-use candle_core::{DType, Tensor, D};
+//! * On the CPU every call runs the fused kernel `kvpolicy_kernels::flash_attn`: tiles of
+//!   query rows against tiles of keys with an online softmax, tiles outside the visible
+//!   range skipped, masks only on diagonal and window-edge tiles, f32 accumulation. On
+//!   other devices, [`tiled::attend_partial_tiled`] does the same with candle ops, one
+//!   tile's scores at a time. candle-nn's `flash_attn` is not used: it has no sliding
+//!   window and returns no log-sum-exp, both of which the policies need.
+//! * [`eager`] keeps the whole-call eager attention (every score at once) as the reference
+//!   the tests compare against.
+use candle_core::{DType, Device, Tensor, D};
+pub use kvpolicy_kernels::CallShape;
+use kvpolicy_kernels::{flash_attn, FlashParams};
 
 use crate::error::{KvError, Result};
+
+pub mod eager;
+pub mod tiled;
+
+pub use eager::{attend_eager, attend_partial_eager, mask_values};
 
 /// What a layer's attention computes: head counts, scale, causality, window and soft-cap.
 #[derive(Clone, Debug, PartialEq)]
@@ -87,81 +102,26 @@ pub struct Partial {
     pub out: Tensor,
     /// `(b, heads, t)`, f32; `-inf` where the row saw no key.
     pub lse: Tensor,
+    /// Most bytes of attention scratch (score tiles, running results) alive at once while
+    /// computing it; not the output.
+    pub scratch_bytes: u64,
 }
 
-/// The additive mask for queries at `q_pos..q_pos+t` over keys at `k_pos..k_pos+s`, or
-/// `None` when every query sees every key.
-pub fn mask_values(
-    t: usize,
-    s: usize,
-    q_pos: usize,
-    k_pos: usize,
-    spec: &AttnSpec,
-) -> Option<Vec<f32>> {
-    let visible = |i: usize, j: usize| {
-        let (qp, kp) = (q_pos + i, k_pos + j);
-        if !spec.causal {
-            return true;
-        }
-        kp <= qp && kp >= spec.window_start(qp)
-    };
-    let all = visible(0, s.saturating_sub(1))
-        && (s == 0 || visible(0, 0))
-        && (t == 0 || (visible(t - 1, 0) && visible(t - 1, s.saturating_sub(1))));
-    // Visibility is monotone along both axes: checking the corners decides "all visible".
-    if all {
-        return None;
+impl Partial {
+    /// The attention over no keys: output 0, log-sum-exp `-inf` (contributes nothing to a
+    /// merge).
+    pub fn empty(b: usize, heads: usize, t: usize, d: usize, dev: &Device) -> Result<Self> {
+        Ok(Partial {
+            out: Tensor::zeros((b, heads, t, d), DType::F32, dev)?,
+            lse: Tensor::full(f32::NEG_INFINITY, (b, heads, t), dev)?,
+            scratch_bytes: 0,
+        })
     }
-    let mut m = vec![0f32; t * s];
-    for i in 0..t {
-        for j in 0..s {
-            if !visible(i, j) {
-                m[i * s + j] = f32::NEG_INFINITY;
-            }
-        }
-    }
-    Some(m)
-}
-
-struct Scores {
-    /// `(b, n_kv, g*t, s)` in f32, masked and capped.
-    scores: Tensor,
-    dims: (usize, usize, usize, usize, usize, usize),
-}
-
-fn scores(q: &Tensor, k: &Tensor, q_pos: usize, k_pos: usize, spec: &AttnSpec) -> Result<Scores> {
-    let (b, nh, t, d) = q.dims4()?;
-    let (kb, nkv, s, kd) = k.dims4()?;
-    if kb != b || kd != d || nkv == 0 || nh % nkv != 0 {
-        return Err(KvError::Step(format!(
-            "queries {:?} do not fit keys {:?}",
-            q.dims(),
-            k.dims()
-        )));
-    }
-    let g = nh / nkv;
-    let q = q.contiguous()?.reshape((b, nkv, g * t, d))?;
-    let k = k.to_dtype(q.dtype())?;
-    let mut sc = q.matmul(&k.t()?)?.to_dtype(DType::F32)?;
-    sc = (sc * spec.scale)?;
-    if let Some(cap) = spec.softcap {
-        sc = ((sc / cap)?.tanh()? * cap)?;
-    }
-    if let Some(m) = mask_values(t, s, q_pos, k_pos, spec) {
-        let m = Tensor::from_vec(m, (t, s), q.device())?;
-        sc = sc
-            .reshape((b, nkv, g, t, s))?
-            .broadcast_add(&m)?
-            .reshape((b, nkv, g * t, s))?;
-    }
-    Ok(Scores {
-        scores: sc,
-        dims: (b, nh, nkv, g, t, d),
-    })
 }
 
 /// Attention of `q` `(b, n_heads, t, d)` over `k`, `v` `(b, n_kv_heads, s, d)`; returns
 /// `(b, n_heads, t, d)` in the dtype of `q`. Queries sit at `q_pos..`, keys at `k_pos..`.
+/// A query that sees no key gets 0.
 pub fn attend(
     q: &Tensor,
     k: &Tensor,
@@ -170,15 +130,14 @@ pub fn attend(
     k_pos: usize,
     spec: &AttnSpec,
 ) -> Result<Tensor> {
-    let Scores { scores, dims } = scores(q, k, q_pos, k_pos, spec)?;
-    let (b, nh, _nkv, _g, t, d) = dims;
-    let p = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(v.dtype())?;
-    let o = p.matmul(v)?;
-    Ok(o.reshape((b, nh, t, d))?.to_dtype(q.dtype())?)
+    Ok(attend_partial(q, k, v, q_pos, k_pos, spec)?
+        .out
+        .to_dtype(q.dtype())?)
 }
 
-/// Like [`attend`] but returns the f32 output together with each row's log-sum-exp, so
-/// that attentions over disjoint key sets can be merged with [`merge_partials`].
+/// Like [`attend`] but returns the f32 output together with each row's log-sum-exp (so that
+/// attentions over disjoint key sets can be merged with [`merge_partials`]) and the scratch
+/// the call used.
 pub fn attend_partial(
     q: &Tensor,
     k: &Tensor,
@@ -187,27 +146,68 @@ pub fn attend_partial(
     k_pos: usize,
     spec: &AttnSpec,
 ) -> Result<Partial> {
-    if k.dim(2)? == 0 {
-        // No keys: contributes nothing to a merge.
-        let (b, nh, t, d) = q.dims4()?;
-        return Ok(Partial {
-            out: Tensor::zeros((b, nh, t, d), DType::F32, q.device())?,
-            lse: Tensor::full(f32::NEG_INFINITY, (b, nh, t), q.device())?,
-        });
+    let (b, nh, t, d) = q.dims4()?;
+    let (kb, nkv, s, kd) = k.dims4()?;
+    if kb != b || kd != d || nkv == 0 || nh % nkv != 0 || v.dims() != k.dims() {
+        return Err(KvError::Step(format!(
+            "queries {:?} do not fit keys {:?} and values {:?}",
+            q.dims(),
+            k.dims(),
+            v.dims()
+        )));
     }
-    let Scores { scores, dims } = scores(q, k, q_pos, k_pos, spec)?;
-    let (b, nh, _nkv, _g, t, d) = dims;
-    // A row that sees no key has max = -inf; clamping keeps exp() at 0 instead of NaN.
-    let m = scores.max_keepdim(D::Minus1)?.clamp(f32::MIN, f32::MAX)?;
-    let p = scores.broadcast_sub(&m)?.exp()?;
-    let l = p.sum_keepdim(D::Minus1)?;
-    let o = p.to_dtype(v.dtype())?.matmul(v)?.to_dtype(DType::F32)?;
-    let o = o.broadcast_div(&l.clamp(f32::MIN_POSITIVE, f32::MAX)?)?;
-    let lse = (m + l.log()?)?;
+    if s == 0 || t == 0 {
+        return Partial::empty(b, nh, t, d, q.device());
+    }
+    if !q.device().is_cpu() {
+        return tiled::attend_partial_tiled(
+            q,
+            k,
+            v,
+            q_pos,
+            k_pos,
+            spec,
+            (tiled::TILE_QUERIES, tiled::TILE_KEYS),
+        );
+    }
+    let dt = q.dtype();
+    let (k, v) = (k.to_dtype(dt)?, v.to_dtype(dt)?);
+    let f = flash_attn(
+        q,
+        &k,
+        &v,
+        &FlashParams {
+            scale: spec.scale as f32,
+            softcap: spec.softcap.map(|c| c as f32),
+            causal: spec.causal,
+            window: spec.sliding_window,
+            q_pos,
+            k_pos,
+        },
+    )?;
     Ok(Partial {
-        out: o.reshape((b, nh, t, d))?,
-        lse: lse.reshape((b, nh, t))?,
+        out: f.out,
+        lse: f.lse,
+        scratch_bytes: f.scratch_peak_bytes,
     })
+}
+
+/// The most attention scratch one call of `call`'s sizes may hold on `device`. Exact for
+/// calls where every query sees every key, an upper bound otherwise; bounded by the tiles
+/// for any context. Policies plan device budgets with it.
+pub fn scratch_bound(call: &CallShape, device: &Device) -> u64 {
+    if device.is_cpu() {
+        return kvpolicy_kernels::flash::scratch_bytes(call, kvpolicy_kernels::flash::threads());
+    }
+    if call.t == 0 || call.s == 0 {
+        return 0;
+    }
+    let (tq, tk) = (
+        call.t.min(tiled::TILE_QUERIES),
+        call.s.min(tiled::TILE_KEYS),
+    );
+    let rows = call.b * call.n_kv * call.group * tq;
+    (4 * (2 * rows * tk + 2 * rows * (call.d + 1))) as u64
 }
 
 /// Merges attentions over disjoint key sets into the attention over their union.
@@ -245,7 +245,12 @@ pub fn merge_partials(parts: &[Partial]) -> Result<Partial> {
             .unsqueeze(D::Minus1)?,
     )?;
     let lse = (max + den.log()?)?;
-    Ok(Partial { out, lse })
+    let scratch_bytes = parts.iter().map(|p| p.scratch_bytes).max().unwrap_or(0);
+    Ok(Partial {
+        out,
+        lse,
+        scratch_bytes,
+    })
 }
 
 #[cfg(test)]

@@ -16,7 +16,7 @@
 //! window only the window's range moves.
 use candle_core::{Device, Tensor};
 
-use crate::attention::{attend, AttnSpec};
+use crate::attention::{attend_partial, AttnSpec};
 use crate::buffer::round_up;
 use crate::error::{KvError, Result};
 use crate::policy::{AttnStep, KvPolicy, KvShape};
@@ -144,14 +144,19 @@ impl OffloadPolicy {
     fn choose_group(&self, shape: &KvShape, cap: usize, context: usize) -> Result<usize> {
         let nkv = shape.n_kv_heads;
         let budget = self.meter.budget();
-        let fits = |g: usize| budget.is_none_or(|b| Self::buffers_bytes(shape, g, cap) <= b);
+        // The two buffers plus what a step holds besides them (attention scratch for one
+        // unit, the model's activations).
+        let need = |g: usize| {
+            Self::buffers_bytes(shape, g, cap) + shape.step_scratch_bytes(g, cap, &self.device)
+        };
+        let fits = |g: usize| budget.is_none_or(|b| need(g) <= b);
         let too_small = |g: usize| {
             KvError::BudgetExceeded {
             what: format!(
-                "two device buffers for {g} KV head(s) at {cap} tokens ({} layer(s), {} head(s) each)",
+                "two device buffers for {g} KV head(s) at {cap} tokens ({} layer(s), {} head(s) each) and a step's scratch",
                 shape.n_layers, nkv
             ),
-            needed: Self::buffers_bytes(shape, g, cap),
+            needed: need(g),
             budget: budget.unwrap_or(0),
             in_use: 0,
             hint: "the budget is smaller than one head group's buffers; raise --device-kv-budget or use a smaller --head-group",
@@ -397,7 +402,10 @@ impl KvPolicy for OffloadPolicy {
             let q = step.q.narrow(1, g * q_per_group, q_per_group)?;
             let k = kb.narrow(2, 0, hist + t)?;
             let v = vb.narrow(2, 0, hist + t)?;
-            outs.push(attend(&q, &k, &v, pos, start, step.spec)?);
+            let part = attend_partial(&q, &k, &v, pos, start, step.spec)?;
+            self.stats
+                .note_scratch(part.scratch_bytes, shape.activation_bytes(t));
+            outs.push(part.out.to_dtype(q.dtype())?);
             // Write the unit's new entries back to the host tier behind the compute.
             let host = self.layers[layer]
                 .as_ref()

@@ -1,6 +1,6 @@
 //! The boundary every model's attention layer calls: one [`AttnStep`] per layer and
 //! forward step, handed to a [`KvPolicy`].
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 use crate::attention::AttnSpec;
 use crate::error::Result;
@@ -101,6 +101,11 @@ pub struct KvShape {
     pub dtype: DType,
     /// Most tokens the run will cache (prompt + generation).
     pub max_tokens: usize,
+    /// Most tokens one forward step brings (the prefill chunk; 0: `max_tokens`).
+    pub step_tokens: usize,
+    /// Device bytes of the model's activations per token of a step (the tensors one layer
+    /// holds at once besides the KV and attention scratch; 0 when unknown).
+    pub activation_bytes_per_token: u64,
 }
 
 impl KvShape {
@@ -134,8 +139,41 @@ impl KvShape {
                 batch: b,
                 dtype: step.k.dtype(),
                 max_tokens: step.pos + t,
+                step_tokens: t,
+                activation_bytes_per_token: 0,
             },
         })
+    }
+
+    /// Tokens of the largest step.
+    pub fn largest_step(&self) -> usize {
+        match self.step_tokens {
+            0 => self.max_tokens,
+            n => n.min(self.max_tokens.max(1)),
+        }
+    }
+
+    /// Device bytes a step holds besides the KV, planned before the run: the attention
+    /// scratch of the largest step over `context` keys, attended `heads` KV heads at a time
+    /// ([`crate::attention::scratch_bound`]), plus the model's activations for that step.
+    pub fn step_scratch_bytes(&self, heads: usize, context: usize, device: &Device) -> u64 {
+        let t = self.largest_step();
+        let group = self.n_heads / self.n_kv_heads.max(1);
+        let call = crate::attention::CallShape {
+            b: self.batch,
+            n_kv: heads,
+            group,
+            t,
+            s: context,
+            d: self.head_dim,
+            half: self.dtype != DType::F32,
+        };
+        crate::attention::scratch_bound(&call, device) + self.activation_bytes(t)
+    }
+
+    /// The model's activation bytes for a step of `t` tokens per sequence.
+    pub fn activation_bytes(&self, t: usize) -> u64 {
+        (self.batch * t) as u64 * self.activation_bytes_per_token
     }
 
     /// Bytes of K and V for `tokens` tokens of `heads` heads (one layer).

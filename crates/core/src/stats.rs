@@ -3,8 +3,8 @@
 //! allocated buffer bytes), so tests assert them exactly; times are for reports only.
 use serde::Serialize;
 
-/// Counters a policy keeps; every field is cumulative since the last `reset` except
-/// `device_kv_bytes`, `host_kv_bytes`, `kv_tokens`, `split`, the block counts,
+/// Counters a policy keeps; every field is cumulative (or a peak) since the last `reset`
+/// except `device_kv_bytes`, `host_kv_bytes`, `kv_tokens`, `split`, the block counts,
 /// `sequences` and `mini_batches`, which are current values.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct KvStats {
@@ -12,6 +12,12 @@ pub struct KvStats {
     pub device_kv_bytes: u64,
     /// Highest value `device_kv_bytes` reached, transient growth copies included.
     pub device_kv_peak_bytes: u64,
+    /// Most bytes one attention call held as scratch (score tiles, running results), as the
+    /// attention counted them; bounded by the tiles, not by the context.
+    pub attn_scratch_peak_bytes: u64,
+    /// Most device bytes a step held besides the KV: its attention scratch plus the model's
+    /// activations for the step's tokens ([`crate::KvShape::activation_bytes_per_token`]).
+    pub device_scratch_peak_bytes: u64,
     /// Bytes of KV (or activation) buffers held on the host tier now.
     pub host_kv_bytes: u64,
     /// Bytes of host-tier buffers page-locked for asynchronous copies (CUDA engine; 0 on
@@ -46,6 +52,15 @@ pub struct KvStats {
     pub sequences: u64,
     /// Mini-batches the last batched step was split into (`hybrid`; 0 before any plan).
     pub mini_batches: u64,
+}
+
+impl KvStats {
+    /// Records one attention call's scratch and the step's activation bytes.
+    pub fn note_scratch(&mut self, attention: u64, activations: u64) {
+        self.attn_scratch_peak_bytes = self.attn_scratch_peak_bytes.max(attention);
+        self.device_scratch_peak_bytes =
+            self.device_scratch_peak_bytes.max(attention + activations);
+    }
 }
 
 /// Tracks the device tier's current and peak bytes against an optional budget.

@@ -17,8 +17,8 @@ use std::collections::{BTreeMap, HashMap};
 
 use candle_core::{Device, Tensor};
 use kvpolicy_core::{
-    attend, engine_for, AttnStep, CopyJob, KvError, KvPolicy, KvShape, KvStats, PolicyOptions,
-    Probe, Profile, Result, SeqLoad, Ticket, TransferEngine,
+    attend_partial, engine_for, AttnStep, CopyJob, KvError, KvPolicy, KvShape, KvStats,
+    PolicyOptions, Probe, Profile, Result, SeqLoad, Ticket, TransferEngine,
 };
 
 use crate::blocks::{BlockRef, BlockTable, Kind, Pool, PoolLayout, Rows, Tier};
@@ -185,9 +185,22 @@ impl HybridPolicy {
         let one_request = shape.max_tokens as u64 * Self::kv_row_bytes(shape);
         let mut dev_limit = None;
         self.unit_cap = None;
-        if let Some(budget) = self.budget {
-            // Half the budget (at least two units of the longest request) stages transfers,
-            // the rest holds activation blocks.
+        if let Some(full_budget) = self.budget {
+            // A step's attention scratch and activations come first; of the rest, half (at
+            // least two units of the longest request) stages transfers, the rest holds
+            // activation blocks.
+            let scratch =
+                shape.step_scratch_bytes(shape.n_kv_heads, shape.max_tokens, &self.device);
+            if scratch >= full_budget {
+                return Err(KvError::BudgetExceeded {
+                    what: "a step's attention scratch and activations".into(),
+                    needed: scratch,
+                    budget: full_budget,
+                    in_use: 0,
+                    hint: "raise --device-kv-budget or use a smaller --prefill-chunk",
+                });
+            }
+            let budget = full_budget - scratch;
             let staging = (2 * one_request).max(budget / 2);
             if staging > budget {
                 return Err(KvError::BudgetExceeded {
@@ -746,7 +759,16 @@ impl KvPolicy for HybridPolicy {
             ),
             None => (step.k.clone(), step.v.clone()),
         };
-        let out = attend(step.q, &k, &v, pos, 0, step.spec)?;
+        let part = attend_partial(step.q, &k, &v, pos, 0, step.spec)?;
+        let act = self.shape.as_ref().map_or(0, |s| {
+            KvShape {
+                batch: 1,
+                ..s.clone()
+            }
+            .activation_bytes(step.q.dim(2).unwrap_or(0))
+        });
+        self.stats.note_scratch(part.scratch_bytes, act);
+        let out = part.out.to_dtype(step.q.dtype())?;
         self.write_back(step)?;
         if step.layer == 0 {
             if let Some(s) = self.seqs.get_mut(&step.seq) {

@@ -11,8 +11,9 @@
 //! results are bitwise `full`'s whenever regeneration reproduces the forward pass's K/V.
 use candle_core::{Device, Tensor};
 use kvpolicy_core::{
-    attend, engine_for, grown_host, round_up, AttnSpec, AttnStep, CopyJob, DeviceMeter, KvError,
-    KvPolicy, KvShape, KvStats, PolicyOptions, Probe, Profile, Result, Ticket, TransferEngine,
+    attend_partial, engine_for, grown_host, round_up, AttnSpec, AttnStep, CopyJob, DeviceMeter,
+    KvError, KvPolicy, KvShape, KvStats, PolicyOptions, Probe, Profile, Result, Ticket,
+    TransferEngine,
 };
 
 use crate::scheduler::SplitCosts;
@@ -299,12 +300,14 @@ impl RecomputePolicy {
         };
         let needed = Self::buffers_bytes(shape, hidden, cap, xcap);
         if let Some(budget) = self.meter.budget() {
-            if needed > budget {
+            let scratch = shape.step_scratch_bytes(shape.n_kv_heads, cap, &self.device);
+            if needed + scratch > budget {
                 return Err(KvError::BudgetExceeded {
                     what: format!(
-                        "two device buffer sets (K/V at {cap} tokens, X at {xcap} tokens)"
+                        "two device buffer sets (K/V at {cap} tokens, X at {xcap} tokens) and a step's scratch ({})",
+                        kvpolicy_core::format_bytes(scratch)
                     ),
-                    needed,
+                    needed: needed + scratch,
                     budget,
                     in_use: 0,
                     hint: "recompute keeps one layer's K/V and X on the device twice; raise --device-kv-budget, force a smaller --recompute-split, or use headwise",
@@ -507,7 +510,7 @@ impl KvPolicy for RecomputePolicy {
         dev.k.slice_set(&k_new, 2, hist)?;
         dev.v.slice_set(&v_new, 2, hist)?;
         let n = hist + t;
-        let out = attend(
+        let part = attend_partial(
             step.q,
             &dev.k.narrow(2, 0, n)?,
             &dev.v.narrow(2, 0, n)?,
@@ -515,6 +518,9 @@ impl KvPolicy for RecomputePolicy {
             start,
             step.spec,
         )?;
+        self.stats
+            .note_scratch(part.scratch_bytes, shape.activation_bytes(t));
+        let out = part.out.to_dtype(step.q.dtype())?;
         // New K/V (and X where it is kept) go back to the host tier behind the compute.
         let host = self.layers[layer]
             .as_ref()

@@ -1,0 +1,88 @@
+//! Tiled attention from candle ops, for devices without a fused kernel: queries in tiles of
+//! [`TILE_QUERIES`] positions, keys in tiles of [`TILE_KEYS`], each tile attended eagerly
+//! ([`super::eager`]) and folded into a running result by its log-sum-exp (the online
+//! softmax of FlashAttention §3.1, one tile at a time). Key tiles a query tile cannot see
+//! (in its future, or before its sliding window) are skipped; wholly visible tiles need no
+//! mask. Scratch is bounded by one tile's scores, whatever the context.
+use candle_core::Tensor;
+
+use super::{eager, merge_partials, AttnSpec, Partial};
+use crate::error::Result;
+
+/// Query positions per tile.
+pub const TILE_QUERIES: usize = 512;
+/// Keys per tile.
+pub const TILE_KEYS: usize = 2048;
+
+/// Key indices `lo..hi` that queries at positions `qa..=qb` can see among `s` keys at
+/// `k_pos..`.
+pub(crate) fn key_range(
+    spec: &AttnSpec,
+    qa: usize,
+    qb: usize,
+    k_pos: usize,
+    s: usize,
+) -> (usize, usize) {
+    let lo = spec.window_start(qa).max(k_pos) - k_pos;
+    let hi = if !spec.causal {
+        s
+    } else if qb < k_pos {
+        0
+    } else {
+        (qb - k_pos + 1).min(s)
+    };
+    (lo.min(hi), hi)
+}
+
+/// [`super::attend_partial`] through candle ops in tiles of `tiles = (query positions,
+/// keys)`.
+pub fn attend_partial_tiled(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    q_pos: usize,
+    k_pos: usize,
+    spec: &AttnSpec,
+    tiles: (usize, usize),
+) -> Result<Partial> {
+    let (b, nh, t, d) = q.dims4()?;
+    let s = k.dim(2)?;
+    if t == 0 {
+        return Partial::empty(b, nh, t, d, q.device());
+    }
+    let (tq, tk) = (tiles.0.max(1), tiles.1.max(1));
+    let mut outs = Vec::with_capacity(t.div_ceil(tq));
+    let mut lses = Vec::with_capacity(t.div_ceil(tq));
+    let mut scratch = 0u64;
+    let mut i0 = 0;
+    while i0 < t {
+        let n = tq.min(t - i0);
+        let qt = q.narrow(2, i0, n)?;
+        let (lo, hi) = key_range(spec, q_pos + i0, q_pos + i0 + n - 1, k_pos, s);
+        let mut acc = Partial::empty(b, nh, n, d, q.device())?;
+        let mut j0 = lo;
+        while j0 < hi {
+            let nk = tk.min(hi - j0);
+            let part = eager::attend_partial_eager(
+                &qt,
+                &k.narrow(2, j0, nk)?,
+                &v.narrow(2, j0, nk)?,
+                q_pos + i0,
+                k_pos + j0,
+                spec,
+            )?;
+            // The tile's scores and probabilities, the running and the tile's results.
+            scratch = scratch.max(part.scratch_bytes + 2 * (b * nh * n * (d + 1) * 4) as u64);
+            acc = merge_partials(&[acc, part])?;
+            j0 += nk;
+        }
+        outs.push(acc.out);
+        lses.push(acc.lse);
+        i0 += n;
+    }
+    Ok(Partial {
+        out: Tensor::cat(&outs, 2)?,
+        lse: Tensor::cat(&lses, 2)?,
+        scratch_bytes: scratch,
+    })
+}
