@@ -128,6 +128,7 @@ pub fn run(
             prefill_s: out.prefill_s,
             decode_tokens: out.decode_tokens,
             decode_s: out.decode_s,
+            peak_rss_bytes: super::peak_rss_bytes(),
             steps: Some(out.step_stats),
         };
         write_atomic(path, |p| {

@@ -25,7 +25,7 @@ pub struct Args {
     #[arg(long, default_value = "full")]
     pub policy: String,
     /// Prompt text (tokenized with the model's tokenizer).
-    #[arg(long, conflicts_with_all = ["prompt_ids", "prompts_file"])]
+    #[arg(long, conflicts_with_all = ["prompt_ids", "prompts_file", "random_prompt"])]
     pub prompt: Option<String>,
     /// Wrap the prompt in the model's chat template as one user message.
     #[arg(long, requires = "prompt")]
@@ -33,6 +33,9 @@ pub struct Args {
     /// Prompt as comma-separated token ids, e.g. 1,2,3 (no tokenizer needed).
     #[arg(long, value_delimiter = ',', conflicts_with = "prompts_file")]
     pub prompt_ids: Option<Vec<u32>>,
+    /// Benchmark prompt: N token ids drawn uniformly from the vocabulary with --seed (no tokenizer needed; for prompts too long for a command line).
+    #[arg(long, value_name = "N", conflicts_with_all = ["prompt_ids", "prompts_file"])]
+    pub random_prompt: Option<usize>,
     /// Batch mode: one prompt per line, all generated together as a ragged batch; a file ending in .jsonl holds one JSON array of token ids per line, any other file plain text (blank lines are skipped).
     #[arg(long, value_name = "FILE", conflicts_with_all = ["decode_ids", "dump_logits"])]
     pub prompts_file: Option<PathBuf>,
@@ -124,9 +127,35 @@ pub(crate) struct StatsOut<'a> {
     prefill_s: f64,
     decode_tokens: usize,
     decode_s: f64,
+    /// Peak resident memory of the process (Linux `VmHWM`), measured at the end of the run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    peak_rss_bytes: Option<u64>,
     /// Stats after every step (batch mode).
     #[serde(skip_serializing_if = "Option::is_none")]
     steps: Option<Vec<KvStats>>,
+}
+
+/// The process's peak resident memory from `/proc/self/status` (`VmHWM`), where there is one.
+pub(crate) fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// `n` token ids drawn uniformly from `0..vocab` with `seed` (the `--random-prompt` prompt).
+fn random_prompt(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    // SplitMix64: a fixed, documented sequence for a seed, independent of crate versions.
+    let mut x = seed;
+    (0..n)
+        .map(|_| {
+            x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = x;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            ((z ^ (z >> 31)) % vocab.max(1) as u64) as u32
+        })
+        .collect()
 }
 
 /// Parses the flags, runs, and maps errors to a message and exit code 1. `example` is the
@@ -250,9 +279,10 @@ fn run(args: &Args, example: &str, archs: &[&str]) -> Result<()> {
         return batch::run(args, model.as_ref(), tok.as_ref(), policy.as_mut(), prompts);
     }
 
-    let prompt_ids = match (&args.prompt_ids, &args.prompt) {
-        (Some(ids), _) => ids.clone(),
-        (None, p) => {
+    let prompt_ids = match (&args.prompt_ids, &args.prompt, args.random_prompt) {
+        (_, _, Some(n)) => random_prompt(n, model.info().vocab_size, args.seed),
+        (Some(ids), _, _) => ids.clone(),
+        (None, p, None) => {
             let tok = tok.as_ref().context(
                 "this model has no tokenizer; pass --prompt-ids, or --tokenizer tokenizer.json",
             )?;
@@ -282,7 +312,7 @@ fn run(args: &Args, example: &str, archs: &[&str]) -> Result<()> {
     let info = model.info();
     let stats = policy.stats();
     eprintln!(
-        "{} prompt tokens in {:.2}s ({:.1} tok/s); {} decode steps in {:.2}s ({:.1} tok/s); policy {}; device KV peak {}; recomputed {} tokens (last split {})",
+        "{} prompt tokens in {:.2}s ({:.1} tok/s); {} decode steps in {:.2}s ({:.1} tok/s); policy {}; device KV peak {}; step scratch peak {}; recomputed {} tokens (last split {})",
         gen.prefill_tokens,
         gen.prefill_s,
         gen.prefill_tokens as f64 / gen.prefill_s.max(1e-9),
@@ -291,6 +321,7 @@ fn run(args: &Args, example: &str, archs: &[&str]) -> Result<()> {
         gen.decode_tokens as f64 / gen.decode_s.max(1e-9),
         policy.name(),
         kvpolicy::core::format_bytes(stats.device_kv_peak_bytes),
+        kvpolicy::core::format_bytes(stats.device_scratch_peak_bytes),
         stats.recompute_tokens,
         stats.split,
     );
@@ -311,6 +342,7 @@ fn run(args: &Args, example: &str, archs: &[&str]) -> Result<()> {
             prefill_s: gen.prefill_s,
             decode_tokens: gen.decode_tokens,
             decode_s: gen.decode_s,
+            peak_rss_bytes: peak_rss_bytes(),
             steps: None,
         };
         write_atomic(path, |p| {
