@@ -215,13 +215,18 @@ fn output_paths_that_cannot_be_written() -> Result<()> {
     let m = missing.to_string_lossy().into_owned();
     for input in [["--prompt-ids", "1,2"], ["--prompts-file", f.as_str()]] {
         for (flag, path, needle) in [
-            ("--ids-out", m.as_str(), format!("cannot write {m}")),
-            ("--stats-out", m.as_str(), format!("cannot write {m}")),
+            // Checked before the model loads: the message names the flag and the problem.
+            (
+                "--ids-out",
+                m.as_str(),
+                format!("--ids-out {m}: the directory"),
+            ),
             (
                 "--stats-out",
-                "/",
-                "output path has no file name".to_string(),
+                m.as_str(),
+                format!("--stats-out {m}: the directory"),
             ),
+            ("--stats-out", "/", "/ is a directory".to_string()),
         ] {
             let mut a = vec![
                 "--model-dir",

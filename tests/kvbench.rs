@@ -147,7 +147,7 @@ fn bad_variants_and_outputs_are_clear_errors() -> Result<()> {
             "exceeds the model's 512 positions",
         ),
         (vec!["--steps", "0"], "--steps must be at least 1"),
-        (vec!["--csv", missing.as_str()], "cannot write"),
+        (vec!["--csv", missing.as_str()], "does not exist"),
     ] {
         let mut args = vec![
             "--random-weights",

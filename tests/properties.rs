@@ -210,7 +210,8 @@ fn check(c: &Case) -> Result<(), TestCaseError> {
     let total: usize = c.chunks.iter().sum();
     // hybrid: a budget of two staging units of the whole run plus `act_slots` blocks.
     let kv_row = (2 * c.n_kv * c.head_dim * 4) as u64;
-    let act_slot = (c.layers * c.block * 2 * c.n_kv * c.head_dim * 4) as u64;
+    // A block never holds more than the run's tokens (hybrid bounds --block-size by them).
+    let act_slot = (c.layers * c.block.min(total) * 2 * c.n_kv * c.head_dim * 4) as u64;
     // Plus a step's attention scratch, planned as the policy plans it (one pass over the
     // whole run: no step size is given).
     let shape = kvpolicy::KvShape {

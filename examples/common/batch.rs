@@ -95,12 +95,18 @@ pub fn run(
                 .collect::<Vec<_>>()
                 .join(" "),
         };
-        writeln!(stdout, "[{}] {}", i + 1, text.replace('\n', "\\n"))?;
+        // A closed stdout (a pipe whose reader left) ends the text, not the run: the output
+        // files below are still written.
+        if writeln!(stdout, "[{}] {}", i + 1, text.replace('\n', "\\n")).is_err() {
+            break;
+        }
     }
+    drop(stdout);
     let stats = policy.stats();
     let prefill_tokens: usize = ids.iter().map(Vec::len).sum();
     let total_s = out.prefill_s + out.decode_s;
-    eprintln!(
+    let _ = writeln!(
+        std::io::stderr(),
         "{} prompts, {prefill_tokens} prompt tokens and {} decode tokens in {:.2}s ({:.1} decode tok/s over the batch); policy {}; device KV peak {}; recomputed {} tokens",
         ids.len(),
         out.decode_tokens,

@@ -163,6 +163,7 @@ fn random_prompt(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
 pub fn main(example: &str, archs: &[&str]) -> ExitCode {
     let args = Args::parse();
     init_tracing();
+    atomic::on_signals();
     match run(&args, example, archs) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -242,6 +243,16 @@ fn run(args: &Args, example: &str, archs: &[&str]) -> Result<()> {
     } else {
         build_policy(&args.policy, &opts)?
     };
+    // Output paths that cannot be written fail before any work.
+    for (path, flag) in [
+        (&args.ids_out, "--ids-out"),
+        (&args.dump_logits, "--dump-logits"),
+        (&args.stats_out, "--stats-out"),
+    ] {
+        if let Some(p) = path {
+            atomic::check_output(p, flag)?;
+        }
+    }
     // A prompts file that cannot be read fails before the model loads.
     let batch = args.prompts_file.as_deref().map(batch::read).transpose()?;
 
@@ -311,7 +322,8 @@ fn run(args: &Args, example: &str, archs: &[&str]) -> Result<()> {
 
     let info = model.info();
     let stats = policy.stats();
-    eprintln!(
+    let _ = writeln!(
+        std::io::stderr(),
         "{} prompt tokens in {:.2}s ({:.1} tok/s); {} decode steps in {:.2}s ({:.1} tok/s); policy {}; device KV peak {}; step scratch peak {}; recomputed {} tokens (last split {})",
         gen.prefill_tokens,
         gen.prefill_s,
@@ -372,6 +384,9 @@ struct Printer<'a> {
     tok: Option<&'a TextTokenizer>,
     ids: Vec<u32>,
     shown: usize,
+    /// stdout stopped accepting text (a closed pipe): print nothing more, but the run and
+    /// its output files go on.
+    closed: bool,
 }
 
 impl<'a> Printer<'a> {
@@ -380,34 +395,45 @@ impl<'a> Printer<'a> {
             tok,
             ids: Vec::new(),
             shown: 0,
+            closed: false,
         }
     }
 
     fn push(&mut self, id: u32) {
         self.ids.push(id);
-        let mut out = std::io::stdout().lock();
-        match self.tok {
+        let text = match self.tok {
             Some(t) => {
                 // Decode the whole continuation and print what is new: multi-byte characters
                 // split across tokens come out whole.
-                if let Ok(text) = t.decode(&self.ids) {
-                    if text.len() > self.shown
-                        && text.is_char_boundary(self.shown)
-                        && !text.ends_with('\u{FFFD}')
+                match t.decode(&self.ids) {
+                    Ok(text)
+                        if text.len() > self.shown
+                            && text.is_char_boundary(self.shown)
+                            && !text.ends_with('\u{FFFD}') =>
                     {
-                        let _ = write!(out, "{}", &text[self.shown..]);
+                        let new = text[self.shown..].to_string();
                         self.shown = text.len();
+                        new
                     }
+                    _ => return,
                 }
             }
-            None => {
-                let _ = write!(out, "{id} ");
-            }
-        }
-        let _ = out.flush();
+            None => format!("{id} "),
+        };
+        self.write(&text);
     }
 
-    fn finish(&self) {
-        println!();
+    fn write(&mut self, text: &str) {
+        if self.closed {
+            return;
+        }
+        let mut out = std::io::stdout().lock();
+        if write!(out, "{text}").and_then(|()| out.flush()).is_err() {
+            self.closed = true;
+        }
+    }
+
+    fn finish(&mut self) {
+        self.write("\n");
     }
 }

@@ -104,6 +104,18 @@ fn main() -> Result<()> {
         args.repeats = 1;
     }
     anyhow::ensure!(args.steps > 0, "--steps must be at least 1");
+    atomic::on_signals();
+    // Outputs are checked before the sweep, not after it.
+    if let Some(path) = &args.csv {
+        atomic::check_output(path, "--csv")?;
+    }
+    if let Some(dir) = &args.plot {
+        anyhow::ensure!(
+            !dir.exists() || dir.is_dir(),
+            "--plot {}: not a directory",
+            dir.display()
+        );
+    }
     let dev = if args.cpu {
         Device::Cpu
     } else {
@@ -146,7 +158,7 @@ fn main() -> Result<()> {
     let info = model.info().clone();
     let max_ctx = args.context.iter().copied().max().unwrap_or(0);
     anyhow::ensure!(
-        max_ctx + args.steps <= info.max_positions,
+        max_ctx.saturating_add(args.steps) <= info.max_positions,
         "context {max_ctx} + {} steps exceeds the model's {} positions",
         args.steps,
         info.max_positions

@@ -218,8 +218,20 @@ impl LlamaConfig {
             .unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
     }
 
-    /// Checks the shapes are consistent.
+    /// Checks the shapes are consistent and the numbers make sense.
     pub fn validate(&self) -> Result<()> {
+        if self.num_hidden_layers == 0 {
+            return Err(ModelError::config(
+                "num_hidden_layers",
+                "is 0; a decoder needs at least one layer",
+            ));
+        }
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps >= 0.0) {
+            return Err(ModelError::config(
+                "rms_norm_eps",
+                format!("{} must be a finite number ≥ 0", self.rms_norm_eps),
+            ));
+        }
         let h = self.num_attention_heads;
         if h == 0 {
             return Err(ModelError::config(
@@ -261,12 +273,25 @@ impl LlamaConfig {
             (None, None) => (RopeParams::default(), "rope_scaling"),
         };
         let theta = params.rope_theta.or(self.rope_theta).unwrap_or(10_000.0);
+        check_theta(theta, "rope_theta")?;
         let scaling = rope_scaling_from(&params, prefix)?;
         Ok(RopeConfig {
             theta,
             scaling,
             freq_factors: None,
         })
+    }
+}
+
+/// A RoPE base must be a finite number above 0 (θ ≤ 0 makes every angle NaN or infinite).
+pub fn check_theta(theta: f64, field: &str) -> Result<()> {
+    if theta.is_finite() && theta > 0.0 {
+        Ok(())
+    } else {
+        Err(ModelError::config(
+            field,
+            format!("{theta} must be a finite number > 0"),
+        ))
     }
 }
 
@@ -363,6 +388,12 @@ pub struct OptConfig {
 impl OptConfig {
     /// Rejects the layouts this code does not implement, naming the field.
     pub fn validate(&self) -> Result<()> {
+        if self.num_hidden_layers == 0 {
+            return Err(ModelError::config(
+                "num_hidden_layers",
+                "is 0; a decoder needs at least one layer",
+            ));
+        }
         if !self.do_layer_norm_before {
             return Err(ModelError::config(
                 "do_layer_norm_before",

@@ -111,8 +111,9 @@ pub fn validate_request(info: &ModelInfo, prompt: &[u32], cfg: &GenerateConfig) 
         }
         None => cfg.max_new_tokens,
     };
-    let total = prompt.len() + new;
-    if total > info.max_positions {
+    // In u128: a huge --max-new-tokens must not wrap around below the model's positions.
+    let total = prompt.len() as u128 + new as u128;
+    if total > info.max_positions as u128 {
         return Err(ModelError::Input(format!(
             "prompt ({} tokens) + generation ({new} tokens) = {total} exceeds the model's {} positions; shorten the prompt or lower --max-new-tokens",
             prompt.len(),
@@ -154,6 +155,22 @@ pub fn chunk_len(chunk: usize, prompt: usize) -> usize {
         c => c.min(prompt),
     }
     .max(1)
+}
+
+/// Fails on a logits row holding NaN or infinity: greedy decoding would silently emit
+/// token 0 from it.
+fn check_finite(row: &Tensor, pos: usize) -> Result<()> {
+    let sum = row
+        .sum_all()?
+        .to_dtype(candle_core::DType::F32)?
+        .to_scalar::<f32>()?;
+    if sum.is_finite() {
+        Ok(())
+    } else {
+        Err(ModelError::Input(format!(
+            "the model produced non-finite logits (NaN or infinity) at position {pos}; its weights or its config's numbers (rope_theta, rms_norm_eps, …) are likely broken"
+        )))
+    }
 }
 
 fn ids_tensor(ids: &[u32], info: &ModelInfo) -> Result<Tensor> {
@@ -275,6 +292,7 @@ pub fn generate(
     if let Some(b) = bar {
         b.finish_and_clear();
     }
+    check_finite(&last, prompt.len() - 1)?;
     let prefill_s = start.elapsed().as_secs_f64();
     let mut rows: Vec<Tensor> = prompt_rows.into_iter().collect();
     let mut generated = Vec::new();
@@ -284,6 +302,7 @@ pub fn generate(
         let _span = tracing::debug_span!("decode_step", pos).entered();
         let logits = model.forward(&ids_tensor(&[tok], &info)?, pos, policy, LogitsMode::Last)?;
         let row = logits.squeeze(0)?;
+        check_finite(&row, pos)?;
         if cfg.collect_logits {
             rows.push(row.clone());
         }
@@ -484,6 +503,7 @@ pub fn generate_batch(
             }
             let n = rows.dim(0)?;
             let last = rows.get(n - 1)?;
+            check_finite(&last, r.pos - 1)?;
             if cfg.collect_logits {
                 r.rows.push(rows);
             }

@@ -23,6 +23,7 @@ pub mod opt;
 pub mod qwen2;
 pub mod random;
 pub mod rope;
+pub mod sizes;
 pub mod source;
 pub mod tokenizer;
 

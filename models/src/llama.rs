@@ -120,7 +120,7 @@ pub fn from_varbuilder(
         }
         Ok(Norm::Rms(RmsNorm::new(w, cfg.rms_norm_eps)))
     };
-    let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+    let mut layers = Vec::new(); // the count was checked against the weights, not reserved
     for i in 0..cfg.num_hidden_layers {
         let l = m.pp(format!("layers.{i}"));
         let a = l.pp("self_attn");
@@ -220,6 +220,21 @@ pub fn from_gguf(g: &GgufFile, device: &Device) -> Result<Decoder> {
     if nh == 0 || nkv == 0 || nh % nkv != 0 || h % nh != 0 {
         return Err(g.corrupt(format!(
             "has inconsistent head counts ({nh} heads, {nkv} KV heads, width {h})"
+        )));
+    }
+    if n_layers == 0 {
+        return Err(g.corrupt(format!(
+            "says {arch}.block_count = 0; a decoder needs at least one layer"
+        )));
+    }
+    if !(eps.is_finite() && eps >= 0.0) {
+        return Err(g.corrupt(format!(
+            "has {arch}.attention.layer_norm_rms_epsilon = {eps}; it must be a finite number ≥ 0"
+        )));
+    }
+    if !(theta.is_finite() && theta > 0.0) {
+        return Err(g.corrupt(format!(
+            "has {arch}.rope.freq_base = {theta}; it must be a finite number > 0"
         )));
     }
     let hd = g.meta_usize_or(&key("rope.dimension_count"), h / nh)?;

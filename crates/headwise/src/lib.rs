@@ -24,19 +24,23 @@
 //!   current one attends, and new entries go back behind it. A step's first unit is loaded
 //!   synchronously: the next step's new tokens are not known before it starts.
 //! * `--head-group N` fixes the group; `auto` picks the largest group (a divisor of the KV
-//!   heads) whose two buffers fit `--device-kv-budget`, re-chosen as the context grows, and
+//!   heads) whose two buffers and a step's scratch (the unit's attention tiles, the chunk's
+//!   activations) fit `--device-kv-budget`, re-chosen as the context grows, and
 //!   without a budget follows the paper's thresholds: all heads below 500K tokens, half as
 //!   many for each doubling beyond.
-//! * Chunked prefill is the generation loop's `--prefill-chunk` (every policy gets it);
-//!   with a sliding window only the window's range is moved.
+//! * Chunked prefill is the generation loop's `--prefill-chunk` (every policy gets it; 2,048
+//!   tokens by default); with a sliding window only the window's range is moved.
+//! * Each unit's attention runs the tiled kernel of `kvpolicy-core` (§3.3's requirement that
+//!   attention memory not grow with the context: scratch bounded by tiles, no `t × s`
+//!   scores or mask).
 //!
 //! ## Differences, and why
 //!
 //! * Group outputs are concatenated once per layer rather than written in place by a fused
 //!   kernel: candle has no strided-output attention, and one concat per layer is small next
 //!   to moving the KV.
-//! * On CUDA the copies are synchronous until the CUDA engine (pinned buffers, a copy
-//!   stream) lands; the schedule and the byte accounting are already the paper's.
+//! * On CUDA the attention is the tiled candle-op path until a fused kernel is written and
+//!   measured on a GPU.
 //! * The paper offloads only KV; the weights stay on the device here too.
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 

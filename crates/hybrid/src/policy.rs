@@ -66,7 +66,10 @@ struct Staged {
 pub struct HybridPolicy {
     device: Device,
     budget: Option<u64>,
+    /// Tokens per block for this run: `--block-size`, bounded by the longest request.
     block: usize,
+    /// Tokens per block as asked (`--block-size`).
+    block_asked: usize,
     forced_share: Option<f64>,
     given_profile: Option<Profile>,
     link: Option<f64>,
@@ -124,6 +127,7 @@ impl HybridPolicy {
             device: opts.device.clone(),
             budget: opts.device_kv_budget,
             block: opts.block_size,
+            block_asked: opts.block_size,
             forced_share,
             given_profile: opts.profile.clone(),
             link: opts.link_bandwidth,
@@ -181,6 +185,12 @@ impl HybridPolicy {
     /// Sizes the pools and the staging area for `shape` (HybridServe's allocation: the
     /// device holds activation blocks and the staging of two units; K/V live on the host).
     fn setup(&mut self, shape: &KvShape) -> Result<()> {
+        // A block longer than the longest request holds that request whole either way; a
+        // longer one would only reserve memory no token uses (and a huge one overflow the
+        // pool sizes), so the run's length bounds it. Pools holding blocks keep theirs.
+        if self.seqs.is_empty() {
+            self.block = self.block_asked.min(shape.max_tokens.max(1));
+        }
         let kv_w = shape.n_kv_heads * shape.head_dim;
         let one_request = shape.max_tokens as u64 * Self::kv_row_bytes(shape);
         let mut dev_limit = None;

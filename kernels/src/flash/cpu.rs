@@ -1,0 +1,530 @@
+//! The CPU kernel of [`super::FlashAttn`]: work items (a tile of query rows of one KV
+//! head), their key ranges split into tasks when items alone leave threads idle, one
+//! workspace per thread, tile products through `gemm`, the online softmax per tile, and the
+//! merge of split ranges by their running maxima (FlashAttention §3.1; FlashDecoding's
+//! split-K for decode).
+use std::sync::{Mutex, MutexGuard};
+
+use rayon::prelude::*;
+
+use super::{splits_for, FlashParams, Geometry, Meter, TILE_KEYS};
+
+/// An f32 scratch buffer counted by a [`Meter`] while it lives.
+struct Scratch<'m> {
+    buf: Vec<f32>,
+    meter: &'m Meter,
+}
+
+impl<'m> Scratch<'m> {
+    fn new(len: usize, fill: f32, meter: &'m Meter) -> Self {
+        meter.take((len * 4) as u64);
+        Self {
+            buf: vec![fill; len],
+            meter,
+        }
+    }
+}
+
+impl Drop for Scratch<'_> {
+    fn drop(&mut self) {
+        self.meter.give((self.buf.len() * 4) as u64);
+    }
+}
+
+/// Element types read by the kernel, widened to f32.
+pub(super) trait Elem: Copy + Send + Sync + 'static {
+    fn f(self) -> f32;
+    /// The slice itself when it already holds f32 (read in place, no tile copy).
+    fn as_f32(s: &[Self]) -> Option<&[f32]> {
+        let _ = s;
+        None
+    }
+}
+
+impl Elem for f32 {
+    fn f(self) -> f32 {
+        self
+    }
+    fn as_f32(s: &[Self]) -> Option<&[f32]> {
+        Some(s)
+    }
+}
+
+impl Elem for half::f16 {
+    fn f(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+impl Elem for half::bf16 {
+    fn f(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+/// A key or value tile as gemm reads it: element (key j, value c) at
+/// `ptr + j·rs + c·cs`.
+struct Tile {
+    ptr: *const f32,
+    rs: isize,
+    cs: isize,
+}
+
+/// One work item: the rows of query positions `i0..i1` of the query heads of KV head
+/// `kvh`, in batch `bi`.
+#[derive(Clone, Copy, Debug)]
+struct Item {
+    bi: usize,
+    kvh: usize,
+    i0: usize,
+    i1: usize,
+}
+
+/// One task: an item's keys `lo..hi`; with several tasks per item (`slot` is `Some`), its
+/// unnormalised result goes to the partial-result buffer at `slot` to be merged.
+#[derive(Clone, Copy, Debug)]
+struct Task {
+    item: usize,
+    lo: usize,
+    hi: usize,
+    slot: Option<usize>,
+}
+
+/// The scratch one running task uses: scaled queries, the accumulator (output rows,
+/// running max and sum), a score tile and, for half-precision inputs, widened K/V tiles.
+struct Workspace<'m> {
+    qs: Scratch<'m>,
+    o: Scratch<'m>,
+    m: Scratch<'m>,
+    l: Scratch<'m>,
+    sc: Scratch<'m>,
+    kt: Option<Scratch<'m>>,
+    vt: Option<Scratch<'m>>,
+    /// One finished output row (d values and the log-sum-exp).
+    line: Scratch<'m>,
+}
+
+impl<'m> Workspace<'m> {
+    /// Scratch for `rows` query rows against tiles of `tk` keys of width `d`.
+    fn new(rows: usize, tk: usize, d: usize, widen: bool, meter: &'m Meter) -> Self {
+        Self {
+            qs: Scratch::new(rows * d, 0.0, meter),
+            o: Scratch::new(rows * d, 0.0, meter),
+            m: Scratch::new(rows, 0.0, meter),
+            l: Scratch::new(rows, 0.0, meter),
+            sc: Scratch::new(rows * tk, 0.0, meter),
+            kt: widen.then(|| Scratch::new(tk * d, 0.0, meter)),
+            vt: widen.then(|| Scratch::new(tk * d, 0.0, meter)),
+            line: Scratch::new(d + 1, 0.0, meter),
+        }
+    }
+}
+
+/// Workspaces shared by the tasks: as many as can run at once, each taken by one task at a
+/// time, so a call's scratch is fixed by the tiles and the thread count.
+struct Pool<'m>(Vec<Mutex<Workspace<'m>>>);
+
+impl<'m> Pool<'m> {
+    fn take(&self) -> MutexGuard<'_, Workspace<'m>> {
+        // At most `len` tasks run at once, so a free workspace always exists; a task that
+        // races another for the same one moves on to the next.
+        let start = rayon::current_thread_index().unwrap_or(0);
+        let n = self.0.len();
+        loop {
+            for i in 0..n {
+                if let Ok(ws) = self.0[(start + i) % n].try_lock() {
+                    return ws;
+                }
+            }
+            std::thread::yield_now();
+        }
+    }
+}
+
+struct Kernel<'a, T> {
+    g: Geometry,
+    p: FlashParams,
+    q: &'a [T],
+    k: &'a [T],
+    v: &'a [T],
+}
+
+impl<T: Elem> Kernel<'_, T> {
+    /// Key indices `lo..hi` the rows of `item` can see at all.
+    fn key_range(&self, item: &Item) -> (usize, usize) {
+        let (qa, qb) = (self.p.q_pos + item.i0, self.p.q_pos + item.i1 - 1);
+        let lo = self.p.first_visible(qa).max(self.p.k_pos) - self.p.k_pos;
+        let last = self.p.last_visible(qb);
+        let hi = if last < self.p.k_pos {
+            0
+        } else {
+            (last - self.p.k_pos).saturating_add(1).min(self.g.s)
+        };
+        (lo.min(hi), hi)
+    }
+
+    /// Writes `item`'s query rows into `qs`: row `h·n + i` is query head
+    /// `kvh·g + h` at position `i0 + i`.
+    fn load_q(&self, item: &Item, qs: &mut [f32]) {
+        let (g, d, n) = (self.g.group(), self.g.d, item.i1 - item.i0);
+        let (off, st) = self.g.q;
+        for h in 0..g {
+            for i in 0..n {
+                let src =
+                    off + item.bi * st[0] + (item.kvh * g + h) * st[1] + (item.i0 + i) * st[2];
+                let row = &mut qs[(h * n + i) * d..(h * n + i + 1) * d];
+                for (c, x) in row.iter_mut().enumerate() {
+                    *x = self.q[src + c * st[3]].f();
+                }
+            }
+        }
+    }
+
+    /// Keys (or values) `j0..j0+n` of `item`'s KV head as gemm reads them: in place for f32
+    /// inputs, else widened into `conv` (`n × d`).
+    fn kv_tile(
+        &self,
+        src: &[T],
+        view: (usize, [usize; 4]),
+        item: &Item,
+        j0: usize,
+        n: usize,
+        conv: Option<&mut Scratch<'_>>,
+    ) -> Tile {
+        let (off, st) = view;
+        let base = off + item.bi * st[0] + item.kvh * st[1] + j0 * st[2];
+        match (T::as_f32(src), conv) {
+            (Some(f), _) => Tile {
+                ptr: f[base..].as_ptr(),
+                rs: st[2] as isize,
+                cs: st[3] as isize,
+            },
+            (None, Some(conv)) => {
+                let d = self.g.d;
+                for j in 0..n {
+                    let row = base + j * st[2];
+                    for c in 0..d {
+                        conv.buf[j * d + c] = src[row + c * st[3]].f();
+                    }
+                }
+                Tile {
+                    ptr: conv.buf.as_ptr(),
+                    rs: d as isize,
+                    cs: 1,
+                }
+            }
+            (None, None) => Tile {
+                ptr: std::ptr::null(),
+                rs: 0,
+                cs: 0,
+            },
+        }
+    }
+
+    /// Folds keys `lo..hi` into the workspace's accumulator (reset first) for `item`'s rows.
+    fn attend_range(&self, item: &Item, ws: &mut Workspace<'_>, lo: usize, hi: usize) {
+        let (g, d, n) = (self.g.group(), self.g.d, item.i1 - item.i0);
+        let rows = g * n;
+        self.load_q(item, &mut ws.qs.buf);
+        ws.o.buf[..rows * d].fill(0.0);
+        ws.m.buf[..rows].fill(f32::NEG_INFINITY);
+        ws.l.buf[..rows].fill(0.0);
+        let (qa, qb) = (self.p.q_pos + item.i0, self.p.q_pos + item.i1 - 1);
+        let mut j0 = lo;
+        while j0 < hi {
+            let nk = TILE_KEYS.min(hi - j0);
+            let (ka, kb) = (self.p.k_pos + j0, self.p.k_pos + j0 + nk - 1);
+            let kt = self.kv_tile(self.k, self.g.k, item, j0, nk, ws.kt.as_mut());
+            let vt = self.kv_tile(self.v, self.g.v, item, j0, nk, ws.vt.as_mut());
+            let s = &mut ws.sc.buf[..rows * nk];
+            // S (rows × nk) = Qs (rows × d) · K^T (d × nk): K^T's element (c, j) is key j's
+            // value c.
+            // SAFETY: `s` holds rows·nk, `qs` rows·d; the key tile addresses nk rows of d
+            // values inside the input storage (its layout was checked by candle) or inside
+            // the widened tile; the destination overlaps neither source.
+            unsafe {
+                gemm::gemm(
+                    rows,
+                    nk,
+                    d,
+                    s.as_mut_ptr(),
+                    1,
+                    nk as isize,
+                    false,
+                    ws.qs.buf.as_ptr(),
+                    1,
+                    d as isize,
+                    kt.ptr,
+                    kt.rs,
+                    kt.cs,
+                    0.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::None,
+                );
+            }
+            // Scaled after the product, as HF's eager attention and llama.cpp do.
+            let scale = self.p.scale;
+            match self.p.softcap {
+                Some(cap) => s
+                    .iter_mut()
+                    .for_each(|x| *x = cap * (*x * scale / cap).tanh()),
+                None => s.iter_mut().for_each(|x| *x *= scale),
+            }
+            let whole =
+                !self.p.causal || (kb <= self.p.last_visible(qa) && ka >= self.p.first_visible(qb));
+            if !whole {
+                for r in 0..rows {
+                    let qp = self.p.q_pos + item.i0 + r % n;
+                    for (j, x) in s[r * nk..(r + 1) * nk].iter_mut().enumerate() {
+                        if !self.p.visible(qp, ka + j) {
+                            *x = f32::NEG_INFINITY;
+                        }
+                    }
+                }
+            }
+            // Online softmax: rescale what was accumulated to the new running max.
+            for r in 0..rows {
+                let row = &mut s[r * nk..(r + 1) * nk];
+                let tile_max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let m_old = ws.m.buf[r];
+                let m_new = m_old.max(tile_max);
+                if m_new == f32::NEG_INFINITY {
+                    row.fill(0.0);
+                    continue;
+                }
+                let mut sum = 0f32;
+                for x in row.iter_mut() {
+                    *x = (*x - m_new).exp();
+                    sum += *x;
+                }
+                let corr = (m_old - m_new).exp();
+                ws.l.buf[r] = ws.l.buf[r] * corr + sum;
+                ws.m.buf[r] = m_new;
+                if corr != 1.0 {
+                    for x in &mut ws.o.buf[r * d..(r + 1) * d] {
+                        *x *= corr;
+                    }
+                }
+            }
+            // O (rows × d) += P (rows × nk) · V (nk × d)
+            // SAFETY: `o` holds rows·d, `s` rows·nk; the value tile addresses nk rows of d
+            // values as the key tile does.
+            unsafe {
+                gemm::gemm(
+                    rows,
+                    d,
+                    nk,
+                    ws.o.buf.as_mut_ptr(),
+                    1,
+                    d as isize,
+                    true,
+                    s.as_ptr(),
+                    1,
+                    nk as isize,
+                    vt.ptr,
+                    vt.cs,
+                    vt.rs,
+                    1.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::None,
+                );
+            }
+            j0 += nk;
+        }
+    }
+
+    /// Where row `r` of `item` starts in the output `(b, n_heads, t, d + 1)`.
+    fn out_at(&self, item: &Item, r: usize) -> usize {
+        let (g, n) = (self.g.group(), item.i1 - item.i0);
+        let (h, i) = (r / n, item.i0 + r % n);
+        ((item.bi * self.g.nh + item.kvh * g + h) * self.g.t + i) * (self.g.d + 1)
+    }
+}
+
+/// A buffer written at disjoint ranges from several threads.
+struct Sink {
+    ptr: *mut f32,
+    len: usize,
+}
+
+// SAFETY: writers touch disjoint ranges (each output row belongs to one item, each partial
+// slot to one task) and the buffer outlives the parallel loops that write it.
+unsafe impl Sync for Sink {}
+
+impl Sink {
+    fn of(buf: &mut [f32]) -> Self {
+        Self {
+            ptr: buf.as_mut_ptr(),
+            len: buf.len(),
+        }
+    }
+
+    fn write(&self, at: usize, vals: &[f32]) {
+        assert!(
+            at + vals.len() <= self.len,
+            "flash_attn: write out of range"
+        );
+        // SAFETY: in bounds (checked above) and no other writer touches these elements.
+        unsafe { std::ptr::copy_nonoverlapping(vals.as_ptr(), self.ptr.add(at), vals.len()) }
+    }
+}
+
+/// Normalises one row's accumulated `o` (d values) by its sum `l`, appending the
+/// log-sum-exp; a row that saw no key is 0 with log-sum-exp `-inf`.
+fn finish_row(o: &[f32], m: f32, l: f32, row: &mut [f32]) {
+    let d = o.len();
+    if m == f32::NEG_INFINITY || l <= 0.0 {
+        row[..d].fill(0.0);
+        row[d] = f32::NEG_INFINITY;
+    } else {
+        for (x, v) in row[..d].iter_mut().zip(o) {
+            *x = v / l;
+        }
+        row[d] = m + l.ln();
+    }
+}
+
+pub(super) fn compute<T: Elem>(
+    g: Geometry,
+    p: FlashParams,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    meter: &Meter,
+) -> Vec<f32> {
+    let d = g.d;
+    let mut out = vec![0f32; g.b * g.nh * g.t * (d + 1)];
+    let tp = g.tile_positions();
+    let mut items = Vec::new();
+    for bi in 0..g.b {
+        for kvh in 0..g.nkv {
+            let mut i0 = 0;
+            while i0 < g.t {
+                let i1 = (i0 + tp).min(g.t);
+                items.push(Item { bi, kvh, i0, i1 });
+                i0 = i1;
+            }
+        }
+    }
+    let threads = rayon::current_num_threads().max(1);
+    let kernel = Kernel { g, p, q, k, v };
+    // Tasks: each item's visible keys, split into ranges of whole tiles when items alone
+    // would leave threads idle.
+    let splits = splits_for(items.len(), threads);
+    let rows_max = g.group() * tp.min(g.t);
+    let mut tasks = Vec::new();
+    let mut slots = 0;
+    let mut split_items = Vec::new();
+    for (ii, it) in items.iter().enumerate() {
+        let (lo, hi) = kernel.key_range(it);
+        let tiles = (hi - lo).div_ceil(TILE_KEYS).max(1);
+        let n = splits.min(tiles);
+        if n == 1 {
+            tasks.push(Task {
+                item: ii,
+                lo,
+                hi,
+                slot: None,
+            });
+            continue;
+        }
+        let first = slots;
+        for i in 0..n {
+            // Whole tiles, spread evenly: range i holds tiles i·tiles/n .. (i+1)·tiles/n.
+            let a = lo + i * tiles / n * TILE_KEYS;
+            let b = (lo + (i + 1) * tiles / n * TILE_KEYS).min(hi);
+            tasks.push(Task {
+                item: ii,
+                lo: a,
+                hi: b,
+                slot: Some(slots),
+            });
+            slots += 1;
+        }
+        split_items.push((ii, first, slots));
+    }
+    let slot_len = rows_max * (d + 2);
+    let mut partial = Scratch::new(slots * slot_len, 0.0, meter);
+    let widen = T::as_f32(k).is_none();
+    let pool = Pool(
+        (0..threads.min(tasks.len()))
+            .map(|_| {
+                Mutex::new(Workspace::new(
+                    rows_max,
+                    TILE_KEYS.min(g.s),
+                    d,
+                    widen,
+                    meter,
+                ))
+            })
+            .collect(),
+    );
+    let sink = Sink::of(&mut out);
+    let parts = Sink::of(&mut partial.buf);
+    tasks.par_iter().for_each(|task| {
+        let it = &items[task.item];
+        let mut ws = pool.take();
+        kernel.attend_range(it, &mut ws, task.lo, task.hi);
+        let rows = g.group() * (it.i1 - it.i0);
+        match task.slot {
+            Some(slot) => {
+                // o (rows·d), then m (rows), then l (rows).
+                let base = slot * slot_len;
+                parts.write(base, &ws.o.buf[..rows * d]);
+                parts.write(base + rows * d, &ws.m.buf[..rows]);
+                parts.write(base + rows * d + rows, &ws.l.buf[..rows]);
+            }
+            None => {
+                let ws = &mut *ws;
+                for r in 0..rows {
+                    let o = &ws.o.buf[r * d..(r + 1) * d];
+                    finish_row(o, ws.m.buf[r], ws.l.buf[r], &mut ws.line.buf);
+                    sink.write(kernel.out_at(it, r), &ws.line.buf);
+                }
+            }
+        }
+    });
+    // Items split over several tasks: merge their ranges by the running maxima. Splits only
+    // happen when items are few (decode) and a merge is rows·d·splits additions, so it runs
+    // here rather than waking the pool again.
+    let partial = &partial.buf;
+    split_items.iter().for_each(|&(ii, first, end)| {
+        let it = &items[ii];
+        let rows = g.group() * (it.i1 - it.i0);
+        let mut guard = pool.take();
+        let ws = &mut *guard;
+        let (o, line) = (&mut ws.o.buf[..d], &mut ws.line.buf);
+        for r in 0..rows {
+            let at = |slot: usize| slot * slot_len;
+            let m = (first..end)
+                .map(|sl| partial[at(sl) + rows * d + r])
+                .fold(f32::NEG_INFINITY, f32::max);
+            o.fill(0.0);
+            let mut l = 0f32;
+            if m > f32::NEG_INFINITY {
+                for sl in first..end {
+                    let w = (partial[at(sl) + rows * d + r] - m).exp();
+                    if w == 0.0 {
+                        continue;
+                    }
+                    l += partial[at(sl) + rows * d + rows + r] * w;
+                    for (x, v) in o
+                        .iter_mut()
+                        .zip(&partial[at(sl) + r * d..at(sl) + (r + 1) * d])
+                    {
+                        *x += v * w;
+                    }
+                }
+            }
+            finish_row(o, m, l, line);
+            sink.write(kernel.out_at(it, r), line);
+        }
+    });
+    out
+}

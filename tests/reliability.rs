@@ -1,0 +1,227 @@
+//! Hostile-but-realistic use of the CLI: outputs that are links, FIFOs or closed pipes,
+//! sizes that overflow, configs whose numbers make no sense, weights that are NaN, models
+//! with no layers, and output paths that cannot be written. Each case failed (a panic, a
+//! clobbered file, a silent wrong answer, files left behind) before its fix.
+mod common;
+
+use std::io::Read;
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+use anyhow::Result;
+use common::cli::{fails_with, llama};
+
+fn fixture_dir(name: &str) -> String {
+    common::fixture(name).to_string_lossy().into_owned()
+}
+
+/// A copy of fixture `name`'s config with `edit` applied, in `dir`.
+fn edited_config(
+    dir: &Path,
+    name: &str,
+    edit: impl FnOnce(&mut serde_json::Value),
+) -> Result<String> {
+    let text = std::fs::read_to_string(common::fixture(name).join("config.json"))?;
+    let mut cfg: serde_json::Value = serde_json::from_str(&text)?;
+    edit(&mut cfg);
+    let path = dir.join("config.json");
+    std::fs::write(&path, serde_json::to_string(&cfg)?)?;
+    Ok(path.to_string_lossy().into_owned())
+}
+
+/// A short run on the GQA fixture writing its ids to `out`; must succeed.
+fn ids_to(out: &Path) -> Result<()> {
+    let o = llama(&[
+        "--model-dir",
+        &fixture_dir("llama_gqa"),
+        "--prompt-ids",
+        "1,2,3",
+        "--max-new-tokens",
+        "2",
+        "--ids-out",
+        &out.to_string_lossy(),
+    ])?;
+    anyhow::ensure!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    Ok(())
+}
+
+#[test]
+fn a_symlinked_output_is_written_through_to_its_target() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let target = dir.path().join("real.json");
+    std::fs::write(&target, "old")?;
+    let link = dir.path().join("link.json");
+    std::os::unix::fs::symlink(&target, &link)?;
+    ids_to(&link)?;
+    assert!(
+        std::fs::symlink_metadata(&link)?.file_type().is_symlink(),
+        "the link was replaced"
+    );
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&target)?)?;
+    assert_eq!(v["prompt_ids"], serde_json::json!([1, 2, 3]));
+    // Nothing else appeared beside them.
+    assert_eq!(std::fs::read_dir(dir.path())?.count(), 2);
+    Ok(())
+}
+
+#[test]
+fn a_fifo_output_is_written_in_place() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let fifo = dir.path().join("ids.fifo");
+    let made = Command::new("mkfifo").arg(&fifo).status()?;
+    anyhow::ensure!(made.success(), "mkfifo failed");
+    let reader = {
+        let fifo = fifo.clone();
+        std::thread::spawn(move || -> std::io::Result<String> {
+            let mut s = String::new();
+            std::fs::File::open(fifo)?.read_to_string(&mut s)?;
+            Ok(s)
+        })
+    };
+    ids_to(&fifo)?;
+    let got = reader
+        .join()
+        .map_err(|_| anyhow::anyhow!("reader panicked"))??;
+    let v: serde_json::Value = serde_json::from_str(&got)?;
+    assert_eq!(v["prompt_ids"], serde_json::json!([1, 2, 3]));
+    use std::os::unix::fs::FileTypeExt;
+    assert!(
+        std::fs::symlink_metadata(&fifo)?.file_type().is_fifo(),
+        "the FIFO was replaced"
+    );
+    Ok(())
+}
+
+#[test]
+fn a_closed_stdout_ends_the_text_but_not_the_outputs() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let ids = dir.path().join("ids.json");
+    let stats = dir.path().join("stats.json");
+    let mut child = Command::new(common::example_bin("llama"))
+        .args([
+            "--model-dir",
+            &fixture_dir("llama_gqa"),
+            "--prompt-ids",
+            "1,2,3",
+            "--max-new-tokens",
+            "6",
+            "--ids-out",
+            &ids.to_string_lossy(),
+            "--stats-out",
+            &stats.to_string_lossy(),
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    // The reader goes away before the first token: every write to stdout fails (EPIPE).
+    drop(child.stdout.take());
+    let o = child.wait_with_output()?;
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "exit {:?}: {err}", o.status.code());
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(ids.is_file() && stats.is_file(), "outputs missing: {err}");
+    Ok(())
+}
+
+#[test]
+fn huge_and_zero_sizes_are_errors() -> Result<()> {
+    let gqa = fixture_dir("llama_gqa");
+    // prompt + new tokens used to wrap around and run past the model's positions.
+    fails_with(
+        &[
+            "--model-dir",
+            &gqa,
+            "--prompt-ids",
+            "1,2",
+            "--max-new-tokens",
+            "18446744073709551615",
+        ],
+        "exceeds the model's",
+    )?;
+    let dir = tempfile::tempdir()?;
+    let cfg = edited_config(dir.path(), "llama_gqa", |c| {
+        c["num_hidden_layers"] = 0.into()
+    })?;
+    fails_with(
+        &["--random-weights", "--config", &cfg, "--prompt-ids", "1,2"],
+        "num_hidden_layers",
+    )?;
+    Ok(())
+}
+
+#[test]
+fn nonsensical_config_numbers_are_rejected_at_load() -> Result<()> {
+    for (field, value) in [
+        ("rope_theta", serde_json::json!(0.0)),
+        ("rope_theta", serde_json::json!(-10000.0)),
+        ("rms_norm_eps", serde_json::json!(-1e-5)),
+    ] {
+        let dir = tempfile::tempdir()?;
+        let cfg = edited_config(dir.path(), "llama_gqa", |c| c[field] = value.clone())?;
+        fails_with(
+            &["--random-weights", "--config", &cfg, "--prompt-ids", "1,2"],
+            field,
+        )?;
+    }
+    Ok(())
+}
+
+#[test]
+fn nan_weights_are_an_error_not_token_zero() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let src = common::fixture("llama_gqa");
+    for entry in std::fs::read_dir(&src)? {
+        let p = entry?.path();
+        let name = p.file_name().map(|n| n.to_owned()).unwrap_or_default();
+        if p.extension().is_some_and(|e| e == "safetensors") {
+            let mut tensors = candle_core::safetensors::load(&p, &candle_core::Device::Cpu)?;
+            let norm = tensors
+                .get("model.norm.weight")
+                .ok_or_else(|| anyhow::anyhow!("fixture has no model.norm.weight"))?;
+            let nan = (norm.ones_like()? * f64::NAN)?;
+            tensors.insert("model.norm.weight".into(), nan);
+            candle_core::safetensors::save(&tensors, dir.path().join(&name))?;
+        } else if p.is_file() {
+            std::fs::copy(&p, dir.path().join(&name))?;
+        }
+    }
+    fails_with(
+        &[
+            "--model-dir",
+            &dir.path().to_string_lossy(),
+            "--prompt-ids",
+            "1,2",
+            "--temperature",
+            "0",
+        ],
+        "non-finite logits",
+    )
+}
+
+#[test]
+fn output_paths_are_checked_before_any_work() -> Result<()> {
+    // --ids-out is writable, --stats-out is not: nothing is written, nothing is run.
+    fails_with(
+        &[
+            "--model-dir",
+            &fixture_dir("llama_gqa"),
+            "--prompt-ids",
+            "1,2",
+            "--stats-out",
+            "/nonexistent-dir-kvpolicy/stats.json",
+        ],
+        "does not exist",
+    )?;
+    let dir = tempfile::tempdir()?;
+    fails_with(
+        &[
+            "--model-dir",
+            &fixture_dir("llama_gqa"),
+            "--prompt-ids",
+            "1,2",
+            "--stats-out",
+            &dir.path().to_string_lossy(),
+        ],
+        "is a directory",
+    )
+}
