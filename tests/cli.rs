@@ -84,7 +84,7 @@ fn unknown_policy_lists_the_valid_ones() -> Result<()> {
 fn missing_model_files() -> Result<()> {
     fails_with(
         &["--gguf", "/nonexistent/model.gguf", "--prompt-ids", "1"],
-        "cannot access /nonexistent/model.gguf",
+        "--gguf /nonexistent/model.gguf: no such file",
     )?;
     fails_with(
         &["--model-dir", "/nonexistent-dir", "--prompt-ids", "1"],
@@ -304,7 +304,18 @@ fn random_weights_from_a_config() -> Result<()> {
             "--prompt-ids",
             "1",
         ],
-        "cannot access /nonexistent.json",
+        "--config /nonexistent.json: no such file",
+    )?;
+    // A directory where a file belongs says so, naming the flag.
+    let dir = tempfile::tempdir()?;
+    let d = dir.path().to_string_lossy().into_owned();
+    fails_with(
+        &["--random-weights", "--config", &d, "--prompt-ids", "1"],
+        &format!("--config {d} is a directory; give a config.json file"),
+    )?;
+    fails_with(
+        &["--gguf", &d, "--prompt-ids", "1"],
+        &format!("--gguf {d} is a directory; give a .gguf file"),
     )
 }
 
@@ -318,11 +329,11 @@ fn generation_option_errors() -> Result<()> {
         ),
         (
             &["--temperature=-1"],
-            "--temperature must be ≥ 0 and --top-p in (0, 1]",
+            "--temperature -1 must be a finite number ≥ 0",
         ),
         (
             &["--temperature", "0.5", "--top-p", "1.5"],
-            "--temperature must be ≥ 0 and --top-p in (0, 1]",
+            "--top-p 1.5 must be in (0, 1]",
         ),
         (
             &["--tokenizer", "/nonexistent/tokenizer.json"],

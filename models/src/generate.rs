@@ -120,12 +120,14 @@ pub fn validate_request(info: &ModelInfo, prompt: &[u32], cfg: &GenerateConfig) 
             info.max_positions
         )));
     }
-    let temperature_ok = cfg.temperature.is_finite() && cfg.temperature >= 0.0;
-    let top_p_ok = cfg.top_p.is_none_or(|p| p > 0.0 && p <= 1.0);
-    if !temperature_ok || !top_p_ok {
-        return Err(ModelError::Input(
-            "--temperature must be ≥ 0 and --top-p in (0, 1]".into(),
-        ));
+    if !(cfg.temperature.is_finite() && cfg.temperature >= 0.0) {
+        return Err(ModelError::Input(format!(
+            "--temperature {} must be a finite number ≥ 0 (0 is greedy)",
+            cfg.temperature
+        )));
+    }
+    if let Some(p) = cfg.top_p.filter(|&p| !(p > 0.0 && p <= 1.0)) {
+        return Err(ModelError::Input(format!("--top-p {p} must be in (0, 1]")));
     }
     Ok(())
 }

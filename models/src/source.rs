@@ -290,28 +290,32 @@ pub fn default_files() -> Result<ModelFiles> {
     )))
 }
 
+/// An error unless `p` is a file: a directory or a missing path is named as such.
+fn need_file(p: &Path, flag: &str, what: &str) -> Result<()> {
+    let why = if p.is_dir() {
+        format!("{flag} {} is a directory; give {what}", p.display())
+    } else if !p.exists() {
+        format!("{flag} {}: no such file", p.display())
+    } else if p.is_file() {
+        return Ok(());
+    } else {
+        format!("{flag} {} is not a regular file; give {what}", p.display())
+    };
+    Err(ModelError::Input(why))
+}
+
 /// Resolves what the user asked for to files on disk.
 pub fn resolve(spec: &ModelSpec) -> Result<ModelFiles> {
     match spec {
         ModelSpec::Dir(d) => dir_files(d),
         ModelSpec::Hub { id, revision } => hub_files(id, revision),
         ModelSpec::Gguf(p) => {
-            if !p.is_file() {
-                return Err(ModelError::io(
-                    p,
-                    std::io::Error::new(std::io::ErrorKind::NotFound, "no such file"),
-                ));
-            }
+            need_file(p, "--gguf", "a .gguf file")?;
             Ok(ModelFiles::Gguf(p.clone()))
         }
         ModelSpec::Default => default_files(),
         ModelSpec::Random { config, seed } => {
-            if !config.is_file() {
-                return Err(ModelError::io(
-                    config,
-                    std::io::Error::new(std::io::ErrorKind::NotFound, "no such file"),
-                ));
-            }
+            need_file(config, "--config", "a config.json file")?;
             Ok(ModelFiles::Random {
                 config: config.clone(),
                 seed: *seed,
