@@ -206,8 +206,7 @@ pub fn scratch_bound(call: &CallShape, device: &Device) -> u64 {
         call.t.min(tiled::TILE_QUERIES),
         call.s.min(tiled::TILE_KEYS),
     );
-    let rows = call.b * call.n_kv * call.group * tq;
-    (4 * (2 * rows * tk + 2 * rows * (call.d + 1))) as u64
+    tiled::tile_scratch_bytes(call.b * call.n_kv * call.group * tq, tk, call.d)
 }
 
 /// Merges attentions over disjoint key sets into the attention over their union.

@@ -14,6 +14,12 @@ pub const TILE_QUERIES: usize = 512;
 /// Keys per tile.
 pub const TILE_KEYS: usize = 2048;
 
+/// Scratch of one tile of `rows` query rows (all heads) against `keys` keys of width `d`:
+/// its scores and probabilities, and the running and the tile's results.
+pub(crate) fn tile_scratch_bytes(rows: usize, keys: usize, d: usize) -> u64 {
+    (4 * (2 * rows * keys + 2 * rows * (d + 1))) as u64
+}
+
 /// Key indices `lo..hi` that queries at positions `qa..=qb` can see among `s` keys at
 /// `k_pos..`.
 pub(crate) fn key_range(
@@ -71,8 +77,7 @@ pub fn attend_partial_tiled(
                 k_pos + j0,
                 spec,
             )?;
-            // The tile's scores and probabilities, the running and the tile's results.
-            scratch = scratch.max(part.scratch_bytes + 2 * (b * nh * n * (d + 1) * 4) as u64);
+            scratch = scratch.max(tile_scratch_bytes(b * nh * n, nk, d));
             acc = merge_partials(&[acc, part])?;
             j0 += nk;
         }
