@@ -506,3 +506,40 @@ fn fuzz_found_inputs_are_errors() -> Result<()> {
         "lacks the tensor `token_embd.weight`",
     )
 }
+
+#[test]
+fn random_prompt_and_peak_rss() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let (ids, stats) = (dir.path().join("i.json"), dir.path().join("s.json"));
+    let run = |seed: &str| {
+        llama(&[
+            "--model-dir",
+            &fixture_dir(),
+            "--random-prompt",
+            "7",
+            "--seed",
+            seed,
+            "--max-new-tokens",
+            "1",
+            "--ids-out",
+            &ids.to_string_lossy(),
+            "--stats-out",
+            &stats.to_string_lossy(),
+        ])
+    };
+    let o = run("5")?;
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let first: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&ids)?)?;
+    let p = first["prompt_ids"].as_array().map_or(0, Vec::len);
+    assert_eq!(p, 7, "{first}");
+    let s: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&stats)?)?;
+    assert!(s["peak_rss_bytes"].as_u64().is_some_and(|b| b > 0), "{s}");
+    // The same seed draws the same prompt; another seed another one.
+    assert!(run("5")?.status.success());
+    let again: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&ids)?)?;
+    assert_eq!(first["prompt_ids"], again["prompt_ids"]);
+    assert!(run("6")?.status.success());
+    let other: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&ids)?)?;
+    assert_ne!(first["prompt_ids"], other["prompt_ids"]);
+    Ok(())
+}
