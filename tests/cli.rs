@@ -232,7 +232,7 @@ fn offload_option_errors() -> Result<()> {
             "headwise",
             "--head-group",
             "3",
-            "--head-group 3 does not divide the model's 2 KV heads",
+            "a head group of 3 does not divide the model's 2 KV heads",
         ),
         (
             "headwise",

@@ -147,6 +147,11 @@ fn bad_variants_and_outputs_are_clear_errors() -> Result<()> {
             "exceeds the model's 512 positions",
         ),
         (vec!["--steps", "0"], "--steps must be at least 1"),
+        // The hint names kvbench's own spelling of a head group, not only the examples' flag.
+        (
+            vec!["--policies", "headwise:3"],
+            "use one of 1, 2, 4 or auto (--head-group N; headwise:N in kvbench's --policies)",
+        ),
         (vec!["--csv", missing.as_str()], "does not exist"),
     ] {
         let mut args = vec![

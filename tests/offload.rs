@@ -186,7 +186,7 @@ fn options_that_cannot_work_are_clear_errors() -> Result<()> {
     let e = err("headwise", opts(HeadGroup::Fixed(3), 256, None))?;
     assert!(
         e.contains(
-            "--head-group 3 does not divide the model's 2 KV heads; use one of 1, 2 or auto"
+            "a head group of 3 does not divide the model's 2 KV heads; use one of 1, 2 or auto"
         ),
         "{e}"
     );

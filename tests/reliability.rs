@@ -225,3 +225,116 @@ fn output_paths_are_checked_before_any_work() -> Result<()> {
         "is a directory",
     )
 }
+
+/// A copy of fixture `name` in a temp dir with `edit` applied to its config.json.
+fn edited_model(
+    name: &str,
+    edit: impl FnOnce(&mut serde_json::Value),
+) -> Result<tempfile::TempDir> {
+    let dir = tempfile::tempdir()?;
+    for entry in std::fs::read_dir(common::fixture(name))? {
+        let p = entry?.path();
+        if let (true, Some(n)) = (p.is_file(), p.file_name()) {
+            std::fs::copy(&p, dir.path().join(n))?;
+        }
+    }
+    edited_config(dir.path(), name, edit)?;
+    Ok(dir)
+}
+
+#[test]
+fn config_sizes_are_checked_against_the_weights_before_allocating() -> Result<()> {
+    // 1e9 layers: the weights hold 3 (this was a 544 GB allocation).
+    let dir = edited_model("llama_gqa", |c| {
+        c["num_hidden_layers"] = 1_000_000_000.into()
+    })?;
+    let d = dir.path().to_string_lossy().into_owned();
+    fails_with(
+        &["--model-dir", &d, "--prompt-ids", "1,2"],
+        "num_hidden_layers = 1000000000",
+    )?;
+    // head_dim 2^40: the rotary tables were built from it before any weight was read (abort).
+    let dir = edited_model("llama_gqa", |c| c["head_dim"] = (1u64 << 40).into())?;
+    let d = dir.path().to_string_lossy().into_owned();
+    fails_with(&["--model-dir", &d, "--prompt-ids", "1,2"], "q_proj.weight")?;
+    // Random weights have no file to check against: they are checked against memory.
+    let tmp = tempfile::tempdir()?;
+    let cfg = edited_config(tmp.path(), "llama_gqa", |c| {
+        c["num_hidden_layers"] = 1_000_000_000.into()
+    })?;
+    fails_with(
+        &["--random-weights", "--config", &cfg, "--prompt-ids", "1,2"],
+        "available",
+    )?;
+    Ok(())
+}
+
+/// `hybrid`'s device KV peak for a 3 + 4 token run at `block` tokens per block.
+fn hybrid_peak(block: &str) -> Result<u64> {
+    let dir = tempfile::tempdir()?;
+    let stats = dir.path().join("stats.json");
+    let o = llama(&[
+        "--model-dir",
+        &fixture_dir("llama_gqa"),
+        "--policy",
+        "hybrid",
+        "--prompt-ids",
+        "1,2,3",
+        "--max-new-tokens",
+        "4",
+        "--block-size",
+        block,
+        "--stats-out",
+        &stats.to_string_lossy(),
+    ])?;
+    let err = String::from_utf8_lossy(&o.stderr);
+    anyhow::ensure!(o.status.success(), "--block-size {block}: {err}");
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&stats)?)?;
+    v["device_kv_peak_bytes"]
+        .as_u64()
+        .ok_or_else(|| anyhow::anyhow!("no device_kv_peak_bytes in {v}"))
+}
+
+#[test]
+fn a_huge_block_size_is_bounded_by_the_run() -> Result<()> {
+    // u64::MAX was a capacity-overflow panic, 1e9 a 512 GB allocation for 7 tokens: a block
+    // larger than the run holds the run (7 tokens), exactly as --block-size 7 does.
+    let seven = hybrid_peak("7")?;
+    assert_eq!(hybrid_peak("1000000000")?, seven);
+    assert_eq!(hybrid_peak("18446744073709551615")?, seven);
+    Ok(())
+}
+
+#[allow(dead_code)] // the runner's other helpers
+#[path = "../examples/common/atomic.rs"]
+mod atomic;
+
+#[test]
+fn a_failing_output_leaves_none_of_the_others() -> Result<()> {
+    // --ids-out written, then --stats-out fails (a full disk, a closed FIFO): the ids file
+    // used to stay behind. Staged outputs are put in place only when all were written.
+    let dir = tempfile::tempdir()?;
+    let ids = dir.path().join("ids.json");
+    let stats = dir.path().join("stats.json");
+    let mut staged = atomic::Staged::new();
+    staged.add(&ids, |p| Ok(std::fs::write(p, "[1, 2]")?))?;
+    let failed = staged.add(&stats, |_| anyhow::bail!("no space left on device"));
+    assert!(failed.is_err());
+    drop(staged);
+    let left: Vec<_> = std::fs::read_dir(dir.path())?.collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+
+    // Both written: both in place, no temporaries.
+    let mut staged = atomic::Staged::new();
+    staged.add(&ids, |p| Ok(std::fs::write(p, "[1, 2]")?))?;
+    staged.add(&stats, |p| Ok(std::fs::write(p, "{}")?))?;
+    staged.commit()?;
+    assert_eq!(std::fs::read_to_string(&ids)?, "[1, 2]");
+    assert_eq!(std::fs::read_dir(dir.path())?.count(), 2);
+
+    // A file name at the file system's limit still gets a temporary (its name is bounded).
+    let long = dir.path().join("x".repeat(250));
+    atomic::write_atomic(&long, |p| Ok(std::fs::write(p, "ok")?))?;
+    assert_eq!(std::fs::read_to_string(&long)?, "ok");
+    Ok(())
+}

@@ -7,13 +7,18 @@
 //! * A device file, FIFO or socket (`/dev/null`, `/dev/full`, a pipe): written directly, with
 //!   write errors (`/dev/full`: no space) reported; it is never renamed over.
 //!
-//! Paths are checked before any work ([`check_output`]); temporaries are registered while
-//! they exist, and SIGINT/SIGTERM remove them before the process exits ([`on_signals`]).
+//! Paths are checked before any work ([`check_output`]); a run's outputs are staged and put
+//! in place together ([`Staged`]), so one failing output leaves none of the others;
+//! temporaries are registered while they exist, and SIGINT/SIGTERM remove them before the
+//! process exits ([`on_signals`]).
 use std::fs::OpenOptions;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use anyhow::{bail, Context, Result};
+
+/// Numbers the temporaries of this process.
+static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 /// Temporaries being written now.
 static TEMPS: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
@@ -101,23 +106,92 @@ pub fn check_output(path: &Path, flag: &str) -> Result<()> {
     Ok(())
 }
 
-/// Runs `write` on a temporary file beside `path`'s target, then renames it into place, so
-/// a failure leaves nothing half-written; special files are written directly (see the
-/// module docs).
-pub fn write_atomic(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
-    let r = match target(path)? {
-        Target::Special(p) => write(&p),
-        Target::File(p) => {
-            let name = p.file_name().context("output path has no file name")?;
-            let tmp = p.with_file_name(format!(".{}.partial", name.to_string_lossy()));
-            register(&tmp, true);
-            let r = write(&tmp).and_then(|()| Ok(std::fs::rename(&tmp, &p)?));
-            if r.is_err() {
-                let _ = std::fs::remove_file(&tmp);
+/// A run's outputs, staged: each is written to a temporary first, and only when every one
+/// has been written are they put in place, so that a failing output (a full disk, a closed
+/// FIFO) leaves none of the others behind. Dropped uncommitted, it removes its temporaries.
+#[derive(Default)]
+pub struct Staged {
+    items: Vec<Staging>,
+}
+
+struct Staging {
+    /// The path as the user gave it (for messages).
+    shown: PathBuf,
+    tmp: PathBuf,
+    target: Target,
+}
+
+impl Staged {
+    /// Nothing staged yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Writes `path`'s content with `write` into a temporary: beside its target for a
+    /// regular file (renamed into place by [`commit`](Self::commit)), in the system's
+    /// temporary directory for a device or FIFO (copied into it by `commit`).
+    pub fn add(&mut self, path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+        let target = target(path).with_context(|| format!("cannot write {}", path.display()))?;
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tmp = match &target {
+            Target::File(p) => {
+                let name = p.file_name().context("output path has no file name")?;
+                // Short enough for any file-name limit, unique within the process.
+                let name: String = name.to_string_lossy().chars().take(64).collect();
+                p.with_file_name(format!(".{name}.{}-{n}.partial", std::process::id()))
             }
-            register(&tmp, false);
-            r
+            Target::Special(_) => {
+                std::env::temp_dir().join(format!("kvpolicy-{}-{n}.partial", std::process::id()))
+            }
+        };
+        register(&tmp, true);
+        self.items.push(Staging {
+            shown: path.to_path_buf(),
+            tmp: tmp.clone(),
+            target,
+        });
+        write(&tmp).with_context(|| format!("cannot write {}", path.display()))
+    }
+
+    /// Puts every staged output in place: devices and FIFOs first (the outputs that can
+    /// still fail), then the renames.
+    pub fn commit(mut self) -> Result<()> {
+        for item in &self.items {
+            if let Target::Special(p) = &item.target {
+                let bytes = std::fs::read(&item.tmp)?;
+                OpenOptions::new()
+                    .write(true)
+                    .open(p)
+                    .and_then(|mut f| std::io::Write::write_all(&mut f, &bytes))
+                    .with_context(|| format!("cannot write {}", item.shown.display()))?;
+            }
         }
-    };
-    r.with_context(|| format!("cannot write {}", path.display()))
+        for item in std::mem::take(&mut self.items) {
+            let r = match &item.target {
+                Target::File(p) => std::fs::rename(&item.tmp, p),
+                Target::Special(_) => Ok(()),
+            };
+            let _ = std::fs::remove_file(&item.tmp);
+            register(&item.tmp, false);
+            r.with_context(|| format!("cannot write {}", item.shown.display()))?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Staged {
+    fn drop(&mut self) {
+        for item in &self.items {
+            let _ = std::fs::remove_file(&item.tmp);
+            register(&item.tmp, false);
+        }
+    }
+}
+
+/// Writes one output with `write`, whole or not at all (a [`Staged`] of one; kvbench's).
+#[allow(dead_code)] // the examples' runner stages several outputs instead
+pub fn write_atomic(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    let mut staged = Staged::new();
+    staged.add(path, write)?;
+    staged.commit()
 }

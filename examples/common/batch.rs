@@ -7,7 +7,7 @@ use anyhow::{bail, Context, Result};
 use kvpolicy::models::{generate_batch, TextTokenizer};
 use kvpolicy::{CausalLm, KvPolicy};
 
-use super::{generate_config, write_atomic, Args, StatsOut};
+use super::{generate_config, warn_slow_link, Args, Staged, StatsOut};
 
 /// The prompts of a file: text lines, or token ids from a `.jsonl` file.
 pub enum Prompts {
@@ -82,6 +82,8 @@ pub fn run(
                 .collect::<std::result::Result<_, _>>()?
         }
     };
+    let longest = ids.iter().map(Vec::len).max().unwrap_or(0);
+    warn_slow_link(args, model.info(), longest);
     let cfg = generate_config(args);
     let out = generate_batch(model, policy, &ids, &cfg)?;
     let mut stdout = std::io::stdout().lock();
@@ -116,13 +118,14 @@ pub fn run(
         kvpolicy::core::format_bytes(stats.device_kv_peak_bytes),
         stats.recompute_tokens,
     );
+    let mut staged = Staged::new();
     if let Some(path) = &args.ids_out {
         let v: Vec<_> = out
             .requests
             .iter()
             .map(|g| serde_json::json!({"prompt_ids": g.prompt_ids, "generated_ids": g.generated_ids}))
             .collect();
-        write_atomic(path, |p| Ok(std::fs::write(p, serde_json::to_string(&v)?)?))?;
+        staged.add(path, |p| Ok(std::fs::write(p, serde_json::to_string(&v)?)?))?;
     }
     if let Some(path) = &args.stats_out {
         let info = model.info();
@@ -137,9 +140,9 @@ pub fn run(
             peak_rss_bytes: super::peak_rss_bytes(),
             steps: Some(out.step_stats),
         };
-        write_atomic(path, |p| {
+        staged.add(path, |p| {
             Ok(std::fs::write(p, serde_json::to_string_pretty(&st)?)?)
         })?;
     }
-    Ok(())
+    staged.commit()
 }

@@ -6,11 +6,12 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 
+mod applies;
 mod atomic;
 mod batch;
-use atomic::write_atomic;
+use atomic::Staged;
 use candle_core::{DType, Device};
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches, Parser};
 use kvpolicy::models::{activation_dtype, generate, load, resolve, ModelSpec, TextTokenizer};
 use kvpolicy::{
     build_policy, build_policy_batched, GenerateConfig, HeadGroup, KvStats, PolicyOptions, Profile,
@@ -161,8 +162,12 @@ fn random_prompt(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
 /// Parses the flags, runs, and maps errors to a message and exit code 1. `example` is the
 /// example's name and `archs` the architectures (`ModelInfo::architecture`) it runs.
 pub fn main(example: &str, archs: &[&str]) -> ExitCode {
-    let args = Args::parse();
+    let matches = Args::command().get_matches();
+    let args = Args::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     init_tracing();
+    for warning in applies::unused_flags(&matches, &args.policy) {
+        eprintln!("{warning}");
+    }
     atomic::on_signals();
     match run(&args, example, archs) {
         Ok(()) => ExitCode::SUCCESS,
@@ -306,6 +311,7 @@ fn run(args: &Args, example: &str, archs: &[&str]) -> Result<()> {
         }
     };
 
+    warn_slow_link(args, model.info(), prompt_ids.len());
     let cfg = generate_config(args);
     let mut printer = Printer::new(tok.as_ref());
     let gen = generate(
@@ -337,13 +343,15 @@ fn run(args: &Args, example: &str, archs: &[&str]) -> Result<()> {
         stats.recompute_tokens,
         stats.split,
     );
+    // Every output is written before any is put in place: one failing leaves none.
+    let mut staged = Staged::new();
     if let Some(path) = &args.ids_out {
         let v =
             serde_json::json!({"prompt_ids": gen.prompt_ids, "generated_ids": gen.generated_ids});
-        write_atomic(path, |p| Ok(std::fs::write(p, serde_json::to_string(&v)?)?))?;
+        staged.add(path, |p| Ok(std::fs::write(p, serde_json::to_string(&v)?)?))?;
     }
     if let (Some(path), Some(logits)) = (&args.dump_logits, &gen.logits) {
-        write_atomic(path, |p| Ok(logits.to_dtype(DType::F32)?.write_npy(p)?))?;
+        staged.add(path, |p| Ok(logits.to_dtype(DType::F32)?.write_npy(p)?))?;
     }
     if let Some(path) = &args.stats_out {
         let out = StatsOut {
@@ -357,11 +365,28 @@ fn run(args: &Args, example: &str, archs: &[&str]) -> Result<()> {
             peak_rss_bytes: peak_rss_bytes(),
             steps: None,
         };
-        write_atomic(path, |p| {
+        staged.add(path, |p| {
             Ok(std::fs::write(p, serde_json::to_string_pretty(&out)?)?)
         })?;
     }
-    Ok(())
+    staged.commit()
+}
+
+/// Prints a warning when `--link-bandwidth` would make a decode step of a prompt of
+/// `longest` tokens take minutes under a policy that reads it.
+fn warn_slow_link(args: &Args, info: &kvpolicy::ModelInfo, longest: usize) {
+    let reads = kvpolicy::registry().reads(&args.policy).unwrap_or(&[]);
+    if let (Some(bandwidth), true) = (
+        args.link_bandwidth,
+        reads.contains(&kvpolicy::PolicyOption::LinkBandwidth),
+    ) {
+        let context = longest
+            .saturating_add(args.max_new_tokens)
+            .min(info.max_positions);
+        if let Some(w) = applies::slow_link(info, bandwidth, context) {
+            eprintln!("{w}");
+        }
+    }
 }
 
 /// The generation settings the flags ask for.

@@ -196,15 +196,7 @@ impl LlamaConfig {
 
     /// Parses config.json text.
     pub fn from_json(text: &str) -> Result<Self> {
-        serde_json::from_str(text).map_err(|e| {
-            let msg = e.to_string();
-            let field = msg
-                .split('`')
-                .nth(1)
-                .map(str::to_string)
-                .unwrap_or_else(|| "config.json".to_string());
-            ModelError::config(field, format!("{msg}; fix config.json"))
-        })
+        typed(serde_json::from_str(text).map_err(syntax_error)?)
     }
 
     /// KV heads.
@@ -450,29 +442,43 @@ pub enum ModelConfig {
 /// The `model_type`s [`ModelConfig`] accepts.
 pub const MODEL_TYPES: &[&str] = &["llama", "mistral", "qwen2", "gemma", "gemma2", "opt"];
 
-fn parse_error(e: serde_json::Error) -> ModelError {
-    let msg = e.to_string();
-    let field = msg
-        .split('`')
-        .nth(1)
-        .map(str::to_string)
-        .unwrap_or_else(|| "config.json".to_string());
-    ModelError::config(field, format!("{msg}; fix config.json"))
+/// config.json that is not JSON at all.
+fn syntax_error(e: serde_json::Error) -> ModelError {
+    ModelError::config("config.json", format!("{e}; fix config.json"))
+}
+
+/// A config struct from parsed JSON; a value of the wrong type names its field (the dotted
+/// path), e.g. `hidden_size` for `"hidden_size": -64`.
+fn typed<T: serde::de::DeserializeOwned>(v: serde_json::Value) -> Result<T> {
+    serde_path_to_error::deserialize(v).map_err(|e| {
+        let field = match e.path().to_string() {
+            // A missing field has no path; serde names it in backticks.
+            p if p == "." => e
+                .inner()
+                .to_string()
+                .split('`')
+                .nth(1)
+                .unwrap_or("config.json")
+                .to_string(),
+            p => p,
+        };
+        ModelError::config(field, format!("{}; fix config.json", e.inner()))
+    })
 }
 
 impl ModelConfig {
     /// Parses config.json text; a missing or unsupported `model_type` is an error naming it.
     pub fn from_json(text: &str) -> Result<Self> {
-        let v: serde_json::Value = serde_json::from_str(text).map_err(parse_error)?;
+        let v: serde_json::Value = serde_json::from_str(text).map_err(syntax_error)?;
         let supported = MODEL_TYPES.join(", ");
-        match v.get("model_type").map(|t| t.as_str()) {
+        let kind = match v.get("model_type").map(|t| t.as_str()) {
             None => {
                 return Err(ModelError::config(
                     "model_type",
                     format!("missing; config.json must name the architecture, one of {supported}"),
                 ))
             }
-            Some(Some(t)) if MODEL_TYPES.contains(&t) => {}
+            Some(Some(t)) if MODEL_TYPES.contains(&t) => t.to_string(),
             Some(other) => {
                 return Err(ModelError::config(
                     "model_type",
@@ -482,7 +488,14 @@ impl ModelConfig {
                     ),
                 ))
             }
-        }
-        serde_json::from_value(v).map_err(parse_error)
+        };
+        Ok(match kind.as_str() {
+            "mistral" => Self::Mistral(typed(v)?),
+            "qwen2" => Self::Qwen2(typed(v)?),
+            "gemma" => Self::Gemma(typed(v)?),
+            "gemma2" => Self::Gemma2(typed(v)?),
+            "opt" => Self::Opt(typed(v)?),
+            _ => Self::Llama(typed(v)?),
+        })
     }
 }

@@ -443,8 +443,12 @@ pub fn generate_batch(
         ));
     }
     for (i, p) in prompts.iter().enumerate() {
-        validate_request(&info, p, cfg)
-            .map_err(|e| ModelError::Input(format!("prompt {} of the batch: {e}", i + 1)))?;
+        validate_request(&info, p, cfg).map_err(|e| match e {
+            ModelError::Input(why) => {
+                ModelError::Input(format!("prompt {} of the batch: {why}", i + 1))
+            }
+            e => e,
+        })?;
     }
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
     policy.prepare(&kv_shape(

@@ -110,7 +110,7 @@ pub fn from_varbuilder(
         cfg.n_kv_heads(),
         cfg.head_dim(),
     );
-    let rope = Rope::new(&cfg.rope()?, hd, RopeStyle::Half);
+    let rope_cfg = cfg.rope()?;
     let m = vb.pp("model");
     let embed = candle_nn::embedding(cfg.vocab_size, h, m.pp("embed_tokens")).map_err(&err)?;
     let norm_at = |vb: &VarBuilder, name: &str| -> Result<Norm> {
@@ -137,7 +137,7 @@ pub fn from_varbuilder(
             k: dense(&a, h, nkv * hd, qb, "k_proj").map_err(&err)?,
             v: dense(&a, h, nkv * hd, qb, "v_proj").map_err(&err)?,
             o: dense(&a, nh * hd, h, recipe.o_bias, "o_proj").map_err(&err)?,
-            rope: Some(rope.clone()),
+            rope: None, // below, once the weights have confirmed the head size
             spec,
         };
         let p = l.pp("mlp");
@@ -170,6 +170,12 @@ pub fn from_varbuilder(
             }
         };
         layers.push(block);
+    }
+    // The rotary tables are sized by head_dim, which only the q/k/v shapes above vouch for
+    // (a config's head_dim of 2^40 would otherwise ask for terabytes).
+    let rope = Rope::new(&rope_cfg, hd, RopeStyle::Half);
+    for b in &mut layers {
+        b.attn.rope = Some(rope.clone());
     }
     let norm = norm_at(&m, "norm")?;
     let lm_head = if cfg.tie_word_embeddings || !vb.contains_tensor("lm_head.weight") {

@@ -12,18 +12,20 @@ pub mod layer;
 pub use full::FullPolicy;
 pub use layer::layer_policy;
 
-use kvpolicy_core::PolicyRegistry;
+use kvpolicy_core::{PolicyOption, PolicyRegistry};
 
 /// Registers this crate's policies.
 pub fn register(reg: &mut PolicyRegistry) {
     reg.register(
         "full",
         "every layer's K/V on the device (the reference)",
+        &[PolicyOption::DeviceKvBudget],
         |o| Ok(Box::new(FullPolicy::new(o))),
     );
     reg.register(
         "layer",
         "layer-wise offload: KV on the host, two layers' buffers on the device",
+        &[PolicyOption::DeviceKvBudget, PolicyOption::LinkBandwidth],
         |o| Ok(Box::new(layer_policy(o)?)),
     );
 }

@@ -42,7 +42,7 @@ pub use error::{KvError, Result};
 pub use offload::{Grouping, OffloadPolicy};
 pub use policy::{AttnStep, KvPolicy, KvRegen, KvShape, SeqLoad};
 pub use profile::{Probe, Profile};
-pub use registry::{HeadGroup, PolicyBuilder, PolicyOptions, PolicyRegistry};
+pub use registry::{HeadGroup, PolicyBuilder, PolicyOption, PolicyOptions, PolicyRegistry};
 pub use runs::{copy_runs, Run};
 pub use size::{format_bytes, parse_bytes};
 pub use stats::{DeviceMeter, KvStats};

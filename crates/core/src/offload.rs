@@ -159,7 +159,10 @@ impl OffloadPolicy {
             needed: need(g),
             budget: budget.unwrap_or(0),
             in_use: 0,
-            hint: "the budget is smaller than one head group's buffers; raise --device-kv-budget or use a smaller --head-group",
+            hint: match self.grouping {
+                Grouping::Layer => "the budget is smaller than one layer's double buffer; raise --device-kv-budget, or use `--policy headwise`, which streams a group of KV heads at a time",
+                Grouping::Heads(_) => "the budget is smaller than one head group's buffers; raise --device-kv-budget or use a smaller head group (--head-group N; headwise:N in kvbench's --policies)",
+            },
         }
         };
         let group = match self.grouping {
@@ -172,7 +175,7 @@ impl OffloadPolicy {
                         .map(usize::to_string)
                         .collect();
                     return Err(self.bad_option(format!(
-                        "--head-group {n} does not divide the model's {nkv} KV heads; use one of {} or auto",
+                        "a head group of {n} does not divide the model's {nkv} KV heads; use one of {} or auto (--head-group N; headwise:N in kvbench's --policies)",
                         ok.join(", ")
                     )));
                 }

@@ -73,13 +73,68 @@ impl Default for PolicyOptions {
     }
 }
 
+/// A [`PolicyOptions`] field that only some policies read, named by the flag the examples
+/// give it; [`PolicyRegistry::reads`] says which a policy reads, so that a CLI can say when
+/// a flag does not apply.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PolicyOption {
+    /// `device_kv_budget`.
+    DeviceKvBudget,
+    /// `head_group`.
+    HeadGroup,
+    /// `profile`.
+    Profile,
+    /// `recompute_split`.
+    RecomputeSplit,
+    /// `link_bandwidth`.
+    LinkBandwidth,
+    /// `block_size`.
+    BlockSize,
+    /// `kv_act_ratio`.
+    KvActRatio,
+}
+
+impl PolicyOption {
+    /// Every option.
+    pub const ALL: [Self; 7] = [
+        Self::DeviceKvBudget,
+        Self::HeadGroup,
+        Self::Profile,
+        Self::RecomputeSplit,
+        Self::LinkBandwidth,
+        Self::BlockSize,
+        Self::KvActRatio,
+    ];
+
+    /// The examples' flag for it, e.g. `--head-group`.
+    pub fn flag(self) -> &'static str {
+        match self {
+            Self::DeviceKvBudget => "--device-kv-budget",
+            Self::HeadGroup => "--head-group",
+            Self::Profile => "--profile",
+            Self::RecomputeSplit => "--recompute-split",
+            Self::LinkBandwidth => "--link-bandwidth",
+            Self::BlockSize => "--block-size",
+            Self::KvActRatio => "--kv-act-ratio",
+        }
+    }
+}
+
 /// Builds a policy from options.
 pub type PolicyBuilder = fn(&PolicyOptions) -> Result<Box<dyn KvPolicy>>;
+
+#[derive(Clone)]
+struct Entry {
+    name: &'static str,
+    description: &'static str,
+    reads: &'static [PolicyOption],
+    builder: PolicyBuilder,
+}
 
 /// Named policy builders.
 #[derive(Clone, Default)]
 pub struct PolicyRegistry {
-    entries: Vec<(&'static str, &'static str, PolicyBuilder)>,
+    entries: Vec<Entry>,
 }
 
 impl PolicyRegistry {
@@ -88,36 +143,64 @@ impl PolicyRegistry {
         Self::default()
     }
 
-    /// Adds (or replaces) a policy under `name`, with a one-line description.
+    /// Adds (or replaces) a policy under `name`, with a one-line description and the
+    /// options its builder reads.
     pub fn register(
         &mut self,
         name: &'static str,
         description: &'static str,
+        reads: &'static [PolicyOption],
         builder: PolicyBuilder,
     ) {
-        self.entries.retain(|(n, _, _)| *n != name);
-        self.entries.push((name, description, builder));
+        self.entries.retain(|e| e.name != name);
+        self.entries.push(Entry {
+            name,
+            description,
+            reads,
+            builder,
+        });
+    }
+
+    fn entry(&self, name: &str) -> Result<&Entry> {
+        self.entries
+            .iter()
+            .find(|e| e.name == name)
+            .ok_or_else(|| KvError::UnknownPolicy {
+                name: name.to_string(),
+                valid: self.names().join(", "),
+            })
     }
 
     /// Registered names, in registration order.
     pub fn names(&self) -> Vec<&'static str> {
-        self.entries.iter().map(|(n, _, _)| *n).collect()
+        self.entries.iter().map(|e| e.name).collect()
     }
 
     /// Names with their descriptions.
     pub fn describe(&self) -> Vec<(&'static str, &'static str)> {
-        self.entries.iter().map(|(n, d, _)| (*n, *d)).collect()
+        self.entries
+            .iter()
+            .map(|e| (e.name, e.description))
+            .collect()
+    }
+
+    /// The options policy `name` reads (the rest of [`PolicyOptions`] it ignores).
+    pub fn reads(&self, name: &str) -> Result<&'static [PolicyOption]> {
+        Ok(self.entry(name)?.reads)
+    }
+
+    /// The policies that read `option`, in registration order.
+    pub fn readers(&self, option: PolicyOption) -> Vec<&'static str> {
+        self.entries
+            .iter()
+            .filter(|e| e.reads.contains(&option))
+            .map(|e| e.name)
+            .collect()
     }
 
     /// Builds the policy called `name`, or fails listing the valid names.
     pub fn build(&self, name: &str, opts: &PolicyOptions) -> Result<Box<dyn KvPolicy>> {
-        match self.entries.iter().find(|(n, _, _)| *n == name) {
-            Some((_, _, b)) => b(opts),
-            None => Err(KvError::UnknownPolicy {
-                name: name.to_string(),
-                valid: self.names().join(", "),
-            }),
-        }
+        (self.entry(name)?.builder)(opts)
     }
 
     /// Builds `name` for ragged batches of requests: the policy itself when it keeps one
@@ -128,10 +211,7 @@ impl PolicyRegistry {
         if first.batched() {
             return Ok(first);
         }
-        let builder = match self.entries.iter().find(|(n, _, _)| *n == name) {
-            Some((_, _, b)) => *b,
-            None => return Ok(first),
-        };
+        let builder = self.entry(name)?.builder;
         let opts = opts.clone();
         Ok(Box::new(PerSequence::new(
             first.name(),

@@ -16,28 +16,40 @@ pub fn parse_bytes(input: &str) -> Result<u64> {
     if num.is_empty() {
         return Err(bad("it does not start with a number"));
     }
-    let value: f64 = num.parse().map_err(|_| bad("the number is malformed"))?;
-    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1.0,
-        "k" | "kb" => 1e3,
-        "m" | "mb" => 1e6,
-        "g" | "gb" => 1e9,
-        "t" | "tb" => 1e12,
-        "kib" => 1024.0,
-        "mib" => 1024.0 * 1024.0,
-        "gib" => 1024.0 * 1024.0 * 1024.0,
-        "tib" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" => 1_000,
+        "m" | "mb" => 1_000_000,
+        "g" | "gb" => 1_000_000_000,
+        "t" | "tb" => 1_000_000_000_000,
+        "kib" => 1 << 10,
+        "mib" => 1 << 20,
+        "gib" => 1 << 30,
+        "tib" => 1 << 40,
         _ => {
             return Err(bad(
                 "the unit is not one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB",
             ))
         }
     };
-    let bytes = value * mult;
-    if !bytes.is_finite() || bytes < 1.0 || bytes > u64::MAX as f64 {
+    let too_large = || bad("the size does not fit in 64 bits (at most 16 EiB)");
+    let bytes = if num.contains('.') {
+        let value: f64 = num.parse().map_err(|_| bad("the number is malformed"))?;
+        let bytes = (value * mult as f64).round();
+        // 2^64 is the first value a u64 cannot hold.
+        if !bytes.is_finite() || bytes >= 18_446_744_073_709_551_616.0 {
+            return Err(too_large());
+        }
+        bytes as u64
+    } else {
+        // Whole numbers exactly (an f64 would round above 2^53).
+        let value: u64 = num.parse().map_err(|_| too_large())?;
+        value.checked_mul(mult).ok_or_else(too_large)?
+    };
+    if bytes < 1 {
         return Err(bad("the size must be at least one byte"));
     }
-    Ok(bytes.round() as u64)
+    Ok(bytes)
 }
 
 /// Formats a byte count with a binary unit, e.g. `1.50 MiB`.
@@ -79,6 +91,20 @@ mod tests {
                 "{bad:?} gave {err:?}"
             );
         }
+    }
+
+    #[test]
+    fn sizes_past_64_bits_are_errors_not_saturated() -> Result<()> {
+        assert_eq!(parse_bytes("18446744073709551615")?, u64::MAX);
+        for big in ["18446744073709551616", "1000000000000TiB", "16777216TiB"] {
+            let err = parse_bytes(big).err().map(|e| e.to_string());
+            assert!(
+                err.as_deref().is_some_and(|e| e.contains("64 bits")),
+                "{big:?} gave {err:?}"
+            );
+        }
+        assert!(parse_bytes("16777215.99TiB").is_ok());
+        Ok(())
     }
 
     #[test]

@@ -44,7 +44,7 @@
 //! * The paper offloads only KV; the weights stay on the device here too.
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use kvpolicy_core::{Grouping, OffloadPolicy, PolicyOptions, PolicyRegistry, Result};
+use kvpolicy_core::{Grouping, OffloadPolicy, PolicyOption, PolicyOptions, PolicyRegistry, Result};
 
 /// Builds the `headwise` policy with the options' head group and budget.
 pub fn headwise_policy(opts: &PolicyOptions) -> Result<OffloadPolicy> {
@@ -56,6 +56,11 @@ pub fn register(reg: &mut PolicyRegistry) {
     reg.register(
         "headwise",
         "head-wise offload (HeadInfer): KV on the host, two head groups' buffers on the device",
+        &[
+            PolicyOption::DeviceKvBudget,
+            PolicyOption::HeadGroup,
+            PolicyOption::LinkBandwidth,
+        ],
         |o| Ok(Box::new(headwise_policy(o)?)),
     );
 }

@@ -52,13 +52,20 @@ pub mod ratio;
 pub use policy::HybridPolicy;
 pub use ratio::{Costs, LinearCost};
 
-use kvpolicy_core::PolicyRegistry;
+use kvpolicy_core::{PolicyOption, PolicyRegistry};
 
 /// Registers `hybrid`.
 pub fn register(reg: &mut PolicyRegistry) {
     reg.register(
         "hybrid",
         "activation-hybrid (HybridServe): token blocks stored as KV or as layer inputs at a profiled ratio; batches of requests packed into mini-batches",
+        &[
+            PolicyOption::DeviceKvBudget,
+            PolicyOption::Profile,
+            PolicyOption::LinkBandwidth,
+            PolicyOption::BlockSize,
+            PolicyOption::KvActRatio,
+        ],
         |o| Ok(Box::new(HybridPolicy::new(o)?)),
     );
 }

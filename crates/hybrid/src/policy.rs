@@ -118,11 +118,7 @@ impl HybridPolicy {
                 "--block-size 0: a block holds at least one token (the default is 16)".into(),
             ));
         }
-        let forced_share = opts
-            .kv_act_ratio
-            .map(check_share)
-            .transpose()
-            .map_err(|e| invalid(e.to_string()))?;
+        let forced_share = opts.kv_act_ratio.map(check_share).transpose()?;
         Ok(Self {
             device: opts.device.clone(),
             budget: opts.device_kv_budget,

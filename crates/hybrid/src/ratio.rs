@@ -177,9 +177,12 @@ pub fn check_share(share: f64) -> Result<f64> {
     if share.is_finite() && (0.0..=1.0).contains(&share) {
         Ok(share)
     } else {
-        Err(KvError::Step(format!(
-            "--kv-act-ratio {share} is outside [0, 1]: it is the share of blocks stored as K/V (1 = all KV, 0.5 = 1:1, 0 = all activations)"
-        )))
+        Err(KvError::InvalidOption {
+            policy: "hybrid".into(),
+            message: format!(
+                "--kv-act-ratio {share} is outside [0, 1]: it is the share of blocks stored as K/V (1 = all KV, 0.5 = 1:1, 0 = all activations)"
+            ),
+        })
     }
 }
 

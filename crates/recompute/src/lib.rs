@@ -53,13 +53,19 @@ pub mod scheduler;
 pub use policy::RecomputePolicy;
 pub use scheduler::SplitCosts;
 
-use kvpolicy_core::PolicyRegistry;
+use kvpolicy_core::{PolicyOption, PolicyRegistry};
 
 /// Registers `recompute`.
 pub fn register(reg: &mut PolicyRegistry) {
     reg.register(
         "recompute",
         "partial recompute (KVPR): KV on the host; the first l tokens' K/V regenerated from stored inputs while the rest transfers",
+        &[
+            PolicyOption::DeviceKvBudget,
+            PolicyOption::Profile,
+            PolicyOption::RecomputeSplit,
+            PolicyOption::LinkBandwidth,
+        ],
         |o| Ok(Box::new(RecomputePolicy::new(o)?)),
     );
 }
