@@ -1,0 +1,513 @@
+//! CLI fuzzing (issue 16): random argument vectors — any of `llama`'s flags, in any order,
+//! repeated or missing their value, with values chosen to break things (zero, huge,
+//! negative, NaN, past 64 bits, empty, garbage, paths that are directories or do not
+//! exist, configs with one field made absurd) — on the test fixtures, each run as a child
+//! process. Every run must exit 0, 1 (an error of the run) or 2 (clap's usage error), never
+//! panic, abort or hang, print `error:` when it fails, and leave no temporary behind.
+//!
+//! `cargo test --release --test cli_fuzz` runs a fixed number of cases from a fixed seed;
+//! `KVPOLICY_CLI_FUZZ_SECS=600` runs for that long instead, `KVPOLICY_CLI_FUZZ_SEED` picks
+//! another seed, and `KVPOLICY_CLI_FUZZ_SHOW=1` prints every run's exit code, time and first
+//! line of stderr. A failure prints the argument vector to reproduce it.
+mod common;
+
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+
+/// Cases in the test suite's run.
+const CASES: usize = 100;
+/// A run that takes longer hangs (the slowest legitimate case, the default model's 1,000
+/// prompt tokens, takes a few seconds).
+const HANG: Duration = Duration::from_secs(90);
+
+/// xorshift64*.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+    fn pick<'a>(&mut self, v: &[&'a str]) -> &'a str {
+        v[self.below(v.len())]
+    }
+    fn chance(&mut self, one_in: usize) -> bool {
+        self.below(one_in) == 0
+    }
+    /// One of `v`, or one time in ten a value no flag accepts.
+    fn value(&mut self, v: &[&str]) -> String {
+        if self.chance(10) {
+            self.pick(BAD).into()
+        } else {
+            self.pick(v).into()
+        }
+    }
+}
+
+const COUNTS: &[&str] = &[
+    "0",
+    "1",
+    "2",
+    "3",
+    "7",
+    "16",
+    "64",
+    "127",
+    "128",
+    "129",
+    "1000",
+    "1000000000",
+    "4294967296",
+    "18446744073709551615",
+];
+/// Values no flag accepts (clap's usage errors), given one time in ten.
+const BAD: &[&str] = &[
+    "18446744073709551616",
+    "-1",
+    "1.5",
+    "",
+    "x",
+    "\u{661}",
+    "1e3",
+    "0x10",
+];
+const FLOATS: &[&str] = &[
+    "0",
+    "1",
+    "0.5",
+    "0.9",
+    "1.0000001",
+    "2",
+    "-1",
+    "-0",
+    "NaN",
+    "nan",
+    "inf",
+    "-inf",
+    "1e308",
+    "1e-320",
+];
+const SIZES: &[&str] = &[
+    "0",
+    "1",
+    "1B",
+    "4096",
+    "64KiB",
+    "1MiB",
+    "64MiB",
+    "1.5GB",
+    "1000000000000TiB",
+    "18446744073709551615",
+    "18446744073709551616",
+    "12 parsecs",
+];
+/// Link bandwidths: fast enough that a run ends (a slow link warns and then crawls by
+/// design), and malformed ones.
+const LINKS: &[&str] = &["1GB", "25GB", "1TiB", "0", "1000000000000TiB"];
+const IDS: &[&str] = &[
+    "1,2,3",
+    "1",
+    "0",
+    "383",
+    "384",
+    "4294967295",
+    "4294967296",
+    "1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20",
+];
+const POLICIES: &[&str] = &[
+    "full",
+    "layer",
+    "headwise",
+    "recompute",
+    "hybrid",
+    "auto",
+    "",
+    "FULL",
+];
+const TEXTS: &[&str] = &[
+    "The capital of France is",
+    "",
+    " ",
+    "\u{1F600}\u{7f}",
+    "a\nb",
+];
+const DTYPES: &[&str] = &["f32", "f16", "bf16", "f64", "u8", ""];
+const GROUPS: &[&str] = &[
+    "auto",
+    "1",
+    "2",
+    "3",
+    "4",
+    "0",
+    "99999999999999999999",
+    "AUTO",
+];
+/// Config fields set to an absurd value in a copy of the fixture's config.json.
+const FIELDS: &[&str] = &[
+    "num_hidden_layers",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "max_position_embeddings",
+    "rope_theta",
+    "rms_norm_eps",
+    "sliding_window",
+    "tie_word_embeddings",
+    "rope_scaling",
+    "model_type",
+];
+
+/// One case's working directory: the files its paths may name.
+struct Scratch {
+    dir: tempfile::TempDir,
+}
+
+impl Scratch {
+    fn path(&self, name: &str) -> String {
+        self.dir.path().join(name).to_string_lossy().into_owned()
+    }
+
+    /// An output path: new, an existing file, a directory, or in a missing directory.
+    fn output(&self, rng: &mut Rng, name: &str) -> Result<String> {
+        Ok(match rng.below(6) {
+            0 => self.dir.path().to_string_lossy().into_owned(),
+            1 => self.path(&format!("missing/{name}")),
+            2 => {
+                std::fs::write(self.dir.path().join(name), "old")?;
+                self.path(name)
+            }
+            _ => self.path(name),
+        })
+    }
+
+    /// A config.json: the fixture's, or the fixture's with one field made absurd.
+    fn config(&self, rng: &mut Rng) -> Result<String> {
+        let src = common::fixture("llama_gqa").join("config.json");
+        let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(src)?)?;
+        if !rng.chance(3) {
+            let values = [
+                serde_json::json!(0),
+                serde_json::json!(-1),
+                serde_json::json!(1_000_000_000u64),
+                serde_json::json!(1u64 << 40),
+                serde_json::json!(u64::MAX),
+                serde_json::json!(1.5),
+                serde_json::json!(-1e-5),
+                serde_json::json!("text"),
+                serde_json::json!(null),
+                serde_json::json!([1, 2]),
+                serde_json::json!({"type": "llama3", "factor": 0}),
+            ];
+            let field = rng.pick(FIELDS);
+            cfg[field] = values[rng.below(values.len())].clone();
+        }
+        let path = self
+            .dir
+            .path()
+            .join(format!("config{}.json", rng.below(1000)));
+        std::fs::write(&path, cfg.to_string())?;
+        Ok(path.to_string_lossy().into_owned())
+    }
+
+    /// A prompts file of random lines (text or token-id arrays).
+    fn prompts(&self, rng: &mut Rng) -> Result<String> {
+        let jsonl = rng.chance(2);
+        let lines: Vec<String> = (0..rng.below(4))
+            .map(|_| match (jsonl, rng.below(4)) {
+                (true, 0) => "[]".into(),
+                (true, 1) => "[1, 2, \"x\"]".into(),
+                (true, _) => format!("[{}]", rng.pick(IDS)),
+                (false, 0) => "a\0b".into(),
+                (false, _) => rng.pick(TEXTS).replace('\n', " "),
+            })
+            .collect();
+        let name = if jsonl {
+            "prompts.jsonl"
+        } else {
+            "prompts.txt"
+        };
+        std::fs::write(self.dir.path().join(name), lines.join("\n"))?;
+        Ok(self.path(name))
+    }
+}
+
+/// A random argument vector for `llama`, using `s` for its files.
+fn argv(rng: &mut Rng, s: &Scratch) -> Result<Vec<String>> {
+    let mut a: Vec<String> = Vec::new();
+    let push = |a: &mut Vec<String>, flag: &str, value: String| {
+        a.push(flag.to_string());
+        a.push(value);
+    };
+    // A model source (without one, the default model loads — allowed, but rarely).
+    let gqa = common::fixture("llama_gqa").to_string_lossy().into_owned();
+    match rng.below(24) {
+        0 => {}
+        1 => push(
+            &mut a,
+            "--gguf",
+            common::default_gguf()?.to_string_lossy().into_owned(),
+        ),
+        2 => push(&mut a, "--gguf", s.config(rng)?),
+        3 => push(&mut a, "--model-dir", s.path("")),
+        4 => push(&mut a, "--model-id", "nobody/nothing".into()),
+        5..=9 => {
+            a.push("--random-weights".into());
+            push(&mut a, "--config", s.config(rng)?);
+        }
+        10 | 11 => push(
+            &mut a,
+            "--model-dir",
+            common::fixture("mistral").to_string_lossy().into_owned(),
+        ),
+        _ => push(&mut a, "--model-dir", gqa),
+    }
+    if !rng.chance(4) {
+        push(&mut a, "--prompt-ids", rng.pick(IDS).into());
+    }
+    for _ in 0..rng.below(9) {
+        let flag = rng.pick(&[
+            "--policy",
+            "--prompt",
+            "--chat",
+            "--prompt-ids",
+            "--random-prompt",
+            "--prompts-file",
+            "--max-new-tokens",
+            "--temperature",
+            "--top-p",
+            "--seed",
+            "--tokenizer",
+            "--dtype",
+            "--head-group",
+            "--device-kv-budget",
+            "--profile",
+            "--recompute-split",
+            "--block-size",
+            "--kv-act-ratio",
+            "--link-bandwidth",
+            "--cpu",
+            "--prefill-chunk",
+            "--decode-ids",
+            "--ids-out",
+            "--dump-logits",
+            "--stats-out",
+            "--revision",
+            "--bogus",
+        ]);
+        // A flag given twice is a usage error: now and then, not most of the time.
+        if a.iter().any(|x| x == flag) && !rng.chance(10) {
+            continue;
+        }
+        let value = match flag {
+            "--policy" => rng.pick(POLICIES).into(),
+            "--prompt" => rng.pick(TEXTS).into(),
+            "--chat" | "--cpu" => {
+                a.push(flag.into());
+                continue;
+            }
+            "--prompt-ids" | "--decode-ids" => rng.value(IDS),
+            "--random-prompt" | "--max-new-tokens" | "--seed" | "--recompute-split"
+            | "--block-size" | "--prefill-chunk" => rng.value(COUNTS),
+            "--prompts-file" => s.prompts(rng)?,
+            "--temperature" | "--top-p" | "--kv-act-ratio" => rng.value(FLOATS),
+            "--tokenizer" | "--profile" => match rng.below(3) {
+                0 => s.path("none.json"),
+                1 => s.config(rng)?,
+                _ => s.path(""),
+            },
+            "--dtype" => rng.pick(DTYPES).into(),
+            "--head-group" => rng.value(GROUPS),
+            "--device-kv-budget" => rng.value(SIZES),
+            "--link-bandwidth" => rng.value(LINKS),
+            "--ids-out" => s.output(rng, "ids.json")?,
+            "--dump-logits" => s.output(rng, "logits.npy")?,
+            "--stats-out" => s.output(rng, "stats.json")?,
+            _ => rng.pick(COUNTS).into(),
+        };
+        // Now and then a flag without its value.
+        if rng.chance(20) {
+            a.push(flag.into());
+        } else {
+            push(&mut a, flag, value);
+        }
+    }
+    Ok(a)
+}
+
+/// Runs one argument vector; returns its exit code and what is wrong with the run, if
+/// anything.
+fn check(a: &[String], s: &Scratch) -> Result<(Option<i32>, Option<String>)> {
+    let before: Vec<_> = std::fs::read_dir(s.dir.path())?
+        .filter_map(|e| e.ok().map(|e| e.file_name()))
+        .collect();
+    let mut child = Command::new(common::example_bin("llama"))
+        .args(a)
+        .env("HF_HUB_OFFLINE", "1")
+        .env("RUST_BACKTRACE", "0")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    let stderr = child.stderr.take();
+    let reader = std::thread::spawn(move || {
+        let mut text = String::new();
+        if let Some(mut e) = stderr {
+            let _ = std::io::Read::read_to_string(&mut e, &mut text);
+        }
+        text
+    });
+    let start = Instant::now();
+    let status = loop {
+        if let Some(st) = child.try_wait()? {
+            break Some(st);
+        }
+        if start.elapsed() > HANG {
+            child.kill()?;
+            child.wait()?;
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    let err = reader.join().unwrap_or_default();
+    let Some(status) = status else {
+        return Ok((None, Some(format!("hung for {HANG:?}"))));
+    };
+    let tail: String = err
+        .chars()
+        .rev()
+        .take(600)
+        .collect::<Vec<_>>()
+        .into_iter()
+        .rev()
+        .collect();
+    let problem = match status.code() {
+        None => Some(format!("killed by a signal ({status})")),
+        Some(c) if !matches!(c, 0..=2) => Some(format!("exit code {c}")),
+        _ if err.contains("panicked") => Some("panicked".into()),
+        Some(1 | 2) if !err.contains("error:") => Some("failed without `error:`".into()),
+        _ => None,
+    };
+    if problem.is_some() {
+        return Ok((
+            status.code(),
+            problem.map(|p| format!("{p}; stderr: {tail}")),
+        ));
+    }
+    // No temporaries; a failed run adds no file at all.
+    for e in std::fs::read_dir(s.dir.path())? {
+        let name = e?.file_name();
+        let n = name.to_string_lossy();
+        if n.ends_with(".partial") {
+            return Ok((status.code(), Some(format!("left the temporary {n}"))));
+        }
+        if !status.success() && !before.contains(&name) {
+            return Ok((
+                status.code(),
+                Some(format!("failed but wrote {n}; stderr: {tail}")),
+            ));
+        }
+    }
+    if std::env::var_os("KVPOLICY_CLI_FUZZ_SHOW").is_some() {
+        eprintln!(
+            "{:?} in {:.2}s: {}",
+            status.code(),
+            start.elapsed().as_secs_f64(),
+            err.lines().next().unwrap_or("")
+        );
+        if start.elapsed() > Duration::from_secs(3) {
+            eprintln!("  slow: llama {}", quoted(a));
+        }
+    }
+    Ok((status.code(), None))
+}
+
+fn quoted(a: &[String]) -> String {
+    a.iter()
+        .map(|s| format!("'{}'", s.replace('\'', "'\\''")))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+#[test]
+fn random_argument_vectors_never_panic_abort_or_hang() -> Result<()> {
+    let secs: Option<u64> = std::env::var("KVPOLICY_CLI_FUZZ_SECS")
+        .ok()
+        .and_then(|v| v.parse().ok());
+    let seed: u64 = std::env::var("KVPOLICY_CLI_FUZZ_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0x5EED_C11F_u64);
+    let start = Instant::now();
+    let done = AtomicUsize::new(0);
+    let codes = Mutex::new([0usize; 3]);
+    let failures = Mutex::new(Vec::<String>::new());
+    let more = |i: usize| match secs {
+        Some(s) => start.elapsed() < Duration::from_secs(s),
+        None => i < CASES,
+    };
+    let next = AtomicUsize::new(0);
+    std::thread::scope(|scope| -> Result<()> {
+        let workers: Vec<_> = (0..2)
+            .map(|_| {
+                scope.spawn(|| -> Result<()> {
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        if !more(i) {
+                            return Ok(());
+                        }
+                        let mut rng =
+                            Rng((seed ^ (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)) | 1);
+                        let s = Scratch {
+                            dir: tempfile::tempdir()?,
+                        };
+                        let a = argv(&mut rng, &s)?;
+                        let (code, problem) = check(&a, &s)?;
+                        let lock = |e| anyhow::anyhow!("a worker panicked: {e}");
+                        if let Some(p) = problem {
+                            failures
+                                .lock()
+                                .map_err(|e| lock(e.to_string()))?
+                                .push(format!("case {i}: {p}\n  llama {}", quoted(&a)));
+                        }
+                        if let Some(c @ 0..=2) = code {
+                            codes.lock().map_err(|e| lock(e.to_string()))?[c as usize] += 1;
+                        }
+                        done.fetch_add(1, Ordering::Relaxed);
+                    }
+                })
+            })
+            .collect();
+        for w in workers {
+            w.join()
+                .map_err(|_| anyhow::anyhow!("a fuzz worker panicked"))??;
+        }
+        Ok(())
+    })?;
+    let failures = failures
+        .into_inner()
+        .map_err(|_| anyhow::anyhow!("poisoned"))?;
+    let codes = codes
+        .into_inner()
+        .map_err(|_| anyhow::anyhow!("poisoned"))?;
+    eprintln!(
+        "cli fuzz: {} cases in {:.0}s (seed {seed:#x}): {} succeeded, {} run errors, {} usage errors, {} failing",
+        done.load(Ordering::Relaxed),
+        start.elapsed().as_secs_f64(),
+        codes[0],
+        codes[1],
+        codes[2],
+        failures.len()
+    );
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    Ok(())
+}
