@@ -55,6 +55,17 @@ pub struct RopeParams {
     pub original_max_position_embeddings: Option<usize>,
 }
 
+/// `rope_parameters`: one block, or one per layer type (Gemma 3 in transformers 5:
+/// `{"full_attention": {...}, "sliding_attention": {...}}`).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(untagged)]
+pub enum RopeParameters {
+    /// Keyed by `layer_types` entry.
+    PerLayerType(std::collections::BTreeMap<String, RopeParams>),
+    /// One block for every layer.
+    One(RopeParams),
+}
+
 fn default_eps() -> f64 {
     1e-5
 }
@@ -93,7 +104,13 @@ pub struct LlamaConfig {
     pub rope_scaling: Option<RopeParams>,
     /// transformers-5 spelling of RoPE base and scaling.
     #[serde(default)]
-    pub rope_parameters: Option<RopeParams>,
+    pub rope_parameters: Option<RopeParameters>,
+    /// Gemma 3, classic spelling: the RoPE base of the sliding-window layers.
+    #[serde(default)]
+    pub rope_local_base_freq: Option<f64>,
+    /// Gemma 3, classic spelling: every N-th layer attends globally, the rest slide.
+    #[serde(default)]
+    pub sliding_window_pattern: Option<usize>,
     /// Longest sequence the model supports.
     #[serde(default = "default_max_pos")]
     pub max_position_embeddings: usize,
@@ -257,16 +274,40 @@ impl LlamaConfig {
         Ok(())
     }
 
-    /// The RoPE configuration, from either spelling.
+    /// The RoPE configuration, from either spelling (the `full_attention` one where
+    /// `rope_parameters` has one per layer type).
     pub fn rope(&self) -> Result<RopeConfig> {
+        self.rope_for("full_attention")
+    }
+
+    /// The RoPE configuration of layers of `layer_type` (`full_attention` or
+    /// `sliding_attention`); the same for every type unless `rope_parameters` is keyed by
+    /// type.
+    pub fn rope_for(&self, layer_type: &str) -> Result<RopeConfig> {
         let (params, prefix) = match (&self.rope_parameters, &self.rope_scaling) {
-            (Some(p), _) => (p.clone(), "rope_parameters"),
-            (None, Some(p)) => (p.clone(), "rope_scaling"),
-            (None, None) => (RopeParams::default(), "rope_scaling"),
+            (Some(RopeParameters::One(p)), _) => (p.clone(), "rope_parameters".to_string()),
+            (Some(RopeParameters::PerLayerType(m)), _) if m.is_empty() => {
+                (RopeParams::default(), "rope_parameters".to_string())
+            }
+            (Some(RopeParameters::PerLayerType(m)), _) => {
+                let prefix = format!("rope_parameters.{layer_type}");
+                let p = m.get(layer_type).cloned().ok_or_else(|| {
+                    ModelError::config(&prefix, "missing; give one block per layer type")
+                })?;
+                (p, prefix)
+            }
+            (None, Some(p)) => (p.clone(), "rope_scaling".to_string()),
+            (None, None) => (RopeParams::default(), "rope_scaling".to_string()),
         };
-        let theta = params.rope_theta.or(self.rope_theta).unwrap_or(10_000.0);
-        check_theta(theta, "rope_theta")?;
-        let scaling = rope_scaling_from(&params, prefix)?;
+        let (theta, field) = match params.rope_theta {
+            Some(t) => (t, format!("{prefix}.rope_theta")),
+            None => (
+                self.rope_theta.unwrap_or(10_000.0),
+                "rope_theta".to_string(),
+            ),
+        };
+        check_theta(theta, &field)?;
+        let scaling = rope_scaling_from(&params, &prefix)?;
         Ok(RopeConfig {
             theta,
             scaling,

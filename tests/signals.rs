@@ -1,0 +1,97 @@
+//! SIGINT and SIGTERM while the outputs are being written (issue 16, item 7): the run
+//! stops with exit code 130 and leaves no temporary and no output behind. The child is
+//! held at a known point of its final write — its `--stats-out` is a FIFO nobody reads, so
+//! putting the outputs in place blocks while `--ids-out`'s temporary exists — and the signal
+//! arrives there.
+mod common;
+
+use std::os::unix::fs::FileTypeExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{ensure, Result};
+
+/// Files in `dir` whose names end with `.partial`.
+fn temporaries(dir: &Path) -> Result<Vec<String>> {
+    let mut v = Vec::new();
+    for e in std::fs::read_dir(dir)? {
+        let name = e?.file_name().to_string_lossy().into_owned();
+        if name.ends_with(".partial") {
+            v.push(name);
+        }
+    }
+    Ok(v)
+}
+
+fn interrupted_while_writing(signal: &str) -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let tmp = dir.path().join("tmp");
+    std::fs::create_dir(&tmp)?;
+    let fifo = dir.path().join("stats.fifo");
+    ensure!(
+        Command::new("mkfifo").arg(&fifo).status()?.success(),
+        "mkfifo failed"
+    );
+    let ids = dir.path().join("ids.json");
+    let mut child = Command::new(common::example_bin("llama"))
+        .args([
+            "--model-dir",
+            &common::fixture("llama_gqa").to_string_lossy(),
+        ])
+        .args(["--prompt-ids", "1,2,3", "--max-new-tokens", "2"])
+        .arg("--ids-out")
+        .arg(&ids)
+        .arg("--stats-out")
+        .arg(&fifo)
+        // The FIFO's staged copy goes here, where the test can see it.
+        .env("TMPDIR", &tmp)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    // Wait until the child holds its temporaries (blocked opening the FIFO).
+    let start = Instant::now();
+    while temporaries(dir.path())?.is_empty() || temporaries(&tmp)?.is_empty() {
+        ensure!(
+            start.elapsed() < Duration::from_secs(60),
+            "the child never staged its outputs"
+        );
+        if let Some(st) = child.try_wait()? {
+            anyhow::bail!("the child ended early: {st}");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    let sent = Command::new("kill")
+        .args([signal, &child.id().to_string()])
+        .status()?;
+    ensure!(sent.success(), "kill {signal} failed");
+    let out = child.wait_with_output()?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(130), "{signal}: {err}");
+    assert!(err.contains("interrupted"), "{err}");
+    assert!(
+        temporaries(dir.path())?.is_empty(),
+        "{signal}: temporaries left beside the outputs"
+    );
+    assert!(
+        temporaries(&tmp)?.is_empty(),
+        "{signal}: temporaries left in TMPDIR"
+    );
+    assert!(
+        !ids.exists(),
+        "{signal}: --ids-out was put in place by an interrupted run"
+    );
+    assert!(std::fs::symlink_metadata(&fifo)?.file_type().is_fifo());
+    Ok(())
+}
+
+#[test]
+fn sigint_while_writing_leaves_nothing_behind() -> Result<()> {
+    interrupted_while_writing("-INT")
+}
+
+#[test]
+fn sigterm_while_writing_leaves_nothing_behind() -> Result<()> {
+    interrupted_while_writing("-TERM")
+}
