@@ -13,7 +13,8 @@ script checks that it does and refuses to write a fixture otherwise.
 
 Run with the pinned versions below (a venv with `pip install torch==2.15.0
 transformers==5.23.0 safetensors numpy`):
-    python3 scripts/make_fixtures.py
+    python3 scripts/make_fixtures.py              # every fixture
+    python3 scripts/make_fixtures.py --only gemma3  # one (repeatable)
 """
 import json
 import shutil
@@ -26,6 +27,8 @@ import transformers
 from transformers import (
     Gemma2Config,
     Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GemmaConfig,
     GemmaForCausalLM,
     LlamaConfig,
@@ -44,6 +47,7 @@ ARCH = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "gemma": (GemmaConfig, GemmaForCausalLM),
     "gemma2": (Gemma2Config, Gemma2ForCausalLM),
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
     "opt": (OPTConfig, OPTForCausalLM),
 }
 
@@ -161,7 +165,14 @@ BASE = dict(
 )
 
 
+def selected(name):
+    only = [sys.argv[i + 1] for i, a in enumerate(sys.argv[:-1]) if a == "--only"]
+    return not only or name in only
+
+
 def fixture(name, cfg_kwargs, seed, classic_spelling, perturbations, arch="llama", weight_perturbations=None):
+    if not selected(name):
+        return
     cfg, model = build(cfg_kwargs, seed, arch)
     rng = np.random.default_rng(seed)
     ids = [int(x) for x in rng.integers(0, cfg.vocab_size, PROMPT_LEN + DECODE_LEN)]
@@ -299,6 +310,53 @@ def main():
             "query_pre_attn_scalar ignored (head_dim)": lambda kw: kw.update(query_pre_attn_scalar=24),
         },
         weight_perturbations={"norm applies w, not 1 + w": norm_minus_one},
+    )
+
+    # Gemma 3: q/k RMSNorm per head, window 8 on the local layers (layers 0, 1, 3; layer 2
+    # global), a local RoPE base (1e4) different from the global one (1e6, linearly scaled
+    # ×4), query_pre_attn_scalar ≠ head_dim, sandwich norms, no soft-caps.
+    gemma3 = dict(
+        gemma,
+        num_hidden_layers=4,
+        num_key_value_heads=2,
+        query_pre_attn_scalar=16,
+        sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 4.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    )
+
+    def rope3(full=None, sliding=None):
+        def f(kw):
+            p = {k: dict(v) for k, v in kw["rope_parameters"].items()}
+            if full is not None:
+                p["full_attention"] = full
+            if sliding is not None:
+                p["sliding_attention"] = sliding
+            kw["rope_parameters"] = p
+        return f
+
+    def qk_norm_dropped(model):
+        for layer in model.model.layers:
+            layer.self_attn.q_norm = torch.nn.Identity()
+            layer.self_attn.k_norm = torch.nn.Identity()
+
+    fixture(
+        "gemma3",
+        gemma3,
+        seed=9,
+        classic_spelling=False,
+        arch="gemma3",
+        perturbations={
+            "sliding window ignored": lambda kw: kw.update(sliding_window=4096),
+            "query_pre_attn_scalar ignored (head_dim)": lambda kw: kw.update(query_pre_attn_scalar=24),
+            "local rope base = global": rope3(sliding={"rope_type": "default", "rope_theta": 1000000.0}),
+            "global rope scaling dropped": rope3(full={"rope_type": "default", "rope_theta": 1000000.0}),
+            "every layer global": lambda kw: kw.update(layer_types=["full_attention"] * 4),
+        },
+        weight_perturbations={"norm applies w, not 1 + w": norm_minus_one, "q/k norm dropped": qk_norm_dropped},
     )
 
     def offset_dropped(model):

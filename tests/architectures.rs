@@ -22,7 +22,7 @@ fn example_of(dir: &Path) -> Result<&'static str> {
         {
             "mistral" => "mistral",
             "qwen2" => "qwen",
-            "gemma" | "gemma2" => "gemma",
+            "gemma" | "gemma2" | "gemma3_text" => "gemma",
             "opt" => "opt",
             _ => "llama",
         },
@@ -38,7 +38,15 @@ fn run(example: &str, args: &[&str]) -> Result<Output> {
 #[test]
 fn every_fixture_under_every_policy_matches_hf_through_the_cli() -> Result<()> {
     let names = common::hf_fixtures();
-    for arch in ["llama_gqa", "mistral", "qwen2", "gemma", "gemma2", "opt"] {
+    for arch in [
+        "llama_gqa",
+        "mistral",
+        "qwen2",
+        "gemma",
+        "gemma2",
+        "gemma3",
+        "opt",
+    ] {
         assert!(names.iter().any(|n| n == arch), "fixture {arch} missing");
     }
     let join = |v: &[u32]| v.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
@@ -143,7 +151,7 @@ fn unsupported_configs_are_errors_naming_the_field() -> Result<()> {
             "llama_gqa",
             "llama",
             Box::new(|c| c["model_type"] = "mamba".into()),
-            "config: field `model_type`: `mamba` is not supported; supported architectures are llama, mistral, qwen2, gemma, gemma2, opt",
+            "config: field `model_type`: `mamba` is not supported; supported architectures are llama, mistral, qwen2, gemma, gemma2, gemma3_text, opt",
         ),
         (
             "qwen2",

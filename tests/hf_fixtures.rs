@@ -4,13 +4,20 @@ mod common;
 
 use anyhow::Result;
 use candle_core::Tensor;
-use kvpolicy::models::{generate, GenerateConfig};
+use candle_core::{DType, Device};
+use kvpolicy::models::{generate, load, resolve, GenerateConfig, ModelSpec};
 use kvpolicy::{build_policy, PolicyOptions};
 
 const TOL: f32 = 1e-4;
 
 fn run(name: &str, chunk: usize) -> Result<f32> {
-    let loaded = common::load_fixture(name)?;
+    run_dir(name, &common::fixture(name), chunk)
+}
+
+/// Fixture `name`'s ids and logits, with the model loaded from `dir`.
+fn run_dir(name: &str, dir: &std::path::Path, chunk: usize) -> Result<f32> {
+    let files = resolve(&ModelSpec::Dir(dir.to_path_buf()))?;
+    let loaded = load(&files, &Device::Cpu, DType::F32, None)?;
     let (prompt, decode) = common::fixture_ids(name)?;
     let mut policy = build_policy("full", &PolicyOptions::default())?;
     let cfg = GenerateConfig {
@@ -44,6 +51,61 @@ fn full_matches_hf_single_pass_and_chunked() -> Result<()> {
             println!("{name} chunk {chunk}: max |Δ| = {d:.2e}");
             assert!(d <= TOL, "{name} chunk {chunk}: max |Δlogit| = {d}");
         }
+    }
+    Ok(())
+}
+
+#[test]
+fn gemma3_in_the_classic_spelling_is_the_same_model() -> Result<()> {
+    // transformers < 5 writes Gemma 3's RoPE as rope_theta / rope_scaling (global layers)
+    // and rope_local_base_freq (local layers), and its layer kinds as sliding_window_pattern
+    // (every N-th layer global): the fixture rewritten that way must give the same logits.
+    let dir = tempfile::tempdir()?;
+    let src = common::fixture("gemma3");
+    for f in ["model.safetensors", "ids.json"] {
+        std::fs::copy(src.join(f), dir.path().join(f))?;
+    }
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json"))?)?;
+    let o = cfg
+        .as_object_mut()
+        .ok_or_else(|| anyhow::anyhow!("config is not an object"))?;
+    let rope = o
+        .remove("rope_parameters")
+        .ok_or_else(|| anyhow::anyhow!("the fixture has no rope_parameters"))?;
+    let types = o
+        .remove("layer_types")
+        .ok_or_else(|| anyhow::anyhow!("the fixture has no layer_types"))?;
+    // Layers 0, 1, 3 slide and 2 is global: every third layer is global.
+    assert_eq!(
+        types,
+        serde_json::json!([
+            "sliding_attention",
+            "sliding_attention",
+            "full_attention",
+            "sliding_attention"
+        ])
+    );
+    o.insert("sliding_window_pattern".into(), 3.into());
+    o.insert(
+        "rope_theta".into(),
+        rope["full_attention"]["rope_theta"].clone(),
+    );
+    o.insert(
+        "rope_scaling".into(),
+        serde_json::json!({"rope_type": "linear", "factor": rope["full_attention"]["factor"]}),
+    );
+    o.insert(
+        "rope_local_base_freq".into(),
+        rope["sliding_attention"]["rope_theta"].clone(),
+    );
+    std::fs::write(dir.path().join("config.json"), cfg.to_string())?;
+    for chunk in [0, 5] {
+        let d = run_dir("gemma3", dir.path(), chunk)?;
+        assert!(
+            d <= TOL,
+            "classic spelling, chunk {chunk}: max |Δlogit| = {d}"
+        );
     }
     Ok(())
 }

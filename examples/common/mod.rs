@@ -209,7 +209,7 @@ fn example_for(arch: &str) -> &'static str {
     match arch {
         "mistral" => "mistral",
         "qwen2" => "qwen",
-        "gemma" | "gemma2" => "gemma",
+        "gemma" | "gemma2" | "gemma3" => "gemma",
         "opt" => "opt",
         _ => "llama",
     }

@@ -20,6 +20,7 @@ pub fn config(data: &[u8]) {
             ModelConfig::Qwen2(c) => kvpolicy::models::qwen2::recipe(c).map(drop),
             ModelConfig::Gemma(c) => kvpolicy::models::gemma::recipe(c).map(drop),
             ModelConfig::Gemma2(c) => kvpolicy::models::gemma::recipe2(c).map(drop),
+            ModelConfig::Gemma3(c) => kvpolicy::models::gemma::recipe3(c).map(drop),
             ModelConfig::Opt(c) => c.validate(),
         };
     }

@@ -9,7 +9,7 @@ use kvpolicy_core::{AttnSpec, AttnStep, KvError, KvPolicy, KvRegen};
 use kvpolicy_kernels::heads_into;
 
 use crate::error::Result;
-use crate::layers::Linear;
+use crate::layers::{Linear, Norm};
 use crate::rope::Rope;
 
 /// Projections, RoPE and attention spec of one layer.
@@ -27,8 +27,20 @@ pub struct Attention {
     pub o: Linear,
     /// Positional encoding (`None` for learned absolute positions).
     pub rope: Option<Rope>,
+    /// RMSNorm over each query head before RoPE (Gemma 3).
+    pub q_norm: Option<Norm>,
+    /// RMSNorm over each key head before RoPE (Gemma 3).
+    pub k_norm: Option<Norm>,
     /// What the attention computes.
     pub spec: AttnSpec,
+}
+
+/// `norm` over the last dimension (one head's width) of `x`, if there is one.
+fn per_head(norm: &Option<Norm>, x: Tensor) -> Result<Tensor> {
+    match norm {
+        Some(n) => n.forward(&x),
+        None => Ok(x),
+    }
 }
 
 impl Attention {
@@ -41,12 +53,22 @@ impl Attention {
             .contiguous()?)
     }
 
+    /// Query heads `(b, heads, t, head_dim)`, normalised where the model says so.
+    fn queries(&self, x: &Tensor) -> Result<Tensor> {
+        per_head(&self.q_norm, self.heads(x, &self.q, self.spec.n_heads)?)
+    }
+
+    /// Key heads `(b, kv_heads, t, head_dim)`, normalised where the model says so.
+    fn keys(&self, x: &Tensor) -> Result<Tensor> {
+        per_head(&self.k_norm, self.heads(x, &self.k, self.spec.n_kv_heads)?)
+    }
+
     /// Attention of one step: `x` `(b, t, hidden)` is the layer's normalised input, its first
     /// token at position `pos`; returns `(b, t, hidden)`.
     pub fn forward(&self, x: &Tensor, pos: usize, policy: &mut dyn KvPolicy) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
-        let mut q = self.heads(x, &self.q, self.spec.n_heads)?;
-        let mut k = self.heads(x, &self.k, self.spec.n_kv_heads)?;
+        let mut q = self.queries(x)?;
+        let mut k = self.keys(x)?;
         let v = self.heads(x, &self.v, self.spec.n_kv_heads)?;
         if let Some(rope) = &self.rope {
             let (cos, sin) = rope.cos_sin(pos, t, q.dtype(), q.device())?;
@@ -109,8 +131,8 @@ impl Attention {
         };
         let mut outs = Vec::with_capacity(segments.len());
         for seg in segments {
-            let mut q = split(&q_all, seg, nh)?;
-            let mut k = split(&k_all, seg, nkv)?;
+            let mut q = per_head(&self.q_norm, split(&q_all, seg, nh)?)?;
+            let mut k = per_head(&self.k_norm, split(&k_all, seg, nkv)?)?;
             let v = split(&v_all, seg, nkv)?;
             if let Some(rope) = &self.rope {
                 let (cos, sin) = rope.cos_sin(seg.pos, seg.len, q.dtype(), q.device())?;
@@ -152,7 +174,7 @@ fn kv_error(e: crate::error::ModelError) -> KvError {
 impl KvRegen for Attention {
     fn regen(&self, x: &Tensor, pos: usize) -> kvpolicy_core::Result<(Tensor, Tensor)> {
         let run = || -> Result<(Tensor, Tensor)> {
-            let mut k = self.heads(x, &self.k, self.spec.n_kv_heads)?;
+            let mut k = self.keys(x)?;
             let v = self.heads(x, &self.v, self.spec.n_kv_heads)?;
             if let Some(rope) = &self.rope {
                 k = rope.apply(&k, pos)?;
@@ -173,8 +195,15 @@ impl KvRegen for Attention {
         // The projections (cuBLAS / gemm through candle), then one pass each that splits
         // the rows into heads, rotates K and writes into the destination range.
         let run = || -> Result<()> {
-            let (_, t, _) = x.dims3()?;
-            let k = self.k.forward(x)?.contiguous()?;
+            let (b, t, _) = x.dims3()?;
+            let mut k = self.k.forward(x)?.contiguous()?;
+            if self.k_norm.is_some() {
+                let (nkv, d) = (self.spec.n_kv_heads, self.spec.head_dim);
+                let heads = k.reshape((b, t, nkv, d))?;
+                k = per_head(&self.k_norm, heads)?
+                    .reshape((b, t, nkv * d))?
+                    .contiguous()?;
+            }
             let v = self.v.forward(x)?.contiguous()?;
             let rope = match &self.rope {
                 Some(r) => {
@@ -201,7 +230,7 @@ impl KvRegen for Attention {
                     positions.len()
                 )));
             }
-            let mut k = self.heads(x, &self.k, self.spec.n_kv_heads)?;
+            let mut k = self.keys(x)?;
             let v = self.heads(x, &self.v, self.spec.n_kv_heads)?;
             if let Some(rope) = &self.rope {
                 let (cos, sin) = rope.cos_sin_at(positions, k.dtype(), k.device())?;

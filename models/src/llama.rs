@@ -71,6 +71,10 @@ pub struct Recipe {
     pub scale: Option<f64>,
     /// Sliding window per layer.
     pub windows: Vec<Option<usize>>,
+    /// RMSNorm on queries and keys per head, before RoPE (Gemma 3's `q_norm`/`k_norm`).
+    pub qk_norm: bool,
+    /// RoPE of the sliding-window layers where it differs from the global layers' (Gemma 3).
+    pub local_rope: Option<crate::rope::RopeConfig>,
 }
 
 impl Recipe {
@@ -89,6 +93,8 @@ impl Recipe {
             final_softcap: None,
             scale: None,
             windows: vec![None; cfg.num_hidden_layers],
+            qk_norm: false,
+            local_rope: None,
         })
     }
 }
@@ -113,13 +119,14 @@ pub fn from_varbuilder(
     let rope_cfg = cfg.rope()?;
     let m = vb.pp("model");
     let embed = candle_nn::embedding(cfg.vocab_size, h, m.pp("embed_tokens")).map_err(&err)?;
-    let norm_at = |vb: &VarBuilder, name: &str| -> Result<Norm> {
+    let norm_of = |vb: &VarBuilder, name: &str, h: usize| -> Result<Norm> {
         let mut w = vb.pp(name).get(h, "weight").map_err(&err)?;
         if recipe.norm_plus_one {
             w = (w + 1.0)?;
         }
         Ok(Norm::Rms(RmsNorm::new(w, cfg.rms_norm_eps)))
     };
+    let norm_at = |vb: &VarBuilder, name: &str| norm_of(vb, name, h);
     let mut layers = Vec::new(); // the count was checked against the weights, not reserved
     for i in 0..cfg.num_hidden_layers {
         let l = m.pp(format!("layers.{i}"));
@@ -138,6 +145,14 @@ pub fn from_varbuilder(
             v: dense(&a, h, nkv * hd, qb, "v_proj").map_err(&err)?,
             o: dense(&a, nh * hd, h, recipe.o_bias, "o_proj").map_err(&err)?,
             rope: None, // below, once the weights have confirmed the head size
+            q_norm: recipe
+                .qk_norm
+                .then(|| norm_of(&a, "q_norm", hd))
+                .transpose()?,
+            k_norm: recipe
+                .qk_norm
+                .then(|| norm_of(&a, "k_norm", hd))
+                .transpose()?,
             spec,
         };
         let p = l.pp("mlp");
@@ -174,8 +189,16 @@ pub fn from_varbuilder(
     // The rotary tables are sized by head_dim, which only the q/k/v shapes above vouch for
     // (a config's head_dim of 2^40 would otherwise ask for terabytes).
     let rope = Rope::new(&rope_cfg, hd, RopeStyle::Half);
+    let local = recipe
+        .local_rope
+        .as_ref()
+        .map(|c| Rope::new(c, hd, RopeStyle::Half));
     for b in &mut layers {
-        b.attn.rope = Some(rope.clone());
+        let sliding = b.attn.spec.sliding_window.is_some();
+        b.attn.rope = Some(match (&local, sliding) {
+            (Some(l), true) => l.clone(),
+            _ => rope.clone(),
+        });
     }
     let norm = norm_at(&m, "norm")?;
     let lm_head = if cfg.tie_word_embeddings || !vb.contains_tensor("lm_head.weight") {
@@ -318,6 +341,8 @@ pub fn from_gguf(g: &GgufFile, device: &Device) -> Result<Decoder> {
             v: ql(format!("blk.{i}.attn_v.weight"), nkv * hd, h)?,
             o: ql(format!("blk.{i}.attn_output.weight"), h, nh * hd)?,
             rope: Some(rope.clone()),
+            q_norm: None,
+            k_norm: None,
             spec: AttnSpec::new(nh, nkv, hd),
         };
         let mlp = Mlp::Gated {

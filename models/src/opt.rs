@@ -69,6 +69,8 @@ pub fn from_varbuilder(
             v: linear(&a, h, h, "v_proj")?,
             o: linear(&a, h, h, "out_proj")?,
             rope: None,
+            q_norm: None,
+            k_norm: None,
             spec: AttnSpec::new(nh, nh, hd),
         };
         layers.push(Block {

@@ -15,7 +15,8 @@ impl ModelConfig {
             | ModelConfig::Mistral(c)
             | ModelConfig::Qwen2(c)
             | ModelConfig::Gemma(c)
-            | ModelConfig::Gemma2(c) => Some(c),
+            | ModelConfig::Gemma2(c)
+            | ModelConfig::Gemma3(c) => Some(c),
             ModelConfig::Opt(_) => None,
         }
     }

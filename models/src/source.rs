@@ -358,6 +358,7 @@ pub fn build(
         ModelConfig::Qwen2(c) => hf(c, &crate::qwen2::recipe(c)?, vb, path, source)?,
         ModelConfig::Gemma(c) => hf(c, &crate::gemma::recipe(c)?, vb, path, source)?,
         ModelConfig::Gemma2(c) => hf(c, &crate::gemma::recipe2(c)?, vb, path, source)?,
+        ModelConfig::Gemma3(c) => hf(c, &crate::gemma::recipe3(c)?, vb, path, source)?,
         ModelConfig::Opt(c) => crate::opt::from_varbuilder(c, vb, path, source)?,
     }))
 }

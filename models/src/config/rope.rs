@@ -1,0 +1,129 @@
+//! RoPE in config.json: `rope_theta` / `rope_scaling` (the classic spelling),
+//! `rope_parameters` (transformers 5, one block or — Gemma 3 — one per layer type), and what
+//! each `rope_type` asks for.
+use serde::Deserialize;
+
+use super::LlamaConfig;
+use crate::error::{ModelError, Result};
+use crate::rope::{RopeConfig, RopeScaling};
+
+/// RoPE parameters as written in `rope_scaling` or `rope_parameters`.
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct RopeParams {
+    /// `rope_type` (transformers ≥ 4.45 and 5) or `type` (older configs).
+    #[serde(alias = "type")]
+    pub rope_type: Option<String>,
+    /// Base frequency (transformers 5 keeps it here).
+    pub rope_theta: Option<f64>,
+    /// Scaling factor.
+    pub factor: Option<f64>,
+    /// Llama 3: low-frequency factor.
+    pub low_freq_factor: Option<f64>,
+    /// Llama 3: high-frequency factor.
+    pub high_freq_factor: Option<f64>,
+    /// Llama 3: the context length the model was pre-trained at.
+    pub original_max_position_embeddings: Option<usize>,
+}
+
+/// `rope_parameters`: one block, or one per layer type (Gemma 3 in transformers 5:
+/// `{"full_attention": {...}, "sliding_attention": {...}}`).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(untagged)]
+pub enum RopeParameters {
+    /// Keyed by `layer_types` entry.
+    PerLayerType(std::collections::BTreeMap<String, RopeParams>),
+    /// One block for every layer.
+    One(RopeParams),
+}
+
+impl LlamaConfig {
+    /// The RoPE configuration, from either spelling (the `full_attention` one where
+    /// `rope_parameters` has one per layer type).
+    pub fn rope(&self) -> Result<RopeConfig> {
+        self.rope_for("full_attention")
+    }
+
+    /// The RoPE configuration of layers of `layer_type` (`full_attention` or
+    /// `sliding_attention`); the same for every type unless `rope_parameters` is keyed by
+    /// type.
+    pub fn rope_for(&self, layer_type: &str) -> Result<RopeConfig> {
+        let (params, prefix) = match (&self.rope_parameters, &self.rope_scaling) {
+            (Some(RopeParameters::One(p)), _) => (p.clone(), "rope_parameters".to_string()),
+            (Some(RopeParameters::PerLayerType(m)), _) if m.is_empty() => {
+                (RopeParams::default(), "rope_parameters".to_string())
+            }
+            (Some(RopeParameters::PerLayerType(m)), _) => {
+                let prefix = format!("rope_parameters.{layer_type}");
+                let p = m.get(layer_type).cloned().ok_or_else(|| {
+                    ModelError::config(&prefix, "missing; give one block per layer type")
+                })?;
+                (p, prefix)
+            }
+            (None, Some(p)) => (p.clone(), "rope_scaling".to_string()),
+            (None, None) => (RopeParams::default(), "rope_scaling".to_string()),
+        };
+        let (theta, field) = match params.rope_theta {
+            Some(t) => (t, format!("{prefix}.rope_theta")),
+            None => (
+                self.rope_theta.unwrap_or(10_000.0),
+                "rope_theta".to_string(),
+            ),
+        };
+        check_theta(theta, &field)?;
+        let scaling = rope_scaling_from(&params, &prefix)?;
+        Ok(RopeConfig {
+            theta,
+            scaling,
+            freq_factors: None,
+        })
+    }
+}
+
+/// A RoPE base must be a finite number above 0 (θ ≤ 0 makes every angle NaN or infinite).
+pub fn check_theta(theta: f64, field: &str) -> Result<()> {
+    if theta.is_finite() && theta > 0.0 {
+        Ok(())
+    } else {
+        Err(ModelError::config(
+            field,
+            format!("{theta} must be a finite number > 0"),
+        ))
+    }
+}
+
+/// Interprets a `rope_scaling` / `rope_parameters` block.
+pub fn rope_scaling_from(p: &RopeParams, prefix: &str) -> Result<RopeScaling> {
+    let need = |v: Option<f64>, name: &str| {
+        v.ok_or_else(|| {
+            ModelError::config(
+                format!("{prefix}.{name}"),
+                "required by this rope_type but missing",
+            )
+        })
+    };
+    match p.rope_type.as_deref().unwrap_or("default") {
+        "default" => Ok(RopeScaling::None),
+        "linear" => Ok(RopeScaling::Linear {
+            factor: need(p.factor, "factor")?,
+        }),
+        "llama3" => Ok(RopeScaling::Llama3 {
+            factor: need(p.factor, "factor")?,
+            low_freq_factor: need(p.low_freq_factor, "low_freq_factor")?,
+            high_freq_factor: need(p.high_freq_factor, "high_freq_factor")?,
+            original_max_position_embeddings: p.original_max_position_embeddings.ok_or_else(
+                || {
+                    ModelError::config(
+                        format!("{prefix}.original_max_position_embeddings"),
+                        "required by rope_type llama3 but missing",
+                    )
+                },
+            )?,
+        }),
+        other => Err(ModelError::config(
+            format!("{prefix}.rope_type"),
+            format!(
+                "`{other}` is not supported; supported RoPE types are default, linear and llama3"
+            ),
+        )),
+    }
+}
