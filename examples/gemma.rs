@@ -4,5 +4,11 @@
 mod common;
 
 fn main() -> std::process::ExitCode {
-    common::main("gemma", &["gemma", "gemma2", "gemma3"])
+    common::main(
+        "gemma",
+        &["gemma", "gemma2", "gemma3"],
+        Some(kvpolicy::models::ModelSpec::Pypi(
+            &kvpolicy::models::pypi::GEMMA3_270M,
+        )),
+    )
 }

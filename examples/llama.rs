@@ -4,5 +4,9 @@
 mod common;
 
 fn main() -> std::process::ExitCode {
-    common::main("llama", &["llama"])
+    common::main(
+        "llama",
+        &["llama"],
+        Some(kvpolicy::models::ModelSpec::Default),
+    )
 }

@@ -4,5 +4,5 @@
 mod common;
 
 fn main() -> std::process::ExitCode {
-    common::main("mistral", &["mistral"])
+    common::main("mistral", &["mistral"], None)
 }

@@ -4,5 +4,5 @@
 mod common;
 
 fn main() -> std::process::ExitCode {
-    common::main("opt", &["opt"])
+    common::main("opt", &["opt"], None)
 }

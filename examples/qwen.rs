@@ -4,5 +4,5 @@
 mod common;
 
 fn main() -> std::process::ExitCode {
-    common::main("qwen", &["qwen2"])
+    common::main("qwen", &["qwen2"], None)
 }

@@ -207,9 +207,10 @@ fn an_example_refuses_another_architecture() -> Result<()> {
         "the `mistral` example runs mistral models, but",
     )?;
     fails("mistral", &opt, "run `--example opt`")?;
-    let o = run("gemma", &["--prompt", "hi"])?;
+    // Only `llama` and `gemma` have a default model.
+    let o = run("qwen", &["--prompt", "hi"])?;
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{err}");
-    assert!(err.contains("the `gemma` example needs a model"), "{err}");
+    assert!(err.contains("the `qwen` example needs a model"), "{err}");
     Ok(())
 }

@@ -160,8 +160,9 @@ fn random_prompt(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
 }
 
 /// Parses the flags, runs, and maps errors to a message and exit code 1. `example` is the
-/// example's name and `archs` the architectures (`ModelInfo::architecture`) it runs.
-pub fn main(example: &str, archs: &[&str]) -> ExitCode {
+/// example's name, `archs` the architectures (`ModelInfo::architecture`) it runs and
+/// `default` the model it loads when no model flag is given.
+pub fn main(example: &str, archs: &[&str], default: Option<ModelSpec>) -> ExitCode {
     let matches = Args::command().get_matches();
     let args = Args::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     init_tracing();
@@ -169,7 +170,7 @@ pub fn main(example: &str, archs: &[&str]) -> ExitCode {
         eprintln!("{warning}");
     }
     atomic::on_signals();
-    match run(&args, example, archs) {
+    match run(&args, example, archs, default) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
@@ -215,16 +216,18 @@ fn example_for(arch: &str) -> &'static str {
     }
 }
 
-fn run(args: &Args, example: &str, archs: &[&str]) -> Result<()> {
+fn run(args: &Args, example: &str, archs: &[&str], default: Option<ModelSpec>) -> Result<()> {
     let explicit = args.model_dir.is_some()
         || args.model_id.is_some()
         || args.gguf.is_some()
         || args.random_weights;
-    if !explicit && !archs.contains(&"llama") {
-        anyhow::bail!(
-            "the `{example}` example needs a model: pass --model-dir DIR, --model-id ID or --random-weights --config FILE (the built-in default model is a Llama; run `--example llama` for it)"
-        );
-    }
+    let default = match default {
+        Some(d) => d,
+        None if explicit => ModelSpec::Default,
+        None => anyhow::bail!(
+            "the `{example}` example needs a model: pass --model-dir DIR, --gguf FILE, --model-id ID or --random-weights --config FILE (`--example llama` and `--example gemma` have built-in default models)"
+        ),
+    };
     let device = if args.cpu {
         Device::Cpu
     } else {
@@ -275,7 +278,7 @@ fn run(args: &Args, example: &str, archs: &[&str]) -> Result<()> {
             revision: args.revision.clone(),
         },
         (_, _, Some(g)) => ModelSpec::Gguf(g.clone()),
-        _ => ModelSpec::Default,
+        _ => default,
     };
     let files = resolve(&spec)?;
     let loaded = load(&files, &device, dtype, args.tokenizer.as_deref())?;

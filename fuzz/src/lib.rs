@@ -38,7 +38,7 @@ pub fn gguf(data: &[u8]) {
         return;
     }
     if let Ok(g) = GgufFile::open(&path) {
-        let _ = kvpolicy::models::llama::from_gguf(&g, &Device::Cpu);
+        let _ = kvpolicy::models::gguf_model::from_gguf(&g, &Device::Cpu);
         let _ = TextTokenizer::from_gguf(&g);
     }
     let _ = std::fs::remove_file(&path);

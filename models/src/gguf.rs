@@ -212,6 +212,21 @@ impl GgufFile {
         }
     }
 
+    /// An array of floats.
+    pub fn meta_floats(&self, key: &str) -> Option<Vec<f32>> {
+        match self.meta(key) {
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|v| match v {
+                    Value::F32(x) => Some(*x),
+                    Value::F64(x) => Some(*x as f32),
+                    _ => None,
+                })
+                .collect(),
+            _ => None,
+        }
+    }
+
     /// Whether a tensor exists.
     pub fn has_tensor(&self, name: &str) -> bool {
         self.content.tensor_infos.contains_key(name)

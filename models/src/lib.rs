@@ -4,7 +4,7 @@
 //!
 //! One shared [`attention::Attention`] owns the projections, the positional encoding and the
 //! policy call; one [`Decoder`] runs the blocks; each architecture file (`llama`, `mistral`,
-//! `qwen2`, `gemma`, `opt`) only wires what differs — norms, MLP, embeddings, biases,
+//! `qwen2`, `gemma`, `opt`; `gguf_model` for GGUF files) only wires what differs — norms, MLP, embeddings, biases,
 //! position handling — and [`ModelConfig`] dispatches on config.json's `model_type`.
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -15,11 +15,13 @@ pub mod error;
 pub mod gemma;
 pub mod generate;
 pub mod gguf;
+pub mod gguf_model;
 pub mod layers;
 pub mod llama;
 pub mod mistral;
 pub mod model;
 pub mod opt;
+pub mod pypi;
 pub mod qwen2;
 pub mod random;
 pub mod rope;

@@ -1,11 +1,9 @@
 //! The Llama family (Llama 2, Llama 3 with `llama3` RoPE scaling, SmolLM2): pre-norm
-//! decoder blocks of RMSNorm → attention → RMSNorm → gated-SiLU MLP, from safetensors or
-//! GGUF. Its HF weight layout is shared by Mistral, Qwen2 and Gemma (1 and 2): their files
+//! decoder blocks of RMSNorm → attention → RMSNorm → gated-SiLU MLP, from safetensors
+//! (GGUF files: `gguf_model`). Its HF weight layout is shared by Mistral, Qwen2 and Gemma (1 and 2): their files
 //! describe what differs as a [`Recipe`] and build through [`from_varbuilder`].
 use std::path::Path;
 
-use candle_core::quantized::QMatMul;
-use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
 use kvpolicy_core::AttnSpec;
 
@@ -13,7 +11,6 @@ use crate::attention::Attention;
 use crate::config::{activation, LlamaConfig, TokenIds};
 use crate::decoder::{Block, Decoder};
 use crate::error::{ModelError, Result};
-use crate::gguf::GgufFile;
 use crate::layers::{Linear, Mlp, Norm, RmsNorm};
 use crate::model::ModelInfo;
 use crate::rope::{Rope, RopeStyle};
@@ -230,173 +227,6 @@ pub fn from_varbuilder(
         norm: Some(norm),
         lm_head,
         final_softcap: recipe.final_softcap,
-        info,
-    })
-}
-
-/// Builds the model from a GGUF file of architecture `llama` (llama.cpp's tensor names,
-/// quantized matmuls, adjacent-pair RoPE).
-pub fn from_gguf(g: &GgufFile, device: &Device) -> Result<Decoder> {
-    let arch = g.architecture()?;
-    let key = |k: &str| format!("{arch}.{k}");
-    let nh = g.meta_usize(&key("attention.head_count"))?;
-    let nkv = g.meta_usize_or(&key("attention.head_count_kv"), nh)?;
-    let n_layers = g.meta_usize(&key("block_count"))?;
-    let h = g.meta_usize(&key("embedding_length"))?;
-    let eps = g.meta_f64_or(&key("attention.layer_norm_rms_epsilon"), 1e-5)?;
-    let theta = g.meta_f64_or(&key("rope.freq_base"), 10_000.0)?;
-    let max_positions = g.meta_usize_or(&key("context_length"), 2048)?;
-    if nh == 0 || nkv == 0 || nh % nkv != 0 || h % nh != 0 {
-        return Err(g.corrupt(format!(
-            "has inconsistent head counts ({nh} heads, {nkv} KV heads, width {h})"
-        )));
-    }
-    if n_layers == 0 {
-        return Err(g.corrupt(format!(
-            "says {arch}.block_count = 0; a decoder needs at least one layer"
-        )));
-    }
-    if !(eps.is_finite() && eps >= 0.0) {
-        return Err(g.corrupt(format!(
-            "has {arch}.attention.layer_norm_rms_epsilon = {eps}; it must be a finite number ≥ 0"
-        )));
-    }
-    if !(theta.is_finite() && theta > 0.0) {
-        return Err(g.corrupt(format!(
-            "has {arch}.rope.freq_base = {theta}; it must be a finite number > 0"
-        )));
-    }
-    let hd = g.meta_usize_or(&key("rope.dimension_count"), h / nh)?;
-    // Sizes in the metadata are checked against the tensors (whose bytes the file holds)
-    // before anything is allocated from them.
-    let (vocab, emb_w) = match g.tensor_dims("token_embd.weight")?.as_slice() {
-        [v, w] => (*v, *w),
-        other => {
-            return Err(g.corrupt(format!(
-                "token_embd.weight has dimensions {other:?}, expected 2"
-            )))
-        }
-    };
-    if emb_w != h {
-        return Err(g.corrupt(format!(
-            "token_embd.weight is {vocab}×{emb_w} but the embedding width is {h}"
-        )));
-    }
-    if n_layers > 0 {
-        let q = g.tensor_dims("blk.0.attn_q.weight")?;
-        if q.get(1).copied() != Some(h) || hd.checked_mul(nh) != q.first().copied() {
-            return Err(g.corrupt(format!(
-                "blk.0.attn_q.weight has dimensions {q:?}, but {nh} heads × {hd} from a width of {h} were expected"
-            )));
-        }
-    }
-    let freq_factors = if g.has_tensor("rope_freqs.weight") {
-        let t = g
-            .tensor("rope_freqs.weight", &Device::Cpu)?
-            .dequantize(&Device::Cpu)?;
-        Some(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
-    } else {
-        None
-    };
-    let rope_cfg = crate::rope::RopeConfig {
-        theta,
-        scaling: crate::rope::RopeScaling::None,
-        freq_factors,
-    };
-    let rope = Rope::new(&rope_cfg, hd, RopeStyle::Interleaved);
-    let embed_q = g.tensor("token_embd.weight", device)?;
-    let embed = candle_nn::Embedding::new(embed_q.dequantize(device)?, h);
-    let ql = |name: String, out: usize, inp: usize| -> Result<Linear> {
-        let t = g.tensor(&name, device)?;
-        if t.shape().dims() != [out, inp] {
-            return Err(g.corrupt(format!(
-                "{name} has shape {:?}, expected [{out}, {inp}]",
-                t.shape().dims()
-            )));
-        }
-        Ok(Linear::Quant {
-            w: QMatMul::from_qtensor(t)?,
-            bias: None,
-            out,
-            inp,
-        })
-    };
-    let ffn = |g: &GgufFile, i: usize| -> Result<usize> {
-        let name = format!("blk.{i}.ffn_up.weight");
-        g.tensor_dims(&name).and_then(|d| {
-            d.first()
-                .copied()
-                .ok_or_else(|| g.corrupt(format!("{name} has no dimensions")))
-        })
-    };
-    let mut layers = Vec::new(); // n_layers comes from the file: no reservation
-    let mut intermediate = None;
-    for i in 0..n_layers {
-        let ff = ffn(g, i)?;
-        intermediate = Some(intermediate.unwrap_or(0).max(ff));
-        let attn = Attention {
-            layer: i,
-            q: ql(format!("blk.{i}.attn_q.weight"), nh * hd, h)?,
-            k: ql(format!("blk.{i}.attn_k.weight"), nkv * hd, h)?,
-            v: ql(format!("blk.{i}.attn_v.weight"), nkv * hd, h)?,
-            o: ql(format!("blk.{i}.attn_output.weight"), h, nh * hd)?,
-            rope: Some(rope.clone()),
-            q_norm: None,
-            k_norm: None,
-            spec: AttnSpec::new(nh, nkv, hd),
-        };
-        let mlp = Mlp::Gated {
-            gate: ql(format!("blk.{i}.ffn_gate.weight"), ff, h)?,
-            up: ql(format!("blk.{i}.ffn_up.weight"), ff, h)?,
-            down: ql(format!("blk.{i}.ffn_down.weight"), h, ff)?,
-            act: candle_nn::Activation::Silu,
-        };
-        let norm = |name: String| -> Result<Norm> {
-            Ok(Norm::Rms(RmsNorm::new(g.dense(&name, device)?, eps)))
-        };
-        layers.push(Block {
-            attn_norm: norm(format!("blk.{i}.attn_norm.weight"))?,
-            attn,
-            post_attn_norm: None,
-            mlp_norm: norm(format!("blk.{i}.ffn_norm.weight"))?,
-            mlp,
-            post_mlp_norm: None,
-        });
-    }
-    let norm = Norm::Rms(RmsNorm::new(g.dense("output_norm.weight", device)?, eps));
-    let out_name = if g.has_tensor("output.weight") {
-        "output.weight"
-    } else {
-        "token_embd.weight"
-    };
-    let lm_head = ql(out_name.to_string(), vocab, h)?;
-    let info = ModelInfo {
-        architecture: arch.clone(),
-        source: g.path().display().to_string(),
-        vocab_size: vocab,
-        max_positions,
-        n_layers,
-        n_heads: nh,
-        n_kv_heads: nkv,
-        head_dim: hd,
-        hidden: h,
-        intermediate: intermediate.unwrap_or(0),
-        dtype: DType::F32,
-        device: device.clone(),
-        bos: g.meta_u32_opt("tokenizer.ggml.bos_token_id"),
-        eos: g
-            .meta_u32_opt("tokenizer.ggml.eos_token_id")
-            .into_iter()
-            .collect(),
-    };
-    Ok(Decoder {
-        embed,
-        embed_scale: None,
-        positions: None,
-        layers,
-        norm: Some(norm),
-        lm_head,
-        final_softcap: None,
         info,
     })
 }

