@@ -175,9 +175,11 @@ pub fn from_gguf(g: &GgufFile, device: &Device) -> Result<Decoder> {
     let hd = match g.meta(&key("attention.key_length")) {
         Some(_) => g.meta_usize(&key("attention.key_length"))?,
         None if h % nh == 0 => g.meta_usize_or(&key("rope.dimension_count"), h / nh)?,
-        None => return Err(g.corrupt(format!(
+        None => {
+            return Err(g.corrupt(format!(
             "has a width of {h} that {nh} heads do not divide, and no {arch}.attention.key_length"
-        ))),
+        )))
+        }
     };
     // Sizes in the metadata are checked against the tensors (whose bytes the file holds)
     // before anything is allocated from them.

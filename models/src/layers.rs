@@ -24,6 +24,16 @@ pub enum Linear {
     },
 }
 
+/// Activation rows from which a quantized layer on the CPU dequantizes its weight for the
+/// call and multiplies densely (see [`Linear::forward`]).
+pub const DEQUANT_MIN_ROWS: usize = 32;
+
+/// Rows of `x` `(…, in)`: the product of every dimension but the last.
+fn rows(x: &Tensor) -> usize {
+    let d = x.dims();
+    d[..d.len().saturating_sub(1)].iter().product()
+}
+
 impl Linear {
     /// Output features.
     pub fn out_dim(&self) -> usize {
@@ -46,7 +56,17 @@ impl Linear {
         Ok(match self {
             Self::Dense(l) => l.forward(x)?,
             Self::Quant { w, bias, .. } => {
-                let y = w.forward(x)?;
+                let y = match w {
+                    QMatMul::QTensor(q) if x.device().is_cpu() && rows(x) >= DEQUANT_MIN_ROWS => {
+                        // candle's CPU quantized matmul dots one activation row at a time
+                        // against the quantized blocks (~10 GFLOP/s here); a prefill chunk
+                        // of many rows pays far less for dequantizing the weight once
+                        // (out × in work) and one f32 gemm.
+                        let dense = q.dequantize(x.device())?.to_dtype(x.dtype())?;
+                        x.broadcast_matmul(&dense.t()?)?
+                    }
+                    _ => w.forward(x)?,
+                };
                 match bias {
                     Some(b) => y.broadcast_add(b)?,
                     None => y,

@@ -153,14 +153,23 @@ impl TextTokenizer {
                 )))
             }
         };
-        // Control and user-defined tokens are matched whole in text (llama.cpp's parse_special).
-        let specials: Vec<AddedToken> = tokens
+        // Control and user-defined tokens are matched whole in text (llama.cpp's
+        // parse_special). Control tokens (`<bos>`, `<start_of_turn>`) print nothing when
+        // decoded; user-defined ones (Gemma's runs of newlines and tabs) print their text.
+        let (control, user): (Vec<_>, Vec<_>) = tokens
             .iter()
             .enumerate()
             .filter(|(i, _)| matches!(types.get(*i), Some(3) | Some(4)))
-            .map(|(_, t)| AddedToken::from(t.clone(), true))
-            .collect();
-        inner.add_special_tokens(specials).map_err(tok_err)?;
+            .partition(|(i, _)| types.get(*i) == Some(&3));
+        let added = |v: Vec<(usize, &String)>, special: bool| -> Vec<AddedToken> {
+            v.into_iter()
+                .map(|(_, t)| AddedToken::from(t.clone(), special).normalized(false))
+                .collect()
+        };
+        inner
+            .add_special_tokens(added(control, true))
+            .map_err(tok_err)?;
+        inner.add_tokens(added(user, false)).map_err(tok_err)?;
         let bos = g.meta_u32_opt("tokenizer.ggml.bos_token_id");
         let eos = g.meta_u32_opt("tokenizer.ggml.eos_token_id");
         let add_bos = g.meta_bool("tokenizer.ggml.add_bos_token").unwrap_or(false);

