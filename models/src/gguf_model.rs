@@ -170,6 +170,14 @@ pub fn from_gguf(g: &GgufFile, device: &Device) -> Result<Decoder> {
             "has {arch}.rope.freq_base = {theta}; it must be a finite number > 0"
         )));
     }
+    // The layer count sizes per-layer tables below: it must be one the tensors bear out
+    // (each layer is several tensors, and each tensor takes bytes of the file).
+    let last = format!("blk.{}.attn_q.weight", n_layers - 1);
+    if n_layers > g.content().tensor_infos.len() || !g.has_tensor(&last) {
+        return Err(g.corrupt(format!(
+            "says {arch}.block_count = {n_layers} but holds no {last}; the metadata does not match the tensors"
+        )));
+    }
     let rules = arch_rules(g, &arch, n_layers, h, nh)?;
     // Gemma's heads are wider than hidden / heads: `attention.key_length` says how wide.
     let hd = match g.meta(&key("attention.key_length")) {
