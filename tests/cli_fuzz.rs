@@ -24,31 +24,14 @@ const CASES: usize = 100;
 /// prompt tokens, takes a few seconds).
 const HANG: Duration = Duration::from_secs(90);
 
-/// xorshift64*.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-    fn pick<'a>(&mut self, v: &[&'a str]) -> &'a str {
-        v[self.below(v.len())]
-    }
-    fn chance(&mut self, one_in: usize) -> bool {
-        self.below(one_in) == 0
-    }
-    /// One of `v`, or one time in ten a value no flag accepts.
-    fn value(&mut self, v: &[&str]) -> String {
-        if self.chance(10) {
-            self.pick(BAD).into()
-        } else {
-            self.pick(v).into()
-        }
+use common::Rng;
+
+/// One of `v`, or one time in ten a value no flag accepts.
+fn value(rng: &mut Rng, v: &[&str]) -> String {
+    if rng.chance(10) {
+        rng.pick(BAD).into()
+    } else {
+        rng.pick(v).into()
     }
 }
 
@@ -316,20 +299,20 @@ fn argv(rng: &mut Rng, s: &Scratch) -> Result<Vec<String>> {
                 a.push(flag.into());
                 continue;
             }
-            "--prompt-ids" | "--decode-ids" => rng.value(IDS),
+            "--prompt-ids" | "--decode-ids" => value(rng, IDS),
             "--random-prompt" | "--max-new-tokens" | "--seed" | "--recompute-split"
-            | "--block-size" | "--prefill-chunk" => rng.value(COUNTS),
+            | "--block-size" | "--prefill-chunk" => value(rng, COUNTS),
             "--prompts-file" => s.prompts(rng)?,
-            "--temperature" | "--top-p" | "--kv-act-ratio" => rng.value(FLOATS),
+            "--temperature" | "--top-p" | "--kv-act-ratio" => value(rng, FLOATS),
             "--tokenizer" | "--profile" => match rng.below(3) {
                 0 => s.path("none.json"),
                 1 => s.config(rng)?,
                 _ => s.path(""),
             },
             "--dtype" => rng.pick(DTYPES).into(),
-            "--head-group" => rng.value(GROUPS),
-            "--device-kv-budget" => rng.value(SIZES),
-            "--link-bandwidth" => rng.value(LINKS),
+            "--head-group" => value(rng, GROUPS),
+            "--device-kv-budget" => value(rng, SIZES),
+            "--link-bandwidth" => value(rng, LINKS),
             "--ids-out" => s.output(rng, "ids.json")?,
             "--dump-logits" => s.output(rng, "logits.npy")?,
             "--stats-out" => s.output(rng, "stats.json")?,

