@@ -8,7 +8,8 @@
 //! `cargo test --release --test cli_fuzz` runs a fixed number of cases from a fixed seed;
 //! `KVPOLICY_CLI_FUZZ_SECS=600` runs for that long instead, `KVPOLICY_CLI_FUZZ_SEED` picks
 //! another seed, and `KVPOLICY_CLI_FUZZ_SHOW=1` prints every run's exit code, time and first
-//! line of stderr. A failure prints the argument vector to reproduce it.
+//! line of stderr. A failure prints its case number and argument vector;
+//! `KVPOLICY_CLI_FUZZ_CASES=674,1210` (with the same seed) replays just those cases.
 mod common;
 
 use std::process::{Command, Stdio};
@@ -434,9 +435,14 @@ fn random_argument_vectors_never_panic_abort_or_hang() -> Result<()> {
     let done = AtomicUsize::new(0);
     let codes = Mutex::new([0usize; 3]);
     let failures = Mutex::new(Vec::<String>::new());
-    let more = |i: usize| match secs {
-        Some(s) => start.elapsed() < Duration::from_secs(s),
-        None => i < CASES,
+    // KVPOLICY_CLI_FUZZ_CASES=674,1210 replays those cases of the seed, and only them.
+    let only: Option<Vec<usize>> = std::env::var("KVPOLICY_CLI_FUZZ_CASES")
+        .ok()
+        .map(|v| v.split(',').filter_map(|c| c.trim().parse().ok()).collect());
+    let more = |i: usize| match (&only, secs) {
+        (Some(list), _) => i < list.len(),
+        (None, Some(s)) => start.elapsed() < Duration::from_secs(s),
+        (None, None) => i < CASES,
     };
     let next = AtomicUsize::new(0);
     std::thread::scope(|scope| -> Result<()> {
@@ -448,6 +454,7 @@ fn random_argument_vectors_never_panic_abort_or_hang() -> Result<()> {
                         if !more(i) {
                             return Ok(());
                         }
+                        let i = only.as_ref().map_or(i, |list| list[i]);
                         let mut rng =
                             Rng((seed ^ (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)) | 1);
                         let s = Scratch {

@@ -243,6 +243,30 @@ fn edited_model(
 }
 
 #[test]
+fn zero_sizes_and_huge_random_prompts_are_errors() -> Result<()> {
+    // Found by tests/cli_fuzz.rs: head_dim 0 panicked in candle's RoPE, hidden_size 0
+    // divided by zero, vocab_size 0 printed "ids 0..18446744073709551615", and
+    // --random-prompt 2^64-1 overflowed a Vec's capacity before any check.
+    for field in ["head_dim", "hidden_size", "vocab_size"] {
+        let dir = tempfile::tempdir()?;
+        let cfg = edited_config(dir.path(), "llama_gqa", |c| c[field] = 0.into())?;
+        fails_with(
+            &["--random-weights", "--config", &cfg, "--prompt-ids", "1,2"],
+            &format!("field `{field}`: is 0; it must be at least 1"),
+        )?;
+    }
+    fails_with(
+        &[
+            "--model-dir",
+            &fixture_dir("llama_gqa"),
+            "--random-prompt",
+            "18446744073709551615",
+        ],
+        "--random-prompt 18446744073709551615 exceeds the model's 128 positions",
+    )
+}
+
+#[test]
 fn config_sizes_are_checked_against_the_weights_before_allocating() -> Result<()> {
     // 1e9 layers: the weights hold 3 (this was a 544 GB allocation).
     let dir = edited_model("llama_gqa", |c| {

@@ -299,7 +299,16 @@ fn run(args: &Args, example: &str, archs: &[&str], default: Option<ModelSpec>) -
     }
 
     let prompt_ids = match (&args.prompt_ids, &args.prompt, args.random_prompt) {
-        (_, _, Some(n)) => random_prompt(n, model.info().vocab_size, args.seed),
+        (_, _, Some(n)) => {
+            // Checked before the ids are drawn: N sizes the prompt.
+            let positions = model.info().max_positions;
+            if n > positions {
+                anyhow::bail!(
+                    "--random-prompt {n} exceeds the model's {positions} positions; ask for at most {positions} tokens"
+                );
+            }
+            random_prompt(n, model.info().vocab_size, args.seed)
+        }
         (Some(ids), _, _) => ids.clone(),
         (None, p, None) => {
             let tok = tok.as_ref().context(

@@ -148,6 +148,15 @@ pub fn activation(name: &str, field: &str) -> Result<candle_nn::Activation> {
     })
 }
 
+/// Sizes that must be at least one (a zero width or vocabulary divides by zero or wraps
+/// around further on).
+fn nonzero(fields: &[(&str, usize)]) -> Result<()> {
+    match fields.iter().find(|(_, v)| *v == 0) {
+        Some((field, _)) => Err(ModelError::config(*field, "is 0; it must be at least 1")),
+        None => Ok(()),
+    }
+}
+
 impl LlamaConfig {
     /// Per layer: the sliding window, if that layer has one. `default_sliding(i)` says
     /// which layers slide when config.json has no `layer_types`.
@@ -208,6 +217,11 @@ impl LlamaConfig {
                 "is 0; a decoder needs at least one layer",
             ));
         }
+        nonzero(&[
+            ("hidden_size", self.hidden_size),
+            ("vocab_size", self.vocab_size),
+            ("head_dim", self.head_dim.unwrap_or(1)),
+        ])?;
         if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps >= 0.0) {
             return Err(ModelError::config(
                 "rms_norm_eps",
@@ -310,6 +324,11 @@ impl OptConfig {
                 "is 0; a decoder needs at least one layer",
             ));
         }
+        nonzero(&[
+            ("hidden_size", self.hidden_size),
+            ("vocab_size", self.vocab_size),
+            ("ffn_dim", self.ffn_dim),
+        ])?;
         if !self.do_layer_norm_before {
             return Err(ModelError::config(
                 "do_layer_norm_before",

@@ -205,7 +205,11 @@ pub fn from_gguf(g: &GgufFile, device: &Device) -> Result<Decoder> {
         )));
     }
     let q = g.tensor_dims("blk.0.attn_q.weight")?;
-    if q.get(1).copied() != Some(h) || hd.checked_mul(nh) != q.first().copied() || hd % 2 != 0 {
+    if q.get(1).copied() != Some(h)
+        || hd.checked_mul(nh) != q.first().copied()
+        || hd == 0
+        || hd % 2 != 0
+    {
         return Err(g.corrupt(format!(
             "blk.0.attn_q.weight has dimensions {q:?}, but {nh} heads × {hd} (even) from a width of {h} were expected"
         )));
