@@ -15,8 +15,9 @@ mod common;
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
+use kvpolicy::models::generate::DEFAULT_PREFILL_CHUNK;
+use kvpolicy::models::load;
 use kvpolicy::models::source::ModelFiles;
-use kvpolicy::models::{generate, load, GenerateConfig};
 use kvpolicy::{build_policy, PolicyOptions};
 
 /// Our teacher-forced logits of fixture `name`'s ids on its GGUF.
@@ -25,21 +26,13 @@ fn ours(name: &str) -> Result<Tensor> {
     let loaded = load(&ModelFiles::Gguf(path), &Device::Cpu, DType::F32, None)?;
     let (prompt, decode) = common::fixture_ids(name)?;
     let mut policy = build_policy("full", &PolicyOptions::default())?;
-    let cfg = GenerateConfig {
-        decode_ids: Some(decode),
-        collect_logits: true,
-        stop_at_eos: false,
-        ..GenerateConfig::default()
-    };
-    let gen = generate(
+    common::teacher_forced_logits(
         loaded.model.as_ref(),
         policy.as_mut(),
         &prompt,
-        &cfg,
-        &mut |_| Ok(()),
-    )?;
-    gen.logits
-        .ok_or_else(|| anyhow::anyhow!("no logits collected"))
+        &decode,
+        DEFAULT_PREFILL_CHUNK,
+    )
 }
 
 fn llamacpp(name: &str) -> Result<Tensor> {

@@ -15,6 +15,7 @@ mod common;
 
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, IndexOp};
+use kvpolicy::models::generate::DEFAULT_PREFILL_CHUNK;
 use kvpolicy::models::source::ModelFiles;
 use kvpolicy::models::{generate, load, GenerateConfig, Loaded};
 use kvpolicy::{build_policy, AttnSpec, HeadGroup, PolicyOptions};
@@ -46,17 +47,7 @@ fn tokenization_equals_llamacpp() -> Result<()> {
     let loaded = gemma3()?;
     let tok = loaded.tokenizer.context("GGUF tokenizer")?;
     let refs = common::gemma3_refs()?;
-    let cases = refs["tokenizations"].as_array().context("tokenizations")?;
-    assert!(cases.len() >= 6);
-    for c in cases {
-        let text = c["text"].as_str().context("text")?;
-        let want = common::ids_of(&c["ids"])?;
-        let got = tok.encode(text)?;
-        assert_eq!(got, want, "tokenization of {text:?}");
-        if c["special"] == false {
-            assert_eq!(tok.decode(&got)?, text, "round trip of {text:?}");
-        }
-    }
+    common::assert_tokenizations(&tok, &refs, 6)?;
     // The prompts of the greedy runs too (the needle prompts are thousands of tokens).
     for g in refs["greedy"].as_array().context("greedy")? {
         let text = g["prompt"].as_str().context("prompt")?;
@@ -70,20 +61,13 @@ fn tokenization_equals_llamacpp() -> Result<()> {
 /// llama.cpp's token (0 where we agree).
 fn gaps(loaded: &Loaded, prompt: &[u32], want: &[u32]) -> Result<Vec<f32>> {
     let mut policy = build_policy("full", &PolicyOptions::default())?;
-    let cfg = GenerateConfig {
-        decode_ids: Some(want[..want.len() - 1].to_vec()),
-        collect_logits: true,
-        stop_at_eos: false,
-        ..GenerateConfig::default()
-    };
-    let gen = generate(
+    let logits = common::teacher_forced_logits(
         loaded.model.as_ref(),
         policy.as_mut(),
         prompt,
-        &cfg,
-        &mut |_| Ok(()),
+        &want[..want.len() - 1],
+        DEFAULT_PREFILL_CHUNK,
     )?;
-    let logits = gen.logits.context("logits")?;
     let mut out = Vec::new();
     for (i, &tok) in want.iter().enumerate() {
         let row = logits.i(prompt.len() - 1 + i)?.to_vec1::<f32>()?;

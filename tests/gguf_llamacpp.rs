@@ -28,19 +28,7 @@ fn tokenization_equals_llamacpp() -> Result<()> {
     let loaded = load(&ModelFiles::Gguf(path), &Device::Cpu, DType::F32, None)?;
     let tok = loaded.tokenizer.context("GGUF tokenizer")?;
     let refs = common::llamacpp_refs()?;
-    let cases = refs["tokenizations"].as_array().context("tokenizations")?;
-    assert!(cases.len() >= 5);
-    for c in cases {
-        let text = c["text"].as_str().context("text")?;
-        let want = common::ids_of(&c["ids"])?;
-        let got = tok.encode(text)?;
-        assert_eq!(got, want, "tokenization of {text:?}");
-        // And back: decoding reproduces the text (special tokens aside).
-        if c["special"] == false {
-            assert_eq!(tok.decode(&got)?, text, "round trip of {text:?}");
-        }
-    }
-    Ok(())
+    common::assert_tokenizations(&tok, &refs, 5)
 }
 
 #[test]

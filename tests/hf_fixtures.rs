@@ -5,7 +5,7 @@ mod common;
 use anyhow::Result;
 use candle_core::Tensor;
 use candle_core::{DType, Device};
-use kvpolicy::models::{generate, load, resolve, GenerateConfig, ModelSpec};
+use kvpolicy::models::{load, resolve, ModelSpec};
 use kvpolicy::{build_policy, PolicyOptions};
 
 const TOL: f32 = 1e-4;
@@ -20,22 +20,13 @@ fn run_dir(name: &str, dir: &std::path::Path, chunk: usize) -> Result<f32> {
     let loaded = load(&files, &Device::Cpu, DType::F32, None)?;
     let (prompt, decode) = common::fixture_ids(name)?;
     let mut policy = build_policy("full", &PolicyOptions::default())?;
-    let cfg = GenerateConfig {
-        prefill_chunk: chunk,
-        decode_ids: Some(decode),
-        collect_logits: true,
-        ..GenerateConfig::default()
-    };
-    let gen = generate(
+    let got = common::teacher_forced_logits(
         loaded.model.as_ref(),
         policy.as_mut(),
         &prompt,
-        &cfg,
-        &mut |_| Ok(()),
+        &decode,
+        chunk,
     )?;
-    let got = gen
-        .logits
-        .ok_or_else(|| anyhow::anyhow!("no logits collected"))?;
     let want = common::fixture_logits(name)?;
     assert_eq!(got.dims(), want.dims(), "{name}: logits shape");
     common::max_abs_diff(&got, &want)

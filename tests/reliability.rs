@@ -29,6 +29,17 @@ fn edited_config(
     Ok(path.to_string_lossy().into_owned())
 }
 
+/// `--random-weights` on the GQA fixture's config with `value` set at `field` must fail
+/// with `needle` (and leave nothing behind).
+fn random_config_fails(field: &str, value: serde_json::Value, needle: &str) -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let cfg = edited_config(dir.path(), "llama_gqa", |c| c[field] = value)?;
+    fails_with(
+        &["--random-weights", "--config", &cfg, "--prompt-ids", "1,2"],
+        needle,
+    )
+}
+
 /// A short run on the GQA fixture writing its ids to `out`; must succeed.
 fn ids_to(out: &Path) -> Result<()> {
     let o = llama(&[
@@ -138,15 +149,7 @@ fn huge_and_zero_sizes_are_errors() -> Result<()> {
         ],
         "exceeds the model's",
     )?;
-    let dir = tempfile::tempdir()?;
-    let cfg = edited_config(dir.path(), "llama_gqa", |c| {
-        c["num_hidden_layers"] = 0.into()
-    })?;
-    fails_with(
-        &["--random-weights", "--config", &cfg, "--prompt-ids", "1,2"],
-        "num_hidden_layers",
-    )?;
-    Ok(())
+    random_config_fails("num_hidden_layers", 0.into(), "num_hidden_layers")
 }
 
 #[test]
@@ -156,12 +159,7 @@ fn nonsensical_config_numbers_are_rejected_at_load() -> Result<()> {
         ("rope_theta", serde_json::json!(-10000.0)),
         ("rms_norm_eps", serde_json::json!(-1e-5)),
     ] {
-        let dir = tempfile::tempdir()?;
-        let cfg = edited_config(dir.path(), "llama_gqa", |c| c[field] = value.clone())?;
-        fails_with(
-            &["--random-weights", "--config", &cfg, "--prompt-ids", "1,2"],
-            field,
-        )?;
+        random_config_fails(field, value, field)?;
     }
     Ok(())
 }
@@ -248,10 +246,9 @@ fn zero_sizes_and_huge_random_prompts_are_errors() -> Result<()> {
     // divided by zero, vocab_size 0 printed "ids 0..18446744073709551615", and
     // --random-prompt 2^64-1 overflowed a Vec's capacity before any check.
     for field in ["head_dim", "hidden_size", "vocab_size"] {
-        let dir = tempfile::tempdir()?;
-        let cfg = edited_config(dir.path(), "llama_gqa", |c| c[field] = 0.into())?;
-        fails_with(
-            &["--random-weights", "--config", &cfg, "--prompt-ids", "1,2"],
+        random_config_fails(
+            field,
+            0.into(),
             &format!("field `{field}`: is 0; it must be at least 1"),
         )?;
     }
@@ -282,15 +279,7 @@ fn config_sizes_are_checked_against_the_weights_before_allocating() -> Result<()
     let d = dir.path().to_string_lossy().into_owned();
     fails_with(&["--model-dir", &d, "--prompt-ids", "1,2"], "q_proj.weight")?;
     // Random weights have no file to check against: they are checked against memory.
-    let tmp = tempfile::tempdir()?;
-    let cfg = edited_config(tmp.path(), "llama_gqa", |c| {
-        c["num_hidden_layers"] = 1_000_000_000.into()
-    })?;
-    fails_with(
-        &["--random-weights", "--config", &cfg, "--prompt-ids", "1,2"],
-        "available",
-    )?;
-    Ok(())
+    random_config_fails("num_hidden_layers", 1_000_000_000.into(), "available")
 }
 
 /// `hybrid`'s device KV peak for a 3 + 4 token run at `block` tokens per block.

@@ -148,9 +148,15 @@ pub fn activation(name: &str, field: &str) -> Result<candle_nn::Activation> {
     })
 }
 
-/// Sizes that must be at least one (a zero width or vocabulary divides by zero or wraps
-/// around further on).
-fn nonzero(fields: &[(&str, usize)]) -> Result<()> {
+/// A decoder's sizes: at least one layer, and each of `fields` at least one (a zero width or
+/// vocabulary divides by zero or wraps around further on).
+fn check_sizes(num_hidden_layers: usize, fields: &[(&str, usize)]) -> Result<()> {
+    if num_hidden_layers == 0 {
+        return Err(ModelError::config(
+            "num_hidden_layers",
+            "is 0; a decoder needs at least one layer",
+        ));
+    }
     match fields.iter().find(|(_, v)| *v == 0) {
         Some((field, _)) => Err(ModelError::config(*field, "is 0; it must be at least 1")),
         None => Ok(()),
@@ -211,17 +217,14 @@ impl LlamaConfig {
 
     /// Checks the shapes are consistent and the numbers make sense.
     pub fn validate(&self) -> Result<()> {
-        if self.num_hidden_layers == 0 {
-            return Err(ModelError::config(
-                "num_hidden_layers",
-                "is 0; a decoder needs at least one layer",
-            ));
-        }
-        nonzero(&[
-            ("hidden_size", self.hidden_size),
-            ("vocab_size", self.vocab_size),
-            ("head_dim", self.head_dim.unwrap_or(1)),
-        ])?;
+        check_sizes(
+            self.num_hidden_layers,
+            &[
+                ("hidden_size", self.hidden_size),
+                ("vocab_size", self.vocab_size),
+                ("head_dim", self.head_dim.unwrap_or(1)),
+            ],
+        )?;
         if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps >= 0.0) {
             return Err(ModelError::config(
                 "rms_norm_eps",
@@ -318,17 +321,14 @@ pub struct OptConfig {
 impl OptConfig {
     /// Rejects the layouts this code does not implement, naming the field.
     pub fn validate(&self) -> Result<()> {
-        if self.num_hidden_layers == 0 {
-            return Err(ModelError::config(
-                "num_hidden_layers",
-                "is 0; a decoder needs at least one layer",
-            ));
-        }
-        nonzero(&[
-            ("hidden_size", self.hidden_size),
-            ("vocab_size", self.vocab_size),
-            ("ffn_dim", self.ffn_dim),
-        ])?;
+        check_sizes(
+            self.num_hidden_layers,
+            &[
+                ("hidden_size", self.hidden_size),
+                ("vocab_size", self.vocab_size),
+                ("ffn_dim", self.ffn_dim),
+            ],
+        )?;
         if !self.do_layer_norm_before {
             return Err(ModelError::config(
                 "do_layer_norm_before",

@@ -186,6 +186,27 @@ pub fn greedy_reference_prompt() -> Result<Vec<u32>> {
     ids_of(&g["prompt_ids"])
 }
 
+/// llama.cpp's `tokenizations` in `refs` (at least `min` of them): `tok` gives the same ids,
+/// and decoding gives back the text where it holds no special tokens.
+pub fn assert_tokenizations(
+    tok: &kvpolicy::models::TextTokenizer,
+    refs: &serde_json::Value,
+    min: usize,
+) -> Result<()> {
+    let cases = refs["tokenizations"].as_array().context("tokenizations")?;
+    assert!(cases.len() >= min, "{} reference texts", cases.len());
+    for c in cases {
+        let text = c["text"].as_str().context("text")?;
+        let want = ids_of(&c["ids"])?;
+        let got = tok.encode(text)?;
+        assert_eq!(got, want, "tokenization of {text:?}");
+        if c["special"] == false {
+            assert_eq!(tok.decode(&got)?, text, "round trip of {text:?}");
+        }
+    }
+    Ok(())
+}
+
 /// Ids in a JSON array.
 pub fn ids_of(v: &serde_json::Value) -> Result<Vec<u32>> {
     Ok(serde_json::from_value(v.clone())?)
