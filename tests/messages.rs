@@ -182,3 +182,25 @@ fn a_link_that_makes_steps_take_minutes_is_warned_about() -> Result<()> {
     );
     Ok(())
 }
+
+#[test]
+fn a_default_model_that_cannot_be_fetched_says_where_to_put_it() -> Result<()> {
+    // Gemma 3 270M (the gemma example's default) with an empty cache and fetching forbidden:
+    // an error naming the model, the cache path and what to do; nothing is created there.
+    let cache = tempfile::tempdir()?;
+    let o = Command::new(common::example_bin("gemma"))
+        .args(["--prompt-ids", "2,3"])
+        .env("KVPOLICY_CACHE", cache.path())
+        .env("HF_HUB_OFFLINE", "1")
+        .output()?;
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("Gemma 3 270M is not cached at")
+            && err.contains("gemma-3-270m-q4_k_m.gguf")
+            && err.contains("HF_HUB_OFFLINE forbids fetching it; place the GGUF there, or pass --gguf/--model-dir"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read_dir(cache.path())?.count(), 0);
+    Ok(())
+}
