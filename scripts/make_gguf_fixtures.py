@@ -10,20 +10,32 @@ metadata and a placeholder SentencePiece vocabulary of the fixture's size (`<unk
 the fixture's token ids on the file and the logits of every position are written to
 tests/fixtures/gguf/NAME.logits.npy (float32 [tokens, vocab]).
 
+For the Gemma family a second run writes NAME.f32gelu.logits.npy: llama.cpp's CPU backend
+evaluates GeLU through a table indexed by the f16-rounded input and holding f16 outputs
+(`GGML_GELU_FP16` in ggml-cpu), which moves these logits by 2e-3 to 6e-3 — all of the
+difference from HF on `gemma`, traced tensor by tensor through llama.cpp's eval callback
+(every tensor before the first `ffn_geglu` agrees to 1e-7, that one by f16 rounding). The
+second run uses the same callback (`cb_eval`) to overwrite each `ffn_geglu-N` node, right
+after llama.cpp computed it, with GeLU(gate)·up evaluated in f64 from llama.cpp's own gate
+and up tensors; everything else is llama.cpp's f32 path unchanged. The number of nodes
+replaced is checked against the layer count.
+
 What llama.cpp does with these files is its own reading of the metadata, which is what the
 test (`tests/gguf_fixtures.rs`) compares against: a Mistral GGUF has architecture `llama`
 (no sliding window), Gemma 2/3 scale queries by head_dim^-1/2 and Gemma 3 slides on five
 layers of six, whatever the HF config said.
 
-Pinned: llama-cpp-python==0.3.36, gguf (PyPI), torch/transformers as make_fixtures.py.
+Pinned: llama-cpp-python==0.3.36, gguf==0.19.0, torch/transformers as make_fixtures.py.
     python3 scripts/make_gguf_fixtures.py
 """
+import ctypes
 import json
 import sys
 from pathlib import Path
 
 import gguf
 import llama_cpp
+import llama_cpp.llama as llama_high
 import numpy as np
 from safetensors.numpy import load_file
 
@@ -31,6 +43,65 @@ ROOT = Path(__file__).resolve().parent.parent
 FIX = ROOT / "tests" / "fixtures"
 OUT = FIX / "gguf"
 ARCH = {"llama_gqa": "llama", "mistral": "llama", "qwen2": "qwen2", "gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3"}
+
+
+class GgmlTensor(ctypes.Structure):
+    """The head of ggml's `struct ggml_tensor` (ggml.h) in the llama.cpp of llama-cpp-python 0.3.36."""
+
+    _fields_ = [("type", ctypes.c_int), ("buffer", ctypes.c_void_p), ("ne", ctypes.c_int64 * 4),
+                ("nb", ctypes.c_size_t * 4), ("op", ctypes.c_int), ("op_params", ctypes.c_int32 * 16),
+                ("flags", ctypes.c_int32), ("src", ctypes.c_void_p * 10), ("view_src", ctypes.c_void_p),
+                ("view_offs", ctypes.c_size_t), ("data", ctypes.c_void_p), ("name", ctypes.c_char * 64)]
+
+
+def f32_view(ptr):
+    """The data of a contiguous f32 tensor on the CPU backend, as a writable numpy view."""
+    t = ctypes.cast(ptr, ctypes.POINTER(GgmlTensor)).contents
+    if t.type != 0 or t.nb[0] != 4 or t.nb[1] != 4 * t.ne[0]:
+        sys.exit(f"{t.name!r} is not a contiguous f32 tensor; the ggml_tensor layout changed?")
+    n = t.ne[0] * t.ne[1] * t.ne[2] * t.ne[3]
+    return t, np.ctypeslib.as_array(ctypes.cast(t.data, ctypes.POINTER(ctypes.c_float)), shape=(n,))
+
+
+REPLACED = [0]
+
+
+@llama_cpp.ggml_backend_sched_eval_callback
+def exact_gelu(ptr, ask, _user):
+    """Asks for each `ffn_geglu-N` node and overwrites it with GeLU(gate)·up in f64."""
+    t = ctypes.cast(ptr, ctypes.POINTER(GgmlTensor)).contents
+    if ask:
+        return t.name.startswith(b"ffn_geglu-")
+    gate_t, gate = f32_view(t.src[0])
+    up_t, up = f32_view(t.src[1])
+    if not (gate_t.name.startswith(b"ffn_gate-") and up_t.name.startswith(b"ffn_up-")):
+        sys.exit(f"{t.name!r} has sources {gate_t.name!r}, {up_t.name!r}; expected ffn_gate-N, ffn_up-N")
+    x = gate.astype(np.float64)
+    y = 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3))) * up.astype(np.float64)
+    f32_view(ptr)[1][:] = y.astype(np.float32)
+    REPLACED[0] += 1
+    return True
+
+
+def llamacpp_logits(path, seq, callback=None):
+    """llama.cpp's logits at every position of `seq` (f32 KV cache, 2 threads)."""
+    default_params = llama_high.llama_cpp.llama_context_default_params
+
+    def with_callback():
+        p = default_params()
+        if callback is not None:
+            p.cb_eval = callback
+        return p
+
+    llama_high.llama_cpp.llama_context_default_params = with_callback
+    try:
+        # f32 KV cache: llama.cpp's default f16 cache alone moves these logits by ~0.02.
+        llm = llama_cpp.Llama(model_path=str(path), n_ctx=128, n_batch=128, logits_all=True, n_threads=2,
+                              type_k=0, type_v=0, verbose=False)
+        llm.eval(seq)
+        return np.array(llm.scores[: len(seq)], dtype=np.float32)
+    finally:
+        llama_high.llama_cpp.llama_context_default_params = default_params
 
 
 def permute(w, n_head):
@@ -136,13 +207,16 @@ def write(name):
 
     ids = json.loads((d / "ids.json").read_text())
     seq = ids["prompt_ids"] + ids["decode_ids"]
-    # f32 KV cache: llama.cpp's default f16 cache alone moves these logits by ~0.02.
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=128, n_batch=128, logits_all=True, n_threads=2,
-                          type_k=0, type_v=0, verbose=False)
-    llm.eval(seq)
-    logits = np.array(llm.scores[: len(seq)], dtype=np.float32)
+    logits = llamacpp_logits(path, seq)
     np.save(OUT / f"{name}.logits.npy", logits)
     print(f"{name}: {path.name} ({arch}), llama.cpp logits {logits.shape}")
+    if gemma:
+        REPLACED[0] = 0
+        exact = llamacpp_logits(path, seq, exact_gelu)
+        if REPLACED[0] != cfg["num_hidden_layers"]:
+            sys.exit(f"{name}: replaced {REPLACED[0]} GeLU nodes, expected one per layer ({cfg['num_hidden_layers']})")
+        np.save(OUT / f"{name}.f32gelu.logits.npy", exact)
+        print(f"{name}: llama.cpp with f32 GeLU differs from its table GeLU by {np.abs(exact - logits).max():.2e}")
 
 
 def main():

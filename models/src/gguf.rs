@@ -27,6 +27,26 @@ impl std::fmt::Debug for GgufFile {
     }
 }
 
+/// A metadata value as an error message shows it: short values in full, with their GGUF type.
+fn describe(v: &Value) -> String {
+    match v {
+        Value::String(s) if s.chars().count() <= 40 => format!("{s:?} (a string)"),
+        Value::String(s) => format!("a string of {} characters", s.chars().count()),
+        Value::Array(a) => format!("an array of {} values", a.len()),
+        Value::Bool(b) => format!("{b} (a boolean)"),
+        Value::F32(x) => format!("{x} (a float)"),
+        Value::F64(x) => format!("{x} (a float)"),
+        Value::I8(x) => format!("{x}"),
+        Value::I16(x) => format!("{x}"),
+        Value::I32(x) => format!("{x}"),
+        Value::I64(x) => format!("{x}"),
+        Value::U8(x) => format!("{x}"),
+        Value::U16(x) => format!("{x}"),
+        Value::U32(x) => format!("{x}"),
+        Value::U64(x) => format!("{x}"),
+    }
+}
+
 fn as_u64(v: &Value) -> Option<u64> {
     match v {
         Value::U8(x) => Some(*x as u64),
@@ -141,10 +161,17 @@ impl GgufFile {
 
     /// An integer metadata value that must be present.
     pub fn meta_usize(&self, key: &str) -> Result<usize> {
-        self.meta(key)
-            .and_then(as_u64)
-            .map(|v| v as usize)
-            .ok_or_else(|| self.corrupt(format!("lacks the integer metadata `{key}`")))
+        match self.meta(key) {
+            None => Err(self.corrupt(format!("lacks the integer metadata `{key}`"))),
+            Some(v) => as_u64(v)
+                .and_then(|v| usize::try_from(v).ok())
+                .ok_or_else(|| {
+                    self.corrupt(format!(
+                        "has `{key}` = {}, expected a non-negative integer",
+                        describe(v)
+                    ))
+                }),
+        }
     }
 
     /// An integer metadata value with a default.
@@ -168,7 +195,9 @@ impl GgufFile {
             None => Ok(default),
             Some(Value::F32(x)) => Ok(*x as f64),
             Some(Value::F64(x)) => Ok(*x),
-            Some(_) => Err(self.corrupt(format!("has a non-float `{key}`"))),
+            Some(v) => {
+                Err(self.corrupt(format!("has `{key}` = {}, expected a number", describe(v))))
+            }
         }
     }
 

@@ -17,7 +17,7 @@ use kvpolicy_core::AttnSpec;
 
 use crate::attention::Attention;
 use crate::decoder::{Block, Decoder};
-use crate::error::Result;
+use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
 use crate::layers::{Linear, Mlp, Norm, RmsNorm};
 use crate::model::ModelInfo;
@@ -41,6 +41,14 @@ struct Arch {
     windows: Vec<Option<usize>>,
     /// RoPE base of sliding-window layers, unscaled (Gemma 3).
     local_theta: Option<f64>,
+}
+
+/// The error for a GGUF of an architecture we do not build.
+fn unsupported(g: &GgufFile, arch: &str) -> ModelError {
+    g.corrupt(format!(
+        "has architecture `{arch}`, which is not supported from GGUF; supported: {}",
+        GGUF_ARCHITECTURES.join(", ")
+    ))
 }
 
 /// The architecture `arch`'s rules for a model of `n_layers` layers, width `h`, `nh` heads.
@@ -113,12 +121,7 @@ fn arch_rules(g: &GgufFile, arch: &str, n_layers: usize, h: usize, nh: usize) ->
                 ..gemma()
             }
         }
-        other => {
-            return Err(g.corrupt(format!(
-                "has architecture `{other}`, which is not supported from GGUF; supported: {}",
-                GGUF_ARCHITECTURES.join(", ")
-            )))
-        }
+        other => return Err(unsupported(g, other)),
     })
 }
 
@@ -142,6 +145,9 @@ fn rope_scaling(g: &GgufFile, arch: &str) -> Result<RopeScaling> {
 /// Builds the model from a GGUF file (see the module docs for the architectures).
 pub fn from_gguf(g: &GgufFile, device: &Device) -> Result<Decoder> {
     let arch = g.architecture()?;
+    if !GGUF_ARCHITECTURES.contains(&arch.as_str()) {
+        return Err(unsupported(g, &arch));
+    }
     let key = |k: &str| format!("{arch}.{k}");
     let nh = g.meta_usize(&key("attention.head_count"))?;
     let nkv = g.meta_usize_or(&key("attention.head_count_kv"), nh)?;
@@ -152,7 +158,8 @@ pub fn from_gguf(g: &GgufFile, device: &Device) -> Result<Decoder> {
     let max_positions = g.meta_usize_or(&key("context_length"), 2048)?;
     if nh == 0 || nkv == 0 || nh % nkv != 0 {
         return Err(g.corrupt(format!(
-            "has inconsistent head counts ({nh} heads, {nkv} KV heads)"
+            "has inconsistent head counts ({nh} heads, {nkv} KV heads): the query heads must be a \
+             whole multiple of the KV heads, both at least 1"
         )));
     }
     if n_layers == 0 {
