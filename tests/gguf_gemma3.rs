@@ -14,8 +14,7 @@
 mod common;
 
 use anyhow::{Context, Result};
-use candle_core::{DType, Device, IndexOp};
-use kvpolicy::models::generate::DEFAULT_PREFILL_CHUNK;
+use candle_core::{DType, Device};
 use kvpolicy::models::source::ModelFiles;
 use kvpolicy::models::{generate, load, GenerateConfig, Loaded};
 use kvpolicy::{build_policy, AttnSpec, HeadGroup, PolicyOptions};
@@ -57,26 +56,6 @@ fn tokenization_equals_llamacpp() -> Result<()> {
     Ok(())
 }
 
-/// Teacher-forced along `want` after `prompt`: per step, our top logit minus our logit of
-/// llama.cpp's token (0 where we agree).
-fn gaps(loaded: &Loaded, prompt: &[u32], want: &[u32]) -> Result<Vec<f32>> {
-    let mut policy = build_policy("full", &PolicyOptions::default())?;
-    let logits = common::teacher_forced_logits(
-        loaded.model.as_ref(),
-        policy.as_mut(),
-        prompt,
-        &want[..want.len() - 1],
-        DEFAULT_PREFILL_CHUNK,
-    )?;
-    let mut out = Vec::new();
-    for (i, &tok) in want.iter().enumerate() {
-        let row = logits.i(prompt.len() - 1 + i)?.to_vec1::<f32>()?;
-        let best = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        out.push(best - row[tok as usize]);
-    }
-    Ok(out)
-}
-
 #[test]
 fn greedy_follows_llamacpp() -> Result<()> {
     let loaded = gemma3()?;
@@ -92,8 +71,8 @@ fn greedy_follows_llamacpp() -> Result<()> {
         .zip(&f32)
         .position(|(a, b)| a != b)
         .context("llama.cpp's f16 and f32 KV runs agree; the tolerance has no anchor")?;
-    let a = gaps(&loaded, &prompt, &f16[..=part])?[part];
-    let b = gaps(&loaded, &prompt, &f32[..=part])?[part];
+    let a = common::greedy_gaps(loaded.model.as_ref(), &prompt, &f16[..=part])?[part];
+    let b = common::greedy_gaps(loaded.model.as_ref(), &prompt, &f32[..=part])?[part];
     let tie = a.max(b);
     println!("llama.cpp's f16/f32 KV runs part at step {part}: our gaps {a} and {b}");
     assert!(
@@ -104,7 +83,7 @@ fn greedy_follows_llamacpp() -> Result<()> {
         let g = run_named(&refs, name)?;
         let prompt = common::ids_of(&g["prompt_ids"])?;
         let want = common::ids_of(&g["generated_ids"])?;
-        let gaps = gaps(&loaded, &prompt, &want)?;
+        let gaps = common::greedy_gaps(loaded.model.as_ref(), &prompt, &want)?;
         let off: Vec<(usize, f32)> = gaps
             .iter()
             .copied()

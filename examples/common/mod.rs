@@ -9,6 +9,7 @@ use anyhow::{Context, Result};
 mod applies;
 mod atomic;
 mod batch;
+mod threads;
 use atomic::Staged;
 use candle_core::{DType, Device};
 use clap::{CommandFactory, FromArgMatches, Parser};
@@ -163,6 +164,7 @@ fn random_prompt(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
 /// example's name, `archs` the architectures (`ModelInfo::architecture`) it runs and
 /// `default` the model it loads when no model flag is given.
 pub fn main(example: &str, archs: &[&str], default: Option<ModelSpec>) -> ExitCode {
+    threads::settle();
     let matches = Args::command().get_matches();
     let args = Args::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     init_tracing();

@@ -18,6 +18,8 @@ mod plot;
 mod report;
 mod stock;
 mod sweep;
+#[path = "../common/threads.rs"]
+mod threads;
 
 use std::path::PathBuf;
 
@@ -97,6 +99,7 @@ fn parse_size(s: &str) -> std::result::Result<u64, String> {
 }
 
 fn main() -> Result<()> {
+    threads::settle();
     let mut args = Args::parse();
     if args.quick {
         args.context = vec![64, 256];

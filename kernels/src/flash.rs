@@ -16,7 +16,7 @@
 //!
 //! The CPU implementation (`cpu_fwd`) is the reference: f32/f16/bf16 inputs, f32
 //! accumulation, the tile products through the `gemm` crate (candle's own matmul backend,
-//! SIMD dispatched at run time), rayon across (batch, KV head, query tile) items and, when
+//! SIMD dispatched at run time), candle's CPU worker pool across (batch, KV head, query tile) items and, when
 //! those are fewer than the threads (decode), across ranges of keys merged by their
 //! log-sum-exp. Every scratch buffer is counted while it lives; [`flash_attn`] reports the
 //! peak.
@@ -27,6 +27,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 
 mod cpu;
+mod small;
 use cpu::compute;
 
 /// Query rows (query heads of one KV head × positions) per tile.
@@ -200,9 +201,10 @@ pub(crate) fn splits_for(items: usize, threads: usize) -> usize {
     (4 * threads).div_ceil(items.max(1)).max(1)
 }
 
-/// Threads the CPU kernel spreads a call over (rayon's pool).
+/// Threads the CPU kernel spreads a call over: candle's CPU worker pool and the calling
+/// thread.
 pub fn threads() -> usize {
-    rayon::current_num_threads()
+    candle_core::utils::barrier_pool().n_workers() + 1
 }
 
 /// f32 values of one task's workspace ([`Workspace`]) for `rows` query rows.
@@ -303,7 +305,7 @@ mod tests {
     #[test]
     fn scratch_matches_the_formula() -> Result<()> {
         let dev = Device::Cpu;
-        let threads = rayon::current_num_threads();
+        let threads = threads();
         for (b, nkv, g, t, s, d) in [
             (1, 3, 3, 1, 4096, 64),
             (1, 1, 3, 1, 600, 64),

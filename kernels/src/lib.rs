@@ -12,12 +12,17 @@
 //!   per-tile masks from positions, GQA without repeating K/V, soft-cap, windows), returning
 //!   each row's log-sum-exp; every policy's attention runs through it.
 //!
+//! * [`quant`] — CPU quantized matmul for the GGML formats candle dots with a scalar loop
+//!   (Q4_1, Q5_0, Q5_1): AVX2 integer dot products with runtime detection, a portable
+//!   fallback, candle's CPU worker pool over output rows.
+//!
 //! Without the `cuda` feature nothing is compiled for the GPU and the build script does
 //! nothing; the CPU path is always available.
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 pub mod flash;
 pub mod heads_into;
+pub mod quant;
 
 pub use flash::{flash_attn, CallShape, FlashAttn, FlashOut, FlashParams, TILE_KEYS, TILE_ROWS};
 pub use heads_into::{heads_into, HeadsInto, Rotation};

@@ -266,12 +266,7 @@ pub fn from_gguf(g: &GgufFile, device: &Device) -> Result<Decoder> {
                 t.shape().dims()
             )));
         }
-        Ok(Linear::Quant {
-            w: QMatMul::from_qtensor(t)?,
-            bias,
-            out,
-            inp,
-        })
+        Ok(Linear::quantized(QMatMul::from_qtensor(t)?, bias, out, inp))
     };
     let norm = |name: String, width: usize| -> Result<Norm> {
         let w = g.dense(&name, device)?;

@@ -3,6 +3,7 @@
 //! shapes (gated, as in Llama/Gemma; plain, as in OPT).
 use candle_core::quantized::QMatMul;
 use candle_core::{Module, Tensor};
+use kvpolicy_kernels::quant::{self, QuantMatMul};
 
 use crate::error::Result;
 
@@ -15,6 +16,9 @@ pub enum Linear {
     Quant {
         /// The quantized matmul.
         w: QMatMul,
+        /// Our CPU kernel for the formats candle dots with a scalar loop (Q4_1, Q5_0, Q5_1),
+        /// used for activation rows below [`DEQUANT_MIN_ROWS`].
+        fast: Option<QuantMatMul>,
         /// Bias `(out,)`.
         bias: Option<Tensor>,
         /// Output features.
@@ -35,6 +39,21 @@ fn rows(x: &Tensor) -> usize {
 }
 
 impl Linear {
+    /// A quantized layer `(out, inp)` with an optional bias.
+    pub fn quantized(w: QMatMul, bias: Option<Tensor>, out: usize, inp: usize) -> Self {
+        let fast = match &w {
+            QMatMul::QTensor(q) => QuantMatMul::new(q.clone()),
+            _ => None,
+        };
+        Self::Quant {
+            w,
+            fast,
+            bias,
+            out,
+            inp,
+        }
+    }
+
     /// Output features.
     pub fn out_dim(&self) -> usize {
         match self {
@@ -55,7 +74,7 @@ impl Linear {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Ok(match self {
             Self::Dense(l) => l.forward(x)?,
-            Self::Quant { w, bias, .. } => {
+            Self::Quant { w, fast, bias, .. } => {
                 let y = match w {
                     QMatMul::QTensor(q) if x.device().is_cpu() && rows(x) >= DEQUANT_MIN_ROWS => {
                         // candle's CPU quantized matmul dots one activation row at a time
@@ -65,7 +84,10 @@ impl Linear {
                         let dense = q.dequantize(x.device())?.to_dtype(x.dtype())?;
                         x.broadcast_matmul(&dense.t()?)?
                     }
-                    _ => w.forward(x)?,
+                    _ => match fast {
+                        Some(op) if quant::applies(x) => op.forward(x)?,
+                        _ => w.forward(x)?,
+                    },
                 };
                 match bias {
                     Some(b) => y.broadcast_add(b)?,

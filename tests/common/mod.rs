@@ -5,10 +5,11 @@ pub mod cli;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, IndexOp, Tensor};
+use kvpolicy::models::generate::DEFAULT_PREFILL_CHUNK;
 use kvpolicy::models::source::{default_files, ModelFiles};
 use kvpolicy::models::{generate, load, resolve, GenerateConfig, Generation, Loaded, ModelSpec};
-use kvpolicy::{CausalLm, KvPolicy};
+use kvpolicy::{build_policy, CausalLm, KvPolicy, PolicyOptions};
 
 /// `tests/fixtures/NAME`.
 pub fn fixture(name: &str) -> PathBuf {
@@ -210,4 +211,24 @@ pub fn assert_tokenizations(
 /// Ids in a JSON array.
 pub fn ids_of(v: &serde_json::Value) -> Result<Vec<u32>> {
     Ok(serde_json::from_value(v.clone())?)
+}
+
+/// Teacher-forced along `want` after `prompt` under `full`: per step, our top logit minus
+/// our logit of `want`'s token (0 where we agree).
+pub fn greedy_gaps(model: &dyn CausalLm, prompt: &[u32], want: &[u32]) -> Result<Vec<f32>> {
+    let mut policy = build_policy("full", &PolicyOptions::default())?;
+    let logits = teacher_forced_logits(
+        model,
+        policy.as_mut(),
+        prompt,
+        &want[..want.len() - 1],
+        DEFAULT_PREFILL_CHUNK,
+    )?;
+    let mut out = Vec::new();
+    for (i, &tok) in want.iter().enumerate() {
+        let row = logits.i(prompt.len() - 1 + i)?.to_vec1::<f32>()?;
+        let best = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        out.push(best - row[tok as usize]);
+    }
+    Ok(out)
 }

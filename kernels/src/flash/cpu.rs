@@ -5,8 +5,6 @@
 //! split-K for decode).
 use std::sync::{Mutex, MutexGuard};
 
-use rayon::prelude::*;
-
 use super::{splits_for, FlashParams, Geometry, Meter, TILE_KEYS};
 
 /// An f32 scratch buffer counted by a [`Meter`] while it lives.
@@ -120,6 +118,9 @@ impl<'m> Workspace<'m> {
     }
 }
 
+/// Where the next [`Pool::take`] starts looking, so concurrent tasks start apart.
+static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
 /// Workspaces shared by the tasks: as many as can run at once, each taken by one task at a
 /// time, so a call's scratch is fixed by the tiles and the thread count.
 struct Pool<'m>(Vec<Mutex<Workspace<'m>>>);
@@ -128,8 +129,8 @@ impl<'m> Pool<'m> {
     fn take(&self) -> MutexGuard<'_, Workspace<'m>> {
         // At most `len` tasks run at once, so a free workspace always exists; a task that
         // races another for the same one moves on to the next.
-        let start = rayon::current_thread_index().unwrap_or(0);
         let n = self.0.len();
+        let start = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % n.max(1);
         loop {
             for i in 0..n {
                 if let Ok(ws) = self.0[(start + i) % n].try_lock() {
@@ -239,31 +240,41 @@ impl<T: Elem> Kernel<'_, T> {
             let s = &mut ws.sc.buf[..rows * nk];
             // S (rows × nk) = Qs (rows × d) · K^T (d × nk): K^T's element (c, j) is key j's
             // value c.
-            // SAFETY: `s` holds rows·nk, `qs` rows·d; the key tile addresses nk rows of d
-            // values inside the input storage (its layout was checked by candle) or inside
-            // the widened tile; the destination overlaps neither source.
-            unsafe {
-                gemm::gemm(
-                    rows,
-                    nk,
-                    d,
-                    s.as_mut_ptr(),
-                    1,
-                    nk as isize,
-                    false,
-                    ws.qs.buf.as_ptr(),
-                    1,
-                    d as isize,
-                    kt.ptr,
-                    kt.rs,
-                    kt.cs,
-                    0.0,
-                    1.0,
-                    false,
-                    false,
-                    false,
-                    gemm::Parallelism::None,
-                );
+            let small = super::small::applies(rows, d) && kt.cs == 1 && vt.cs == 1;
+            if small {
+                // SAFETY: `applies` checked the CPU and sizes; the tile addresses nk rows of
+                // d contiguous values (cs = 1) as for gemm below; `s` holds rows·nk.
+                #[cfg(target_arch = "x86_64")]
+                unsafe {
+                    super::small::scores(&ws.qs.buf, rows, d, kt.ptr, kt.rs, nk, s)
+                };
+            } else {
+                // SAFETY: `s` holds rows·nk, `qs` rows·d; the key tile addresses nk rows of d
+                // values inside the input storage (its layout was checked by candle) or inside
+                // the widened tile; the destination overlaps neither source.
+                unsafe {
+                    gemm::gemm(
+                        rows,
+                        nk,
+                        d,
+                        s.as_mut_ptr(),
+                        1,
+                        nk as isize,
+                        false,
+                        ws.qs.buf.as_ptr(),
+                        1,
+                        d as isize,
+                        kt.ptr,
+                        kt.rs,
+                        kt.cs,
+                        0.0,
+                        1.0,
+                        false,
+                        false,
+                        false,
+                        gemm::Parallelism::None,
+                    );
+                }
             }
             // Scaled after the product, as HF's eager attention and llama.cpp do.
             let scale = self.p.scale;
@@ -310,30 +321,38 @@ impl<T: Elem> Kernel<'_, T> {
                 }
             }
             // O (rows × d) += P (rows × nk) · V (nk × d)
-            // SAFETY: `o` holds rows·d, `s` rows·nk; the value tile addresses nk rows of d
-            // values as the key tile does.
-            unsafe {
-                gemm::gemm(
-                    rows,
-                    d,
-                    nk,
-                    ws.o.buf.as_mut_ptr(),
-                    1,
-                    d as isize,
-                    true,
-                    s.as_ptr(),
-                    1,
-                    nk as isize,
-                    vt.ptr,
-                    vt.cs,
-                    vt.rs,
-                    1.0,
-                    1.0,
-                    false,
-                    false,
-                    false,
-                    gemm::Parallelism::None,
-                );
+            if small {
+                // SAFETY: as for the scores; `o` holds rows·d.
+                #[cfg(target_arch = "x86_64")]
+                unsafe {
+                    super::small::accumulate(s, rows, nk, vt.ptr, vt.rs, d, &mut ws.o.buf)
+                };
+            } else {
+                // SAFETY: `o` holds rows·d, `s` rows·nk; the value tile addresses nk rows of d
+                // values as the key tile does.
+                unsafe {
+                    gemm::gemm(
+                        rows,
+                        d,
+                        nk,
+                        ws.o.buf.as_mut_ptr(),
+                        1,
+                        d as isize,
+                        true,
+                        s.as_ptr(),
+                        1,
+                        nk as isize,
+                        vt.ptr,
+                        vt.cs,
+                        vt.rs,
+                        1.0,
+                        1.0,
+                        false,
+                        false,
+                        false,
+                        gemm::Parallelism::None,
+                    );
+                }
             }
             j0 += nk;
         }
@@ -412,7 +431,7 @@ pub(super) fn compute<T: Elem>(
             }
         }
     }
-    let threads = rayon::current_num_threads().max(1);
+    let threads = super::threads();
     let kernel = Kernel { g, p, q, k, v };
     // Tasks: each item's visible keys, split into ranges of whole tiles when items alone
     // would leave threads idle.
@@ -467,7 +486,9 @@ pub(super) fn compute<T: Elem>(
     );
     let sink = Sink::of(&mut out);
     let parts = Sink::of(&mut partial.buf);
-    tasks.par_iter().for_each(|task| {
+    // On candle's CPU worker pool, which the quantized matmuls use too: one pool, so
+    // workers spinning for the next matmul never take the cores attention runs on.
+    let run = |task: &Task| {
         let it = &items[task.item];
         let mut ws = pool.take();
         kernel.attend_range(it, &mut ws, task.lo, task.hi);
@@ -489,7 +510,9 @@ pub(super) fn compute<T: Elem>(
                 }
             }
         }
-    });
+    };
+    candle_core::utils::barrier_pool()
+        .execute_chunked(tasks.len(), |range| tasks[range].iter().for_each(run));
     // Items split over several tasks: merge their ranges by the running maxima. Splits only
     // happen when items are few (decode) and a merge is rows·d·splits additions, so it runs
     // here rather than waking the pool again.

@@ -1,0 +1,160 @@
+//! AVX2 + FMA dot products of Q4_1/Q5_0/Q5_1 weight rows with Q8 activations: per block the
+//! 32 weight values are unpacked to bytes in one register, multiplied with the activation
+//! bytes by `maddubs` (u8 × i8 → pairs of i16), widened by `madd` to eight i32 sums and
+//! accumulated in f32 with the block's scale by FMA. Integer sums are exact, as in the
+//! scalar path ([`super::blocks::dot_scalar`]); only the f32 accumulation order differs.
+#![allow(unsafe_code)]
+
+use std::arch::x86_64::*;
+
+use super::blocks::{ActBlock, WeightFormat};
+
+/// Whether this CPU runs the AVX2 path (checked once).
+pub fn available() -> bool {
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| {
+        is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+    })
+}
+
+/// The 32 weight values of one block, unpacked to bytes: nibbles, plus 16 where the
+/// block's fifth bit is set (Q5). Unsigned 0..=31.
+#[inline(always)]
+unsafe fn unpack(qs: *const u8, qh: Option<u32>) -> __m256i {
+    let raw = _mm_loadu_si128(qs as *const __m128i);
+    let low = _mm_set1_epi8(0x0F);
+    let lo = _mm_and_si128(raw, low);
+    let hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
+    let v = _mm256_set_m128i(hi, lo);
+    match qh {
+        None => v,
+        Some(qh) => {
+            // Byte j takes byte j/8 of qh, then tests bit j%8 of it.
+            let spread = _mm256_shuffle_epi8(
+                _mm256_set1_epi32(qh as i32),
+                _mm256_setr_epi8(
+                    0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3,
+                    3, 3, 3, 3, 3, 3,
+                ),
+            );
+            let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+            let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+            _mm256_or_si256(v, _mm256_and_si256(set, _mm256_set1_epi8(0x10)))
+        }
+    }
+}
+
+/// Σ over the block of w·x as eight f32 lanes: `w` unsigned bytes (or signed when
+/// `signed`), `x` signed bytes.
+#[inline(always)]
+unsafe fn block_sum(w: __m256i, x: __m256i, signed: bool) -> __m256 {
+    let pairs = if signed {
+        // maddubs wants its first operand unsigned: move w's sign onto x.
+        _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w))
+    } else {
+        _mm256_maddubs_epi16(w, x)
+    };
+    _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+}
+
+#[inline(always)]
+unsafe fn hsum(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    _mm_cvtss_f32(s)
+}
+
+/// The f16 at `p` (F16C).
+#[inline(always)]
+unsafe fn f16_at(p: *const u8) -> f32 {
+    let h = u16::from_le_bytes([*p, *p.add(1)]);
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
+}
+
+/// The u32 at `p`.
+#[inline(always)]
+unsafe fn u32_at(p: *const u8) -> u32 {
+    (p as *const u32).read_unaligned()
+}
+
+const Q4_1: u8 = 0;
+const Q5_0: u8 = 1;
+const Q5_1: u8 = 2;
+
+/// One block's contribution: `d_w·d_x·Σ q_w q_x` as eight lanes added into `acc`, and
+/// `m_w·s_x` returned. `F` is the format, `b` the block's bytes.
+#[inline(always)]
+unsafe fn block<const F: u8>(b: *const u8, xb: &ActBlock, acc: __m256) -> (__m256, f32) {
+    let xv = _mm256_load_si256(xb.qs.as_ptr() as *const __m256i);
+    let d = f16_at(b);
+    let (sum, m) = match F {
+        Q4_1 => (
+            block_sum(unpack(b.add(4), None), xv, false),
+            f16_at(b.add(2)),
+        ),
+        Q5_0 => (
+            block_sum(
+                _mm256_sub_epi8(
+                    unpack(b.add(6), Some(u32_at(b.add(2)))),
+                    _mm256_set1_epi8(16),
+                ),
+                xv,
+                true,
+            ),
+            0.0,
+        ),
+        _ => (
+            block_sum(unpack(b.add(8), Some(u32_at(b.add(4)))), xv, false),
+            f16_at(b.add(2)),
+        ),
+    };
+    (
+        _mm256_fmadd_ps(_mm256_set1_ps(d * xb.d), sum, acc),
+        m * xb.s,
+    )
+}
+
+/// The dot product for format `F`: two blocks per iteration into two accumulators (the
+/// FMA latency is not on one chain).
+#[inline(always)]
+unsafe fn dot_fmt<const F: u8>(bytes: usize, row: &[u8], x: &[ActBlock]) -> f32 {
+    let n = x.len().min(row.len() / bytes);
+    let p = row.as_ptr();
+    let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    let (mut o0, mut o1) = (0f32, 0f32);
+    let mut i = 0;
+    while i + 1 < n {
+        let (acc, off) = block::<F>(p.add(i * bytes), &x[i], a0);
+        a0 = acc;
+        o0 += off;
+        let (acc, off) = block::<F>(p.add((i + 1) * bytes), &x[i + 1], a1);
+        a1 = acc;
+        o1 += off;
+        i += 2;
+    }
+    if i < n {
+        let (acc, off) = block::<F>(p.add(i * bytes), &x[i], a0);
+        a0 = acc;
+        o0 += off;
+    }
+    hsum(_mm256_add_ps(a0, a1)) + o0 + o1
+}
+
+/// [`super::blocks::dot_scalar`] with AVX2: the same per-block integer sums, blocks taken
+/// two at a time.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C ([`available`]).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot(fmt: WeightFormat, row: &[u8], x: &[ActBlock]) -> f32 {
+    debug_assert_eq!(x.len() * fmt.block_bytes(), row.len());
+    let bytes = fmt.block_bytes();
+    match fmt {
+        WeightFormat::Q4_1 => dot_fmt::<Q4_1>(bytes, row, x),
+        WeightFormat::Q5_0 => dot_fmt::<Q5_0>(bytes, row, x),
+        WeightFormat::Q5_1 => dot_fmt::<Q5_1>(bytes, row, x),
+    }
+}

@@ -1,0 +1,134 @@
+//! GGML's 32-element block formats that candle 0.11 dots with a scalar loop — Q4_1, Q5_0,
+//! Q5_1 — read from a weight's raw bytes, the activation side quantized to Q8_0/Q8_1 the
+//! way candle does it (so integer sums match candle's exactly), and the portable reference
+//! dot products the SIMD paths are checked against.
+//!
+//! Layouts (ggml-common.h): element `j < 16` of a block is the low nibble of `qs[j]`,
+//! element `j + 16` its high nibble; Q5's fifth bit of element `j` is bit `j` of the
+//! little-endian `qh`. Q4_1/Q5_1 values are `d·q + m`, Q5_0's `d·(q − 16)`.
+use half::f16;
+
+/// Elements per block (every format here).
+pub const QK: usize = 32;
+
+/// A weight block format handled here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightFormat {
+    /// `d`, `m` (f16), 16 bytes of nibbles: 20 bytes.
+    Q4_1,
+    /// `d` (f16), `qh` (u32), 16 bytes of nibbles: 22 bytes.
+    Q5_0,
+    /// `d`, `m` (f16), `qh` (u32), 16 bytes of nibbles: 24 bytes.
+    Q5_1,
+}
+
+impl WeightFormat {
+    /// Bytes per block.
+    pub const fn block_bytes(self) -> usize {
+        match self {
+            Self::Q4_1 => 20,
+            Self::Q5_0 => 22,
+            Self::Q5_1 => 24,
+        }
+    }
+
+    /// Whether the activation side is Q8_1 (carries `d·Σq` for the weight's offset `m`).
+    pub const fn has_min(self) -> bool {
+        !matches!(self, Self::Q5_0)
+    }
+}
+
+/// One activation block, Q8_0 or Q8_1: `x ≈ d·q`; `s = d·Σq` (Q8_1 only, else 0).
+#[derive(Debug, Clone, Copy)]
+#[repr(C, align(32))]
+pub struct ActBlock {
+    /// The 32 quantized values.
+    pub qs: [i8; QK],
+    /// Scale.
+    pub d: f32,
+    /// `d·Σq`, rounded as candle's `BlockQ8_1` rounds it (f16 sum × f16 scale).
+    pub s: f32,
+}
+
+/// Quantizes `x` (a multiple of 32 long) into `out` as candle's `BlockQ8_0`/`BlockQ8_1`
+/// `from_float` do: `d = amax/127` (kept at f16 precision), `q = round(x/d)`.
+pub fn quantize_row(x: &[f32], out: &mut [ActBlock]) {
+    for (xs, b) in x.chunks_exact(QK).zip(out.iter_mut()) {
+        let amax = xs.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let mut sum = 0i32;
+        for (q, v) in b.qs.iter_mut().zip(xs) {
+            *q = f32::round(v * id) as i8;
+            sum += *q as i32;
+        }
+        let d16 = f16::from_f32(d);
+        b.d = d16.to_f32();
+        b.s = (f16::from_f32(sum as f32) * d16).to_f32();
+    }
+}
+
+fn f16_at(b: &[u8], at: usize) -> f32 {
+    f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
+}
+
+/// The fields of one weight block: scale, offset (0 for Q5_0), fifth bits, nibbles.
+#[inline(always)]
+pub fn fields(fmt: WeightFormat, b: &[u8]) -> (f32, f32, u32, &[u8]) {
+    let qh = |at: usize| u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
+    match fmt {
+        WeightFormat::Q4_1 => (f16_at(b, 0), f16_at(b, 2), 0, &b[4..20]),
+        WeightFormat::Q5_0 => (f16_at(b, 0), 0.0, qh(2), &b[6..22]),
+        WeightFormat::Q5_1 => (f16_at(b, 0), f16_at(b, 2), qh(4), &b[8..24]),
+    }
+}
+
+/// The 32 integer values of one block: nibble, plus 16 for a set fifth bit (Q5), less 16
+/// for Q5_0; element `j < 16` from the low nibble of `qs[j]`, `j + 16` from its high one.
+#[inline(always)]
+fn values(fmt: WeightFormat, qh: u32, qs: &[u8]) -> [i32; QK] {
+    let mut v = [0i32; QK];
+    let (lo, hi) = v.split_at_mut(QK / 2);
+    for (j, ((l, h), q)) in lo.iter_mut().zip(hi.iter_mut()).zip(qs).enumerate() {
+        *l = (q & 0x0F) as i32;
+        *h = (q >> 4) as i32;
+        if fmt != WeightFormat::Q4_1 {
+            *l |= (((qh >> j) & 1) << 4) as i32;
+            *h |= (((qh >> (j + 16)) & 1) << 4) as i32;
+        }
+        if fmt == WeightFormat::Q5_0 {
+            *l -= 16;
+            *h -= 16;
+        }
+    }
+    v
+}
+
+/// The dot product of one weight row (its blocks' bytes) with quantized activations:
+/// per block `d_w·d_x·Σ q_w q_x (+ m_w·s_x)`, integer sums exact. The portable path.
+pub fn dot_scalar(fmt: WeightFormat, row: &[u8], x: &[ActBlock]) -> f32 {
+    let mut acc = 0f32;
+    for (b, xb) in row.chunks_exact(fmt.block_bytes()).zip(x) {
+        let (d, m, qh, qs) = fields(fmt, b);
+        let sum: i32 = values(fmt, qh, qs)
+            .iter()
+            .zip(&xb.qs)
+            .map(|(w, x)| w * *x as i32)
+            .sum();
+        acc += d * xb.d * sum as f32 + m * xb.s;
+    }
+    acc
+}
+
+/// One weight row dequantized to f32 (for tests and references).
+pub fn dequantize_row(fmt: WeightFormat, row: &[u8], out: &mut [f32]) {
+    for (b, o) in row
+        .chunks_exact(fmt.block_bytes())
+        .zip(out.chunks_exact_mut(QK))
+    {
+        let (d, m, qh, qs) = fields(fmt, b);
+        for (y, q) in o.iter_mut().zip(values(fmt, qh, qs)) {
+            *y = d * q as f32 + m;
+        }
+    }
+}

@@ -1,0 +1,168 @@
+//! Quantized matmul on the CPU for the GGML block formats candle 0.11 leaves to a scalar
+//! loop (Q4_1, Q5_0, Q5_1; see `BlockQ4_1::vec_dot` in candle's `k_quants.rs`): the CPU
+//! half of llama.cpp's `ggml_vec_dot_q4_1_q8_1` family, as a candle [`CustomOp1`].
+//!
+//! `y = x·Wᵀ` with `W` `(n, k)` quantized and `x` `(…, k)` f32: each activation row is
+//! quantized once per call to Q8_0 (for Q5_0) or Q8_1 (for the formats with an offset),
+//! exactly as candle quantizes it, and every output is an integer dot product per block
+//! scaled in f32 — AVX2 + FMA when the CPU has them (runtime detection, [`avx2`]), the
+//! portable loop otherwise ([`blocks::dot_scalar`]). Work is split over output rows on
+//! candle's own CPU worker pool (`utils::barrier_pool`, the one its quantized matmuls run on,
+//! so the two never compete for cores); each task walks its weight rows once for all activation rows (the GEMM
+//! case of a short prefill chunk reuses a weight row from L1 for every activation row).
+use std::sync::Arc;
+
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
+
+/// The output buffer, written at disjoint indices from candle's worker threads.
+struct Disjoint(*mut f32);
+// SAFETY: every index is written by one thread only (see the write in `cpu_fwd`).
+unsafe impl Sync for Disjoint {}
+
+impl Disjoint {
+    /// Writes `v` at index `i`.
+    ///
+    /// # Safety
+    /// `i` is in bounds, and no other thread reads or writes index `i` meanwhile.
+    unsafe fn write(&self, i: usize, v: f32) {
+        self.0.add(i).write(v)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub mod avx2;
+pub mod blocks;
+
+pub use blocks::{ActBlock, WeightFormat, QK};
+
+/// Output rows per work item.
+const ROWS_PER_TASK: usize = 16;
+
+/// The format of `dtype` if this module handles it.
+pub fn format_of(dtype: GgmlDType) -> Option<WeightFormat> {
+    match dtype {
+        GgmlDType::Q4_1 => Some(WeightFormat::Q4_1),
+        GgmlDType::Q5_0 => Some(WeightFormat::Q5_0),
+        GgmlDType::Q5_1 => Some(WeightFormat::Q5_1),
+        _ => None,
+    }
+}
+
+/// One weight row's dot product with quantized activations, on the fastest path here.
+#[inline]
+pub fn dot(fmt: WeightFormat, row: &[u8], x: &[ActBlock]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if avx2::available() {
+        // SAFETY: `available` checked AVX2 and FMA.
+        return unsafe { avx2::dot(fmt, row, x) };
+    }
+    blocks::dot_scalar(fmt, row, x)
+}
+
+/// `x·Wᵀ` for a quantized `W` of a format this module handles.
+#[derive(Debug, Clone)]
+pub struct QuantMatMul {
+    w: Arc<QTensor>,
+    fmt: WeightFormat,
+    n: usize,
+    k: usize,
+}
+
+impl QuantMatMul {
+    /// The op for `w` `(n, k)`, or `None` when its format is not one handled here (candle's
+    /// own kernels then apply), it is not on the CPU, or `k` is not whole blocks.
+    pub fn new(w: Arc<QTensor>) -> Option<Self> {
+        let fmt = format_of(w.dtype())?;
+        let (n, k) = w.shape().dims2().ok()?;
+        (k % QK == 0 && matches!(w.device(), candle_core::Device::Cpu)).then_some(Self {
+            w,
+            fmt,
+            n,
+            k,
+        })
+    }
+
+    /// Applies the op to `x` `(…, k)`, f32.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        x.contiguous()?.apply_op1_no_bwd(self)
+    }
+}
+
+impl CustomOp1 for QuantMatMul {
+    fn name(&self) -> &'static str {
+        "kvpolicy-quant-matmul"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let x = match storage {
+            CpuStorage::F32(v) => v,
+            _ => candle_core::bail!("quantized matmul takes f32 activations"),
+        };
+        let (start, end) = layout
+            .contiguous_offsets()
+            .ok_or_else(|| candle_core::Error::Msg("quantized matmul: x not contiguous".into()))?;
+        let x = &x[start..end];
+        let dims = layout.shape().dims();
+        let (k, n) = (self.k, self.n);
+        if dims.last() != Some(&k) {
+            candle_core::bail!("quantized matmul: x is {dims:?}, the weight takes {k} inputs");
+        }
+        let m = x.len() / k;
+        let blocks = k / QK;
+        let zero = ActBlock {
+            qs: [0; QK],
+            d: 0.0,
+            s: 0.0,
+        };
+        let mut xq = vec![zero; m * blocks];
+        for (row, out) in x.chunks_exact(k).zip(xq.chunks_exact_mut(blocks)) {
+            blocks::quantize_row(row, out);
+        }
+        let data = self.w.data()?;
+        let row_bytes = blocks * self.fmt.block_bytes();
+        if data.len() != n * row_bytes {
+            candle_core::bail!(
+                "quantized matmul: weight holds {} bytes, expected {n} rows of {row_bytes}",
+                data.len()
+            );
+        }
+        // Output transposed, (n, m): each work item owns whole weight rows.
+        let mut yt = vec![0f32; n * m];
+        let out = Disjoint(yt.as_mut_ptr());
+        let fmt = self.fmt;
+        candle_core::utils::barrier_pool().execute_chunked(n.div_ceil(ROWS_PER_TASK), |tasks| {
+            let rows = tasks.start * ROWS_PER_TASK..(tasks.end * ROWS_PER_TASK).min(n);
+            for r in rows {
+                let w = &data[r * row_bytes..(r + 1) * row_bytes];
+                for (i, xr) in xq.chunks_exact(blocks).enumerate() {
+                    // SAFETY: `execute_chunked` hands each range of rows to one worker, so
+                    // element (r, i) of `yt` (length n·m) is written by exactly one thread,
+                    // and `yt` outlives the call, which returns when every worker is done.
+                    unsafe { out.write(r * m + i, dot(fmt, w, xr)) };
+                }
+            }
+        });
+        let y = if m == 1 {
+            yt
+        } else {
+            let mut y = vec![0f32; m * n];
+            for (r, col) in yt.chunks_exact(m).enumerate() {
+                for (i, v) in col.iter().enumerate() {
+                    y[i * n + r] = *v;
+                }
+            }
+            y
+        };
+        let mut out_dims = dims.to_vec();
+        if let Some(last) = out_dims.last_mut() {
+            *last = n;
+        }
+        Ok((CpuStorage::F32(y), Shape::from(out_dims)))
+    }
+}
+
+/// Whether a [`QuantMatMul`] applies to `x` for this weight: f32 activations on the CPU.
+pub fn applies(x: &Tensor) -> bool {
+    x.dtype() == DType::F32 && x.device().is_cpu()
+}

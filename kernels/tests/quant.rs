@@ -1,0 +1,117 @@
+//! The quantized matmul against candle's own path for the same formats (its scalar
+//! `vec_dot`, on the same quantized weights and the same Q8 activation quantization):
+//! random shapes and values, proptest. The integer sums are exact on both sides, so the
+//! results differ only by f32 summation order: ≤ 1e-4 relative to the row's magnitude.
+//! The portable and the AVX2 dot products are also compared with each other block by block.
+use std::sync::Arc;
+
+use anyhow::Result;
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::{Device, Module, Tensor};
+use kvpolicy_kernels::quant::{blocks, QuantMatMul, QK};
+use proptest::prelude::*;
+
+const FORMATS: [GgmlDType; 3] = [GgmlDType::Q4_1, GgmlDType::Q5_0, GgmlDType::Q5_1];
+
+fn random(shape: (usize, usize), seed: u64, scale: f32) -> Result<Tensor> {
+    // A small LCG keeps the cases reproducible from proptest's seed.
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    let v: Vec<f32> = (0..shape.0 * shape.1)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0 * scale
+        })
+        .collect();
+    Ok(Tensor::from_vec(v, shape, &Device::Cpu)?)
+}
+
+/// Max |ours − candle's| over max |candle's| per output row.
+fn compare(fmt: GgmlDType, m: usize, n: usize, k: usize, seed: u64) -> Result<f32> {
+    let w = random((n, k), seed, 1.0)?;
+    let x = random((m, k), seed ^ 0x9e37, 3.0)?;
+    let q = Arc::new(QTensor::quantize(&w, fmt)?);
+    let want = QMatMul::QTensor(q.clone()).forward(&x)?;
+    let op = QuantMatMul::new(q).ok_or_else(|| anyhow::anyhow!("{fmt:?} not handled"))?;
+    let got = op.forward(&x)?;
+    anyhow::ensure!(
+        got.dims() == want.dims(),
+        "{:?} vs {:?}",
+        got.dims(),
+        want.dims()
+    );
+    let diff = (&got - &want)?.abs()?.max(1)?;
+    let mag = want.abs()?.max(1)?.clamp(1e-3, f32::MAX)?;
+    Ok((diff / mag)?.max(0)?.to_scalar::<f32>()?)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+    #[test]
+    fn equals_candle_on_random_blocks(
+        fmt in 0usize..3, m in 1usize..40, n in 1usize..70, kb in 1usize..12, seed in any::<u64>()
+    ) {
+        let rel = compare(FORMATS[fmt], m, n, kb * QK, seed).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        prop_assert!(rel <= 1e-4, "{:?} m={m} n={n} k={}: relative {rel}", FORMATS[fmt], kb * QK);
+    }
+}
+
+#[test]
+fn model_shapes_equal_candle() -> Result<()> {
+    // SmolLM2-135M's and Gemma 3 270M's projection shapes, decode and a short chunk.
+    for fmt in FORMATS {
+        for (n, k) in [
+            (576, 576),
+            (1536, 576),
+            (576, 1536),
+            (1024, 640),
+            (640, 2048),
+        ] {
+            for m in [1, 7] {
+                let rel = compare(fmt, m, n, k, (n * k + m) as u64)?;
+                assert!(rel <= 1e-4, "{fmt:?} ({m}, {k})·({n}, {k})ᵀ: {rel}");
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn simd_and_portable_dots_agree() -> Result<()> {
+    for fmt in FORMATS {
+        let w = random((4, 8 * QK), 7, 1.0)?;
+        let q = QTensor::quantize(&w, fmt)?;
+        let data = q.data()?;
+        let f =
+            kvpolicy_kernels::quant::format_of(fmt).ok_or_else(|| anyhow::anyhow!("{fmt:?}"))?;
+        let row_bytes = 8 * f.block_bytes();
+        let x = random((1, 8 * QK), 11, 2.0)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        let zero = blocks::ActBlock {
+            qs: [0; QK],
+            d: 0.0,
+            s: 0.0,
+        };
+        let mut xq = vec![zero; 8];
+        blocks::quantize_row(&x, &mut xq);
+        for r in 0..4 {
+            let row = &data[r * row_bytes..(r + 1) * row_bytes];
+            let a = blocks::dot_scalar(f, row, &xq);
+            let b = kvpolicy_kernels::quant::dot(f, row, &xq);
+            assert!(
+                (a - b).abs() <= 1e-5 * a.abs().max(1.0),
+                "{fmt:?} row {r}: {a} vs {b}"
+            );
+            // And the dequantized row agrees with candle's dequantization.
+            let mut deq = vec![0f32; 8 * QK];
+            blocks::dequantize_row(f, row, &mut deq);
+            let theirs = q.dequantize(&Device::Cpu)?.get(r)?.to_vec1::<f32>()?;
+            assert_eq!(deq, theirs, "{fmt:?} row {r}: dequantization");
+        }
+    }
+    Ok(())
+}
