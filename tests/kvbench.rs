@@ -153,6 +153,10 @@ fn bad_variants_and_outputs_are_clear_errors() -> Result<()> {
             "use one of 1, 2, 4 or auto (--head-group N; headwise:N in kvbench's --policies)",
         ),
         (vec!["--csv", missing.as_str()], "does not exist"),
+        (
+            vec!["--llamacpp", "python3"],
+            "--llamacpp needs a GGUF model (--gguf, or the default)",
+        ),
     ] {
         let mut args = vec![
             "--random-weights",
@@ -279,5 +283,49 @@ fn bandwidth_adds_the_bound_and_the_copy_time() -> Result<()> {
         "{}",
         String::from_utf8_lossy(&o.stderr)
     );
+    Ok(())
+}
+
+#[test]
+fn llamacpp_with_a_python_that_cannot_run_it_is_a_clear_error() -> Result<()> {
+    // The default GGUF, one context: the policies' rows run, then the llama.cpp row fails
+    // before anything is printed as a result.
+    let gguf = common::default_gguf()?;
+    let g = gguf.to_string_lossy().into_owned();
+    let common_args = [
+        "--gguf",
+        &g,
+        "--cpu",
+        "--context",
+        "4",
+        "--steps",
+        "1",
+        "--repeats",
+        "1",
+        "--policies",
+        "full",
+        "--no-stock",
+    ];
+    let mut args = common_args.to_vec();
+    args.extend(["--llamacpp", "/nonexistent/python3"]);
+    let o = kvbench(&args)?;
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("--llamacpp /nonexistent/python3: cannot run it; give a Python interpreter with llama-cpp-python==0.3.36 installed"),
+        "{err}"
+    );
+    // An interpreter that fails, as a Python without llama-cpp-python does: its status and
+    // how to install llama-cpp-python.
+    let mut args = common_args.to_vec();
+    args.extend(["--llamacpp", "/bin/false"]);
+    let o = kvbench(&args)?;
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("failed") && err.contains("pip install llama-cpp-python==0.3.36"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
     Ok(())
 }

@@ -14,6 +14,7 @@
 #[path = "../common/atomic.rs"]
 mod atomic;
 mod bandwidth;
+mod llamacpp;
 mod plot;
 mod report;
 mod stock;
@@ -92,6 +93,10 @@ struct Args {
     /// Cost profile for `recompute` (JSON); default: measured at the first step.
     #[arg(long)]
     profile: Option<PathBuf>,
+    /// Also time llama.cpp on the same GGUF, ids, threads, chunk and steps, with this Python
+    /// (llama-cpp-python 0.3.36 installed; `scripts/llamacpp_bench.py`): a `llama.cpp` row.
+    #[arg(long, value_name = "PYTHON")]
+    llamacpp: Option<PathBuf>,
 }
 
 fn parse_size(s: &str) -> std::result::Result<u64, String> {
@@ -198,7 +203,17 @@ fn main() -> Result<()> {
     if let Some(b) = args.link_bandwidth {
         println!("simulated link: {}/s", kvpolicy::core::format_bytes(b));
     }
-    let per_ctx = variants.len() + usize::from(stock.is_some());
+    let llamacpp = match (&args.llamacpp, &files) {
+        (Some(python), ModelFiles::Gguf(gguf)) => Some(llamacpp::LlamaCpp {
+            python: python.clone(),
+            gguf: gguf.clone(),
+            threads: candle_core::utils::get_num_threads(),
+            chunk: args.prefill_chunk,
+        }),
+        (Some(_), _) => anyhow::bail!("--llamacpp needs a GGUF model (--gguf, or the default)"),
+        (None, _) => None,
+    };
+    let per_ctx = variants.len() + usize::from(stock.is_some()) + usize::from(llamacpp.is_some());
     let bar = ProgressBar::new((args.context.len() * per_ctx * args.repeats.max(1)) as u64);
     bar.set_style(
         ProgressStyle::with_template("{elapsed_precise} {bar:30} {pos}/{len} {msg}")
@@ -223,6 +238,11 @@ fn main() -> Result<()> {
                 bar.set_message(format!("stock at {ctx}"));
                 rows.push(s.measure(ctx, args.steps, args.repeats, &mut || bar.inc(1))?);
             }
+        }
+        if let Some(l) = &llamacpp {
+            bar.set_message(format!("llama.cpp at {ctx}"));
+            rows.push(l.measure(ctx, args.steps, args.repeats)?);
+            bar.inc(args.repeats.max(1) as u64);
         }
     }
     bar.finish_and_clear();

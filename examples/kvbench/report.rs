@@ -1,4 +1,5 @@
-//! The sweep's outputs: a markdown table (÷ `full` at the same context), a CSV file.
+//! The sweep's outputs: a markdown table (÷ `full` at the same context; the peers'
+//! rows — candle's stock model, llama.cpp — carry no KV tiers), a CSV file.
 use std::path::Path;
 
 use anyhow::Result;
@@ -13,6 +14,11 @@ fn anchor(rows: &[Row], context: usize) -> Option<&Row> {
         .find(|r| r.context == context && r.policy == "full")
 }
 
+/// Rows of a peer implementation (candle's stock model, llama.cpp): no KV tiers to report.
+fn peer(r: &Row) -> bool {
+    r.policy == "stock" || r.policy == "llama.cpp"
+}
+
 fn ratio(a: f64, b: Option<f64>) -> String {
     match b {
         Some(b) if b > 0.0 => format!("{:.2}", a / b),
@@ -23,9 +29,9 @@ fn ratio(a: f64, b: Option<f64>) -> String {
 /// The table: one row per context and variant; `bandwidth` adds the PCIe bound column.
 pub fn markdown(rows: &[Row], bandwidth: Option<f64>) -> String {
     let mut s = String::from(
-        "| context | policy | prefill tok/s | decode tok/s | ÷ full | device KV peak | ÷ full | host KV | h2d bytes/token | split |",
+        "| context | policy | prefill tok/s | ÷ full | decode tok/s | ÷ full | device KV peak | ÷ full | host KV | h2d bytes/token | split |",
     );
-    let mut rule = String::from("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let mut rule = String::from("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     if bandwidth.is_some() {
         s.push_str(" PCIe bound s/token | s/token | bound ÷ s/token | copy s/token |");
         rule.push_str("---:|---:|---:|---:|");
@@ -35,13 +41,13 @@ pub fn markdown(rows: &[Row], bandwidth: Option<f64>) -> String {
     s.push('\n');
     for r in rows {
         let a = anchor(rows, r.context);
-        let stock = r.policy == "stock";
-        let dev = if stock {
+        let is_peer = peer(r);
+        let dev = if is_peer {
             "-".to_string()
         } else {
             format_bytes(r.device_kv_peak_bytes)
         };
-        let dev_ratio = if stock {
+        let dev_ratio = if is_peer {
             "-".to_string()
         } else {
             ratio(
@@ -50,21 +56,30 @@ pub fn markdown(rows: &[Row], bandwidth: Option<f64>) -> String {
             )
         };
         s.push_str(&format!(
-            "| {} | {} | {:.1} | {:.2} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {:.1} | {} | {:.2} | {} | {} | {} | {} | {} | {} |",
             r.context,
             r.policy,
             r.prefill_tok_s,
+            ratio(r.prefill_tok_s, a.map(|a| a.prefill_tok_s)),
             r.decode_tok_s,
             ratio(r.decode_tok_s, a.map(|a| a.decode_tok_s)),
             dev,
             dev_ratio,
-            if stock {
+            if is_peer {
                 "-".into()
             } else {
                 format_bytes(r.host_kv_bytes)
             },
-            r.h2d_bytes_per_token,
-            r.split,
+            if is_peer {
+                "-".into()
+            } else {
+                r.h2d_bytes_per_token.to_string()
+            },
+            if is_peer {
+                "-".into()
+            } else {
+                r.split.to_string()
+            },
         ));
         if let Some(b) = bandwidth {
             let step = 1.0 / r.decode_tok_s;
@@ -101,7 +116,7 @@ pub fn write_csv(rows: &[Row], path: &Path) -> Result<()> {
             opt(a.map(|a| r.decode_tok_s / a.decode_tok_s)),
             r.device_kv_peak_bytes,
             opt(a
-                .filter(|a| a.device_kv_peak_bytes > 0 && r.policy != "stock")
+                .filter(|a| a.device_kv_peak_bytes > 0 && !peer(r))
                 .map(|a| r.device_kv_peak_bytes as f64 / a.device_kv_peak_bytes as f64)),
             r.host_kv_bytes,
             r.h2d_bytes_per_token,

@@ -1,0 +1,92 @@
+//! llama.cpp in the same run: `scripts/llamacpp_bench.py` (llama-cpp-python 0.3.36) timed
+//! on the same GGUF, prompt ids, decode ids, threads, prefill chunk, steps and repeats as
+//! the policies' rows (its KV cache in f32, like ours on the CPU), so the `full ÷ llama.cpp`
+//! ratios are measured side by side rather than copied from another day.
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result};
+
+use crate::sweep::Row;
+
+/// The timing script, in this repository.
+fn script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/llamacpp_bench.py")
+}
+
+/// What the script prints.
+#[derive(serde::Deserialize)]
+struct Timing {
+    prefill_tok_s: f64,
+    decode_tok_s: f64,
+}
+
+/// How `python` runs llama.cpp on `gguf`.
+pub struct LlamaCpp {
+    /// The Python with llama-cpp-python installed.
+    pub python: PathBuf,
+    /// The GGUF file.
+    pub gguf: PathBuf,
+    /// Threads for prefill and decode (ours: candle's thread count).
+    pub threads: usize,
+    /// Prefill batch.
+    pub chunk: usize,
+}
+
+impl LlamaCpp {
+    /// Times `steps` decode steps after `context` prompt tokens, medians of `repeats`.
+    pub fn measure(&self, context: usize, steps: usize, repeats: usize) -> Result<Row> {
+        let out = Command::new(&self.python)
+            .arg(script())
+            .arg("--gguf")
+            .arg(&self.gguf)
+            .args([
+                "--context",
+                &context.to_string(),
+                "--steps",
+                &steps.to_string(),
+                "--repeats",
+                &repeats.max(1).to_string(),
+                "--threads",
+                &self.threads.to_string(),
+                "--chunk",
+                &self.chunk.to_string(),
+            ])
+            .output()
+            .with_context(|| {
+                format!(
+                    "--llamacpp {}: cannot run it; give a Python interpreter with llama-cpp-python==0.3.36 installed",
+                    self.python.display()
+                )
+            })?;
+        anyhow::ensure!(
+            out.status.success(),
+            "--llamacpp {}: {} failed ({}): {}\ninstall it with `CMAKE_ARGS=-DGGML_NATIVE=OFF {} -m pip install llama-cpp-python==0.3.36`",
+            self.python.display(),
+            script().display(),
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim(),
+            self.python.display()
+        );
+        let t: Timing = serde_json::from_slice(&out.stdout).with_context(|| {
+            format!(
+                "--llamacpp: unexpected output from {}: {}",
+                script().display(),
+                String::from_utf8_lossy(&out.stdout)
+            )
+        })?;
+        Ok(Row {
+            context,
+            policy: "llama.cpp".into(),
+            prefill_tok_s: t.prefill_tok_s,
+            decode_tok_s: t.decode_tok_s,
+            device_kv_peak_bytes: 0,
+            host_kv_bytes: 0,
+            h2d_bytes_per_token: 0,
+            d2h_bytes_per_token: 0,
+            split: 0,
+            copy_s_per_token: 0.0,
+            profile: None,
+        })
+    }
+}
