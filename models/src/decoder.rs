@@ -12,7 +12,7 @@ use kvpolicy_core::KvPolicy;
 use crate::attention::{Attention, Segment};
 use crate::error::ModelError;
 use crate::error::Result;
-use crate::layers::{Linear, Mlp, Norm};
+use crate::layers::{Embedding, Linear, Mlp, Norm};
 use crate::model::{CausalLm, LogitsMode, ModelInfo, SeqChunk};
 
 /// One decoder block: `h += post_attn(attn(attn_norm(h)))`, `h += post_mlp(mlp(mlp_norm(h)))`.
@@ -45,7 +45,7 @@ pub struct LearnedPositions {
 #[derive(Debug, Clone)]
 pub struct Decoder {
     /// Token embeddings.
-    pub embed: candle_nn::Embedding,
+    pub embed: Embedding,
     /// Factor applied to the embeddings (Gemma: `sqrt(hidden)`).
     pub embed_scale: Option<f64>,
     /// Learned positions added to the embeddings (OPT).

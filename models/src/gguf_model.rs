@@ -19,7 +19,7 @@ use crate::attention::Attention;
 use crate::decoder::{Block, Decoder};
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
-use crate::layers::{Linear, Mlp, Norm, RmsNorm};
+use crate::layers::{Embedding, Linear, Mlp, Norm, RmsNorm};
 use crate::model::ModelInfo;
 use crate::rope::{Rope, RopeConfig, RopeScaling, RopeStyle};
 
@@ -246,8 +246,14 @@ pub fn from_gguf(g: &GgufFile, device: &Device) -> Result<Decoder> {
         };
         Rope::new(&cfg, hd, rules.style)
     });
-    let embed_q = g.tensor("token_embd.weight", device)?;
-    let embed = candle_nn::Embedding::new(embed_q.dequantize(device)?, h);
+    let embed_q = std::sync::Arc::new(g.tensor("token_embd.weight", device)?);
+    // On the CPU the table stays quantized and rows are dequantized at lookup; on a GPU a
+    // lookup would copy the quantized table to the host, so it is dequantized once.
+    let embed = if device.is_cpu() {
+        Embedding::Quant(embed_q.clone())
+    } else {
+        Embedding::Dense(candle_nn::Embedding::new(embed_q.dequantize(device)?, h))
+    };
     let bias = |name: &str, out: usize| -> Result<Option<candle_core::Tensor>> {
         if !rules.qkv_bias {
             return Ok(None);
@@ -337,12 +343,12 @@ pub fn from_gguf(g: &GgufFile, device: &Device) -> Result<Decoder> {
             post_mlp_norm: sandwich("post_ffw_norm")?,
         });
     }
-    let out_name = if g.has_tensor("output.weight") {
-        "output.weight"
+    // A tied head reads the embedding table itself (one copy of it in memory).
+    let lm_head = if g.has_tensor("output.weight") {
+        ql("output.weight".to_string(), vocab, h, None)?
     } else {
-        "token_embd.weight"
+        Linear::quantized(QMatMul::from_arc(embed_q)?, None, vocab, h)
     };
-    let lm_head = ql(out_name.to_string(), vocab, h, None)?;
     let info = ModelInfo {
         architecture: arch.clone(),
         source: g.path().display().to_string(),

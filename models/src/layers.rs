@@ -1,7 +1,10 @@
-//! Building blocks shared by the model files: linear layers that are either dense
-//! (safetensors) or quantized (GGUF), the two norms (RMSNorm, LayerNorm) and the two MLP
+//! Building blocks shared by the model files: token embeddings and linear layers that are
+//! either dense (safetensors) or quantized (GGUF), the two norms (RMSNorm, LayerNorm) and the two MLP
 //! shapes (gated, as in Llama/Gemma; plain, as in OPT).
-use candle_core::quantized::QMatMul;
+use std::borrow::Cow;
+use std::sync::Arc;
+
+use candle_core::quantized::{QMatMul, QStorage, QTensor};
 use candle_core::{Module, Tensor};
 use kvpolicy_kernels::quant::{self, QuantMatMul};
 
@@ -26,6 +29,52 @@ pub enum Linear {
         /// Input features.
         inp: usize,
     },
+}
+
+/// Token embeddings: a dense table, or a quantized one (GGUF) kept in its block format
+/// whose rows are dequantized as they are looked up — llama.cpp's `ggml_get_rows`. A
+/// dequantized copy of the table would cost `vocab × hidden × 4` bytes (671 MB for Gemma 3
+/// 270M, 113 MB for SmolLM2-135M) beside the quantized one the tied LM head reads.
+#[derive(Debug, Clone)]
+pub enum Embedding {
+    /// A dense `(vocab, hidden)` table.
+    Dense(candle_nn::Embedding),
+    /// A quantized `(vocab, hidden)` table.
+    Quant(Arc<QTensor>),
+}
+
+impl Embedding {
+    /// The embeddings of `ids` (any shape): `(…, hidden)`.
+    pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        let table = match self {
+            Self::Dense(e) => return Ok(e.forward(ids)?),
+            Self::Quant(t) => t,
+        };
+        let (vocab, hidden) = table.shape().dims2()?;
+        let dtype = table.dtype();
+        let row_bytes = hidden / dtype.block_size() * dtype.type_size();
+        let data = table.data()?;
+        let flat = ids.flatten_all()?.to_vec1::<u32>()?;
+        let mut rows = Vec::with_capacity(flat.len() * row_bytes);
+        for &id in &flat {
+            let i = id as usize;
+            if i >= vocab {
+                return Err(candle_core::Error::Msg(format!(
+                    "token id {id} is outside the embedding table's {vocab} rows"
+                ))
+                .into());
+            }
+            rows.extend_from_slice(&data[i * row_bytes..(i + 1) * row_bytes]);
+        }
+        let device = ids.device();
+        let picked = QTensor::new(
+            QStorage::from_data(Cow::Owned(rows), &candle_core::Device::Cpu, dtype)?,
+            (flat.len(), hidden),
+        )?;
+        let mut dims = ids.dims().to_vec();
+        dims.push(hidden);
+        Ok(picked.dequantize(device)?.reshape(dims)?)
+    }
 }
 
 /// Activation rows from which a quantized layer on the CPU dequantizes its weight for the
@@ -181,5 +230,48 @@ impl Mlp {
             }
             Self::Plain { fc1, fc2, act } => fc2.forward(&fc1.forward(x)?.apply(act)?),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::quantized::GgmlDType;
+    use candle_core::{DType, Device};
+
+    /// A quantized table's lookup equals the dense lookup of its dequantized copy exactly,
+    /// for ids of any shape; an id past the table is an error.
+    #[test]
+    fn quantized_lookup_equals_the_dequantized_table() -> Result<()> {
+        let dev = Device::Cpu;
+        let dense = Tensor::randn(0f32, 1.0, (40, 256), &dev)?;
+        for dtype in [
+            GgmlDType::Q4_1,
+            GgmlDType::Q5_0,
+            GgmlDType::Q6K,
+            GgmlDType::Q8_0,
+        ] {
+            let q = Arc::new(QTensor::quantize(&dense, dtype)?);
+            let reference = Embedding::Dense(candle_nn::Embedding::new(q.dequantize(&dev)?, 256));
+            let ours = Embedding::Quant(q);
+            let ids = Tensor::new(&[[3u32, 39, 0], [3, 7, 21]], &dev)?;
+            let (a, b) = (ours.forward(&ids)?, reference.forward(&ids)?);
+            assert_eq!(a.dims(), [2, 3, 256]);
+            let diff = (a - b)?
+                .abs()?
+                .flatten_all()?
+                .max(0)?
+                .to_dtype(DType::F32)?;
+            assert_eq!(diff.to_scalar::<f32>()?, 0.0, "{dtype:?}");
+            let looked_up = ours.forward(&Tensor::new(&[40u32], &dev)?);
+            assert!(looked_up.is_err(), "id 40 of a 40-row table was looked up");
+            let err = looked_up.err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(
+                err.to_string()
+                    .contains("token id 40 is outside the embedding table's 40 rows"),
+                "{err}"
+            );
+        }
+        Ok(())
     }
 }

@@ -11,7 +11,7 @@ use crate::attention::Attention;
 use crate::config::{activation, LlamaConfig, TokenIds};
 use crate::decoder::{Block, Decoder};
 use crate::error::{ModelError, Result};
-use crate::layers::{Linear, Mlp, Norm, RmsNorm};
+use crate::layers::{Embedding, Linear, Mlp, Norm, RmsNorm};
 use crate::model::ModelInfo;
 use crate::rope::{Rope, RopeStyle};
 
@@ -220,7 +220,7 @@ pub fn from_varbuilder(
         eos: TokenIds::all_of(&cfg.eos_token_id),
     };
     Ok(Decoder {
-        embed,
+        embed: Embedding::Dense(embed),
         embed_scale: recipe.embed_scale.then(|| (h as f64).sqrt()),
         positions: None,
         layers,

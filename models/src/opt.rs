@@ -12,7 +12,7 @@ use crate::attention::Attention;
 use crate::config::{activation, OptConfig, TokenIds};
 use crate::decoder::{Block, Decoder, LearnedPositions};
 use crate::error::{ModelError, Result};
-use crate::layers::{Linear, Mlp, Norm};
+use crate::layers::{Embedding, Linear, Mlp, Norm};
 use crate::model::ModelInfo;
 
 /// Row of the position table that position 0 reads (a quirk of the original fairseq code).
@@ -113,7 +113,7 @@ pub fn from_varbuilder(
         eos: TokenIds::all_of(&cfg.eos_token_id),
     };
     Ok(Decoder {
-        embed,
+        embed: Embedding::Dense(embed),
         embed_scale: None,
         positions: Some(LearnedPositions {
             table,
