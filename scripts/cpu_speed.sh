@@ -17,10 +17,12 @@ q41="$cache/SmolLM2-135M-Instruct.Q4_1.gguf"
 cd "$root"
 cargo build --release --example kvbench --example llama --example gemma
 # Fetches the default models once (no-ops when cached).
-./target/release/examples/llama --prompt-ids 1 --max-new-tokens 1 > /dev/null
-./target/release/examples/gemma --prompt-ids 2 --max-new-tokens 1 > /dev/null
+./target/release/examples/llama --prompt-ids 1 --max-new-tokens 1 > /dev/null 2>&1
+./target/release/examples/gemma --prompt-ids 2 --max-new-tokens 1 > /dev/null 2>&1
 for kind in q4_0 q8_0; do
-  [ -f "$out/smollm2.$kind.gguf" ] || "$python" scripts/requantize.py "$q41" "$out/smollm2.$kind.gguf" "$kind"
+  [ -f "$out/smollm2.$kind.gguf" ] ||
+    "$python" scripts/requantize.py "$q41" "$out/smollm2.$kind.gguf" "$kind" > "$out/requantize-$kind.log" 2>&1 ||
+    { cat "$out/requantize-$kind.log"; exit 1; }
 done
 run() {
   echo "## $1"

@@ -1,5 +1,5 @@
-//! The quantized matmul against candle's own path for the same formats (its scalar
-//! `vec_dot`, on the same quantized weights and the same Q8 activation quantization):
+//! The quantized matmul against candle's own path for the same formats (its `vec_dot`:
+//! scalar for Q4_1/Q5_0/Q5_1, AVX for Q4_0/Q8_0, on the same quantized weights and the same Q8 activation quantization):
 //! random shapes and values, proptest. The integer sums are exact on both sides, so the
 //! results differ only by f32 summation order: ≤ 1e-4 relative to the row's magnitude.
 //! The portable and the AVX2 dot products are also compared with each other block by block.
@@ -11,7 +11,13 @@ use candle_core::{Device, Module, Tensor};
 use kvpolicy_kernels::quant::{blocks, QuantMatMul, QK};
 use proptest::prelude::*;
 
-const FORMATS: [GgmlDType; 3] = [GgmlDType::Q4_1, GgmlDType::Q5_0, GgmlDType::Q5_1];
+const FORMATS: [GgmlDType; 5] = [
+    GgmlDType::Q4_0,
+    GgmlDType::Q4_1,
+    GgmlDType::Q5_0,
+    GgmlDType::Q5_1,
+    GgmlDType::Q8_0,
+];
 
 fn random(shape: (usize, usize), seed: u64, scale: f32) -> Result<Tensor> {
     // A small LCG keeps the cases reproducible from proptest's seed.
@@ -52,7 +58,7 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(48))]
     #[test]
     fn equals_candle_on_random_blocks(
-        fmt in 0usize..3, m in 1usize..40, n in 1usize..70, kb in 1usize..12, seed in any::<u64>()
+        fmt in 0usize..5, m in 1usize..40, n in 1usize..70, kb in 1usize..12, seed in any::<u64>()
     ) {
         let rel = compare(FORMATS[fmt], m, n, kb * QK, seed).map_err(|e| TestCaseError::fail(e.to_string()))?;
         prop_assert!(rel <= 1e-4, "{:?} m={m} n={n} k={}: relative {rel}", FORMATS[fmt], kb * QK);

@@ -1,4 +1,4 @@
-//! AVX2 + FMA dot products of Q4_1/Q5_0/Q5_1 weight rows with Q8 activations: per block the
+//! AVX2 + FMA dot products of Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weight rows with Q8 activations: per block the
 //! 32 weight values are unpacked to bytes in one register, multiplied with the activation
 //! bytes by `maddubs` (u8 × i8 → pairs of i16), widened by `madd` to eight i32 sums and
 //! accumulated in f32 with the block's scale by FMA. Integer sums are exact, as in the
@@ -80,9 +80,11 @@ unsafe fn u32_at(p: *const u8) -> u32 {
     (p as *const u32).read_unaligned()
 }
 
-const Q4_1: u8 = 0;
-const Q5_0: u8 = 1;
-const Q5_1: u8 = 2;
+const Q4_0: u8 = 0;
+const Q4_1: u8 = 1;
+const Q5_0: u8 = 2;
+const Q5_1: u8 = 3;
+const Q8_0: u8 = 4;
 
 /// One block's contribution: `d_w·d_x·Σ q_w q_x` as eight lanes added into `acc`, and
 /// `m_w·s_x` returned. `F` is the format, `b` the block's bytes.
@@ -91,6 +93,18 @@ unsafe fn block<const F: u8>(b: *const u8, xb: &ActBlock, acc: __m256) -> (__m25
     let xv = _mm256_load_si256(xb.qs.as_ptr() as *const __m256i);
     let d = f16_at(b);
     let (sum, m) = match F {
+        Q4_0 => (
+            block_sum(
+                _mm256_sub_epi8(unpack(b.add(2), None), _mm256_set1_epi8(8)),
+                xv,
+                true,
+            ),
+            0.0,
+        ),
+        Q8_0 => (
+            block_sum(_mm256_loadu_si256(b.add(2) as *const __m256i), xv, true),
+            0.0,
+        ),
         Q4_1 => (
             block_sum(unpack(b.add(4), None), xv, false),
             f16_at(b.add(2)),
@@ -153,8 +167,10 @@ pub unsafe fn dot(fmt: WeightFormat, row: &[u8], x: &[ActBlock]) -> f32 {
     debug_assert_eq!(x.len() * fmt.block_bytes(), row.len());
     let bytes = fmt.block_bytes();
     match fmt {
+        WeightFormat::Q4_0 => dot_fmt::<Q4_0>(bytes, row, x),
         WeightFormat::Q4_1 => dot_fmt::<Q4_1>(bytes, row, x),
         WeightFormat::Q5_0 => dot_fmt::<Q5_0>(bytes, row, x),
         WeightFormat::Q5_1 => dot_fmt::<Q5_1>(bytes, row, x),
+        WeightFormat::Q8_0 => dot_fmt::<Q8_0>(bytes, row, x),
     }
 }

@@ -1,11 +1,12 @@
-//! GGML's 32-element block formats that candle 0.11 dots with a scalar loop — Q4_1, Q5_0,
-//! Q5_1 — read from a weight's raw bytes, the activation side quantized to Q8_0/Q8_1 the
-//! way candle does it (so integer sums match candle's exactly), and the portable reference
-//! dot products the SIMD paths are checked against.
+//! GGML's 32-element block formats — Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 — read from a weight's
+//! raw bytes, the activation side quantized to Q8_0/Q8_1 the way candle does it (so integer
+//! sums match candle's exactly), and the portable reference dot products the SIMD paths are
+//! checked against.
 //!
-//! Layouts (ggml-common.h): element `j < 16` of a block is the low nibble of `qs[j]`,
-//! element `j + 16` its high nibble; Q5's fifth bit of element `j` is bit `j` of the
-//! little-endian `qh`. Q4_1/Q5_1 values are `d·q + m`, Q5_0's `d·(q − 16)`.
+//! Layouts (ggml-common.h): element `j < 16` of a 4/5-bit block is the low nibble of
+//! `qs[j]`, element `j + 16` its high nibble; Q5's fifth bit of element `j` is bit `j` of
+//! the little-endian `qh`. Q4_1/Q5_1 values are `d·q + m`, Q4_0's `d·(q − 8)`, Q5_0's
+//! `d·(q − 16)`, Q8_0's `d·q` with `q` a signed byte.
 use half::f16;
 
 /// Elements per block (every format here).
@@ -14,27 +15,28 @@ pub const QK: usize = 32;
 /// A weight block format handled here.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WeightFormat {
+    /// `d` (f16), 16 bytes of nibbles: 18 bytes.
+    Q4_0,
     /// `d`, `m` (f16), 16 bytes of nibbles: 20 bytes.
     Q4_1,
     /// `d` (f16), `qh` (u32), 16 bytes of nibbles: 22 bytes.
     Q5_0,
     /// `d`, `m` (f16), `qh` (u32), 16 bytes of nibbles: 24 bytes.
     Q5_1,
+    /// `d` (f16), 32 signed bytes: 34 bytes.
+    Q8_0,
 }
 
 impl WeightFormat {
     /// Bytes per block.
     pub const fn block_bytes(self) -> usize {
         match self {
+            Self::Q4_0 => 18,
             Self::Q4_1 => 20,
             Self::Q5_0 => 22,
             Self::Q5_1 => 24,
+            Self::Q8_0 => 34,
         }
-    }
-
-    /// Whether the activation side is Q8_1 (carries `d·Σq` for the weight's offset `m`).
-    pub const fn has_min(self) -> bool {
-        !matches!(self, Self::Q5_0)
     }
 }
 
@@ -72,34 +74,47 @@ fn f16_at(b: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
 
-/// The fields of one weight block: scale, offset (0 for Q5_0), fifth bits, nibbles.
+/// The fields of one weight block: scale, offset (0 without one), fifth bits (0 without),
+/// the packed values (16 bytes of nibbles, or Q8_0's 32 bytes).
 #[inline(always)]
 pub fn fields(fmt: WeightFormat, b: &[u8]) -> (f32, f32, u32, &[u8]) {
     let qh = |at: usize| u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
     match fmt {
+        WeightFormat::Q4_0 => (f16_at(b, 0), 0.0, 0, &b[2..18]),
         WeightFormat::Q4_1 => (f16_at(b, 0), f16_at(b, 2), 0, &b[4..20]),
         WeightFormat::Q5_0 => (f16_at(b, 0), 0.0, qh(2), &b[6..22]),
         WeightFormat::Q5_1 => (f16_at(b, 0), f16_at(b, 2), qh(4), &b[8..24]),
+        WeightFormat::Q8_0 => (f16_at(b, 0), 0.0, 0, &b[2..34]),
     }
 }
 
-/// The 32 integer values of one block: nibble, plus 16 for a set fifth bit (Q5), less 16
-/// for Q5_0; element `j < 16` from the low nibble of `qs[j]`, `j + 16` from its high one.
+/// The 32 integer values of one block: nibble, plus 16 for a set fifth bit (Q5), less 8
+/// for Q4_0 and 16 for Q5_0; element `j < 16` from the low nibble of `qs[j]`, `j + 16` from
+/// its high one. Q8_0's are its signed bytes.
 #[inline(always)]
 fn values(fmt: WeightFormat, qh: u32, qs: &[u8]) -> [i32; QK] {
     let mut v = [0i32; QK];
+    if fmt == WeightFormat::Q8_0 {
+        for (x, q) in v.iter_mut().zip(qs) {
+            *x = *q as i8 as i32;
+        }
+        return v;
+    }
     let (lo, hi) = v.split_at_mut(QK / 2);
     for (j, ((l, h), q)) in lo.iter_mut().zip(hi.iter_mut()).zip(qs).enumerate() {
         *l = (q & 0x0F) as i32;
         *h = (q >> 4) as i32;
-        if fmt != WeightFormat::Q4_1 {
+        if matches!(fmt, WeightFormat::Q5_0 | WeightFormat::Q5_1) {
             *l |= (((qh >> j) & 1) << 4) as i32;
             *h |= (((qh >> (j + 16)) & 1) << 4) as i32;
         }
-        if fmt == WeightFormat::Q5_0 {
-            *l -= 16;
-            *h -= 16;
-        }
+        let zero = match fmt {
+            WeightFormat::Q4_0 => 8,
+            WeightFormat::Q5_0 => 16,
+            _ => 0,
+        };
+        *l -= zero;
+        *h -= zero;
     }
     v
 }

@@ -1,15 +1,18 @@
-//! Quantized matmul on the CPU for the GGML block formats candle 0.11 leaves to a scalar
-//! loop (Q4_1, Q5_0, Q5_1; see `BlockQ4_1::vec_dot` in candle's `k_quants.rs`): the CPU
-//! half of llama.cpp's `ggml_vec_dot_q4_1_q8_1` family, as a candle [`CustomOp1`].
+//! Quantized matmul on the CPU for GGML's 32-element block formats — Q4_0, Q4_1, Q5_0,
+//! Q5_1, Q8_0 — as a candle [`CustomOp1`]: the CPU half of llama.cpp's
+//! `ggml_vec_dot_q4_1_q8_1` family. Candle 0.11 dots Q4_1, Q5_0 and Q5_1 with a scalar loop
+//! (`BlockQ4_1::vec_dot` in its `k_quants.rs`), 8–10× slower than this; for Q4_0 and Q8_0
+//! its AVX path exists but this one measured faster in the model (1.5× and 1.2× decode on
+//! SmolLM2, bench-results/2026-11-23-cpu-speed.md).
 //!
 //! `y = x·Wᵀ` with `W` `(n, k)` quantized and `x` `(…, k)` f32: each activation row is
-//! quantized once per call to Q8_0 (for Q5_0) or Q8_1 (for the formats with an offset),
-//! exactly as candle quantizes it, and every output is an integer dot product per block
-//! scaled in f32 — AVX2 + FMA when the CPU has them (runtime detection, [`avx2`]), the
-//! portable loop otherwise ([`blocks::dot_scalar`]). Work is split over output rows on
-//! candle's own CPU worker pool (`utils::barrier_pool`, the one its quantized matmuls run on,
-//! so the two never compete for cores); each task walks its weight rows once for all activation rows (the GEMM
-//! case of a short prefill chunk reuses a weight row from L1 for every activation row).
+//! quantized once per call to Q8_0 (Q8_1 for the formats with an offset), exactly as candle
+//! quantizes it, and every output is an integer dot product per block scaled in f32 —
+//! AVX2 + FMA when the CPU has them (runtime detection, [`avx2`]), the portable loop
+//! otherwise ([`blocks::dot_scalar`]). Work is split over output rows on candle's own CPU
+//! worker pool (`utils::barrier_pool`, the one its other quantized matmuls and our attention
+//! run on, so no two pools compete for the cores); each task walks its weight rows once for
+//! all activation rows (a short prefill chunk reuses a weight row from L1 for every row).
 use std::sync::Arc;
 
 use candle_core::quantized::{GgmlDType, QTensor};
@@ -42,9 +45,11 @@ const ROWS_PER_TASK: usize = 16;
 /// The format of `dtype` if this module handles it.
 pub fn format_of(dtype: GgmlDType) -> Option<WeightFormat> {
     match dtype {
+        GgmlDType::Q4_0 => Some(WeightFormat::Q4_0),
         GgmlDType::Q4_1 => Some(WeightFormat::Q4_1),
         GgmlDType::Q5_0 => Some(WeightFormat::Q5_0),
         GgmlDType::Q5_1 => Some(WeightFormat::Q5_1),
+        GgmlDType::Q8_0 => Some(WeightFormat::Q8_0),
         _ => None,
     }
 }
