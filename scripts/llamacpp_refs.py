@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import llama_cpp
+import numpy as np
 
 PINNED = "0.3.36"
 FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures"
@@ -61,6 +62,23 @@ def greedy(llm, ids, n):
         out.append(int(tok))
         if len(out) == n or tok == llm.token_eos():
             break
+    return out
+
+
+def margins(llm, prompt, ids):
+    """Teacher-forced along `ids` after `prompt`: at each step, llama.cpp's logit of ids[i]
+    minus its best other logit (positive where ids[i] is its greedy choice)."""
+    llm.reset()
+    llm.eval(prompt)
+    out = []
+    for tok in ids:
+        # The last evaluated token's logits (llama-cpp-python keeps no scores without
+        # logits_all, and logits_all over a 12K-token prompt would take gigabytes).
+        row = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).astype(np.float64)
+        chosen = row[tok]
+        row[tok] = -np.inf
+        out.append(round(float(chosen - row.max()), 6))
+        llm.eval([tok])
     return out
 
 

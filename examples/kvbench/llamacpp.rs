@@ -75,18 +75,11 @@ impl LlamaCpp {
                 String::from_utf8_lossy(&out.stdout)
             )
         })?;
-        Ok(Row {
+        Ok(Row::peer(
             context,
-            policy: "llama.cpp".into(),
-            prefill_tok_s: t.prefill_tok_s,
-            decode_tok_s: t.decode_tok_s,
-            device_kv_peak_bytes: 0,
-            host_kv_bytes: 0,
-            h2d_bytes_per_token: 0,
-            d2h_bytes_per_token: 0,
-            split: 0,
-            copy_s_per_token: 0.0,
-            profile: None,
-        })
+            "llama.cpp",
+            t.prefill_tok_s,
+            t.decode_tok_s,
+        ))
     }
 }

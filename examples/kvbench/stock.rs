@@ -61,18 +61,6 @@ impl Stock {
             dec.push(steps as f64 / t.elapsed().as_secs_f64());
             tick();
         }
-        Ok(Row {
-            context,
-            policy: "stock".into(),
-            prefill_tok_s: median(pre),
-            decode_tok_s: median(dec),
-            device_kv_peak_bytes: 0,
-            host_kv_bytes: 0,
-            h2d_bytes_per_token: 0,
-            d2h_bytes_per_token: 0,
-            split: 0,
-            copy_s_per_token: 0.0,
-            profile: None,
-        })
+        Ok(Row::peer(context, "stock", median(pre), median(dec)))
     }
 }

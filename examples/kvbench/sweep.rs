@@ -75,6 +75,25 @@ pub struct Row {
     pub profile: Option<Profile>,
 }
 
+impl Row {
+    /// A peer implementation's row (candle's stock model, llama.cpp): speeds only.
+    pub fn peer(context: usize, name: &str, prefill_tok_s: f64, decode_tok_s: f64) -> Self {
+        Self {
+            context,
+            policy: name.into(),
+            prefill_tok_s,
+            decode_tok_s,
+            device_kv_peak_bytes: 0,
+            host_kv_bytes: 0,
+            h2d_bytes_per_token: 0,
+            d2h_bytes_per_token: 0,
+            split: 0,
+            copy_s_per_token: 0.0,
+            profile: None,
+        }
+    }
+}
+
 /// Deterministic prompt ids.
 pub fn ids(n: usize, offset: usize, vocab: u32) -> Vec<u32> {
     (0..n)

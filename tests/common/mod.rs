@@ -232,3 +232,44 @@ pub fn greedy_gaps(model: &dyn CausalLm, prompt: &[u32], want: &[u32]) -> Result
     }
     Ok(out)
 }
+
+/// The steps of [`greedy_gaps`] where we chose another token: (step, gap).
+pub fn disagreements(gaps: &[f32]) -> Vec<(usize, f32)> {
+    gaps.iter()
+        .copied()
+        .enumerate()
+        .filter(|(_, g)| *g > 0.0)
+        .collect()
+}
+
+/// llama.cpp's own numerical spread over its reference runs: the largest change of its
+/// margin (its logit of the chosen token minus its best other logit, teacher-forced along
+/// its greedy ids) when its KV cache goes from f16 to f32 — `margins` vs `f32_kv_margins`
+/// of every run that records both, over the first `steps` steps.
+pub fn llamacpp_spread(runs: &[serde_json::Value], steps: usize) -> Result<f32> {
+    let mut spread = 0f32;
+    for run in runs.iter().filter(|r| r.get("margins").is_some()) {
+        let m: Vec<f32> = serde_json::from_value(run["margins"].clone())?;
+        let f: Vec<f32> = serde_json::from_value(run["f32_kv_margins"].clone())?;
+        for (a, b) in m.iter().zip(&f).take(steps) {
+            spread = spread.max((a - b).abs());
+        }
+    }
+    Ok(spread)
+}
+
+/// Where our greedy choice differs from llama.cpp's (`gaps` from [`greedy_gaps`] along its
+/// ids), our margin for its token (−gap) is no farther from llama.cpp's own margin than
+/// llama.cpp's f32-KV margin is (`spread`, [`llamacpp_spread`]): the step was a tie that a
+/// change of numerics as small as llama.cpp's own can decide either way.
+pub fn assert_within_spread(name: &str, gaps: &[f32], margins: &[f32], spread: f32) {
+    for (i, gap) in disagreements(gaps) {
+        let theirs = margins[i];
+        assert!(
+            theirs + gap <= spread,
+            "{name} step {i}: llama.cpp prefers its token by {theirs} logits, we prefer ours by \
+             {gap}; together {} > llama.cpp's own f16/f32-KV spread {spread}",
+            theirs + gap
+        );
+    }
+}
