@@ -241,7 +241,16 @@ fn check(c: &Case) -> Result<(), TestCaseError> {
             shape: None,
         });
     });
+    // auto: the streaming buffers of a whole layer at the run's capacity and a step's
+    // scratch over it, plus room for a random number of whole-layer units (0 to all).
+    // Without `prepare` it plans for the first chunk's capacity, so growth later demotes.
+    let cap = total.div_ceil(c.grow) * c.grow;
+    let unit = shape.kv_bytes(c.n_kv, cap);
+    let reserve = shape.step_scratch_bytes(c.n_kv, cap, &candle_core::Device::Cpu);
+    let auto_budget = 2 * unit + reserve + (c.seed % (c.layers as u64 + 1)) * unit;
     let variants: Vec<(&str, PolicyOptions)> = vec![
+        ("auto", opts(&|_| {})),
+        ("auto", opts(&|o| o.device_kv_budget = Some(auto_budget))),
         ("hybrid", hybrid),
         ("layer", opts(&|_| {})),
         (
@@ -262,7 +271,21 @@ fn check(c: &Case) -> Result<(), TestCaseError> {
             p.prepare(&shape)
                 .map_err(|e| TestCaseError::fail(e.to_string()))?;
         }
-        let got = drive(p.as_mut(), c, per_seq)?;
+        let got = drive(p.as_mut(), c, per_seq)
+            .map_err(|e| TestCaseError::fail(format!("{name} {:?}: {e}", o.device_kv_budget)))?;
+        if name == "auto" {
+            let st = p.stats();
+            let budget = o.device_kv_budget.unwrap_or(u64::MAX);
+            prop_assert!(
+                st.device_kv_peak_bytes <= budget,
+                "auto: device KV peak {} > budget {budget}",
+                st.device_kv_peak_bytes
+            );
+            if o.device_kv_budget.is_none() {
+                // No budget: everything resident, nothing moves.
+                prop_assert_eq!((st.streamed_units, st.h2d_bytes, st.d2h_bytes), (0, 0, 0));
+            }
+        }
         if let (true, Some(n)) = (per_seq, c.act_slots) {
             let st = p.stats();
             prop_assert!(

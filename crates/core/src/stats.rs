@@ -5,7 +5,7 @@ use serde::Serialize;
 
 /// Counters a policy keeps; every field is cumulative (or a peak) since the last `reset`
 /// except `device_kv_bytes`, `host_kv_bytes`, `kv_tokens`, `split`, the block counts,
-/// `sequences` and `mini_batches`, which are current values.
+/// `sequences`, `mini_batches` and the unit counts, which are current values.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct KvStats {
     /// Bytes of KV (or activation) buffers held on the device tier now.
@@ -52,6 +52,12 @@ pub struct KvStats {
     pub sequences: u64,
     /// Mini-batches the last batched step was split into (`hybrid`; 0 before any plan).
     pub mini_batches: u64,
+    /// (layer, head group) units kept on the device (`auto`).
+    pub resident_units: u64,
+    /// (layer, head group) units streamed through the ping-pong buffers (`auto`).
+    pub streamed_units: u64,
+    /// Resident units moved to the host because they no longer fit (`auto`; once each).
+    pub demotions: u64,
 }
 
 impl KvStats {

@@ -34,6 +34,14 @@
 //!   attention memory not grow with the context: scratch bounded by tiles, no `t × s`
 //!   scores or mask).
 //!
+//! * `auto` (after llama.cpp#12663's ask for a partial split): the same machinery, but as
+//!   many units as the budget holds — after the two streaming buffers and a step's scratch,
+//!   at the capacity the run will reach — stay resident on the device in growing buffers
+//!   and are attended in place; only the others move. Units are decided in the order they
+//!   first run; a resident unit whose growth no longer fits is demoted to the host once
+//!   (counted in `demotions`), so the device never holds more than the budget. Without a
+//!   budget every unit is resident and nothing moves (`full`'s placement).
+//!
 //! ## Differences, and why
 //!
 //! * Group outputs are concatenated once per layer rather than written in place by a fused
@@ -51,8 +59,20 @@ pub fn headwise_policy(opts: &PolicyOptions) -> Result<OffloadPolicy> {
     OffloadPolicy::new("headwise", Grouping::Heads(opts.head_group), opts)
 }
 
-/// Registers `headwise`.
+/// Builds the `auto` policy: as many (layer, head group) units as `--device-kv-budget`
+/// holds stay resident on the device, the rest stream as `headwise` does.
+pub fn auto_policy(opts: &PolicyOptions) -> Result<OffloadPolicy> {
+    OffloadPolicy::new("auto", Grouping::Resident, opts)
+}
+
+/// Registers `headwise` and `auto`.
 pub fn register(reg: &mut PolicyRegistry) {
+    reg.register(
+        "auto",
+        "the fastest exact placement under --device-kv-budget: resident (layer, head group) units on the device, the rest streamed head-wise",
+        &[PolicyOption::DeviceKvBudget, PolicyOption::LinkBandwidth],
+        |o| Ok(Box::new(auto_policy(o)?)),
+    );
     reg.register(
         "headwise",
         "head-wise offload (HeadInfer): KV on the host, two head groups' buffers on the device",

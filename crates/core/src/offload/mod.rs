@@ -24,9 +24,11 @@ use crate::registry::{HeadGroup, PolicyOptions};
 use crate::stats::{DeviceMeter, KvStats};
 use crate::transfer::{engine_for, grown_host, CopyJob, Ticket, TransferEngine};
 
-/// Contexts below this keep all heads of a layer in one unit under `auto` without a budget;
-/// each doubling beyond halves the unit (HeadInfer §3.3's adaptive head grouping).
-pub const AUTO_ALL_HEADS_BELOW: usize = 500_000;
+mod plan;
+mod resident;
+
+pub use plan::AUTO_ALL_HEADS_BELOW;
+use resident::Residency;
 
 /// How KV heads are grouped into units.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -35,6 +37,9 @@ pub enum Grouping {
     Layer,
     /// Units of KV heads (head-wise offload).
     Heads(HeadGroup),
+    /// `auto`: as many units as the budget holds stay resident on the device, the rest
+    /// stream in head groups (the group chosen as for `headwise:auto`).
+    Resident,
 }
 
 #[derive(Debug)]
@@ -71,6 +76,8 @@ pub struct OffloadPolicy {
     bufs: [Option<(Tensor, Tensor)>; 2],
     buf_cap: usize,
     prefetched: Option<Prefetch>,
+    /// `auto`'s resident units (`None` for `layer` and `headwise`).
+    residency: Option<Residency>,
     meter: DeviceMeter,
     stats: KvStats,
 }
@@ -83,10 +90,6 @@ impl std::fmt::Debug for OffloadPolicy {
             .field("group", &self.group)
             .finish()
     }
-}
-
-fn divisors_desc(n: usize) -> Vec<usize> {
-    (1..=n).rev().filter(|d| n % d == 0).collect()
 }
 
 impl OffloadPolicy {
@@ -107,6 +110,7 @@ impl OffloadPolicy {
             bufs: [None, None],
             buf_cap: 0,
             prefetched: None,
+            residency: (grouping == Grouping::Resident).then(Residency::default),
             meter: DeviceMeter::new(opts.device_kv_budget),
             stats: KvStats::default(),
         })
@@ -135,87 +139,53 @@ impl OffloadPolicy {
         }
     }
 
-    /// Device bytes of the two buffers for `group` heads at capacity `cap`.
-    fn buffers_bytes(shape: &KvShape, group: usize, cap: usize) -> u64 {
-        2 * shape.kv_bytes(group, cap)
-    }
-
-    /// The unit size for a context needing `cap` tokens of buffer.
-    fn choose_group(&self, shape: &KvShape, cap: usize, context: usize) -> Result<usize> {
-        let nkv = shape.n_kv_heads;
-        let budget = self.meter.budget();
-        // The two buffers plus what a step holds besides them (attention scratch for one
-        // unit, the model's activations).
-        let need = |g: usize| {
-            Self::buffers_bytes(shape, g, cap) + shape.step_scratch_bytes(g, cap, &self.device)
-        };
-        let fits = |g: usize| budget.is_none_or(|b| need(g) <= b);
-        let too_small = |g: usize| {
-            KvError::BudgetExceeded {
-            what: format!(
-                "two device buffers for {g} KV head(s) at {cap} tokens ({} layer(s), {} head(s) each) and a step's scratch",
-                shape.n_layers, nkv
-            ),
-            needed: need(g),
-            budget: budget.unwrap_or(0),
-            in_use: 0,
-            hint: match self.grouping {
-                Grouping::Layer => "the budget is smaller than one layer's double buffer; raise --device-kv-budget, or use `--policy headwise`, which streams a group of KV heads at a time",
-                Grouping::Heads(_) => "the budget is smaller than one head group's buffers; raise --device-kv-budget or use a smaller head group (--head-group N; headwise:N in kvbench's --policies)",
-            },
-        }
-        };
-        let group = match self.grouping {
-            Grouping::Layer => nkv,
-            Grouping::Heads(HeadGroup::Fixed(n)) => {
-                if n > nkv || nkv % n != 0 {
-                    let ok: Vec<String> = divisors_desc(nkv)
-                        .iter()
-                        .rev()
-                        .map(usize::to_string)
-                        .collect();
-                    return Err(self.bad_option(format!(
-                        "a head group of {n} does not divide the model's {nkv} KV heads; use one of {} or auto (--head-group N; headwise:N in kvbench's --policies)",
-                        ok.join(", ")
-                    )));
-                }
-                n
-            }
-            Grouping::Heads(HeadGroup::Auto) => match budget {
-                Some(_) => divisors_desc(nkv)
-                    .into_iter()
-                    .find(|&g| fits(g))
-                    .ok_or_else(|| too_small(1))?,
-                None => {
-                    let mut target = nkv;
-                    let mut limit = AUTO_ALL_HEADS_BELOW;
-                    while context >= limit && target > 1 {
-                        target /= 2;
-                        limit = limit.saturating_mul(2);
-                    }
-                    divisors_desc(nkv)
-                        .into_iter()
-                        .find(|&g| g <= target.max(1))
-                        .unwrap_or(1)
-                }
-            },
-        };
-        if !fits(group) {
-            return Err(too_small(group));
-        }
-        Ok(group)
-    }
-
     fn ensure_buffers(&mut self, shape: &KvShape, tokens: usize, context: usize) -> Result<()> {
         let cap = self.capacity_for(tokens);
         if cap <= self.buf_cap && self.group != 0 {
             return Ok(());
         }
         let group = self.choose_group(shape, cap, context)?;
+        if self.group == 0 {
+            // The run's first step: plan the resident units for the capacity it will reach.
+            let plan_cap = self.capacity_for(shape.max_tokens.max(tokens));
+            let target = self.resident_target(shape, group, plan_cap);
+            if let Some(r) = self.residency.as_mut() {
+                r.target = target;
+            }
+        }
+        if self
+            .residency
+            .as_ref()
+            .is_some_and(|r| r.target == usize::MAX)
+        {
+            // No budget: every unit stays resident and nothing ever streams.
+            self.group = group;
+            self.buf_cap = cap;
+            return Ok(());
+        }
         self.stats.transfer_wait_s += self.engine.wait_all()?;
         self.prefetched = None;
+        let pingpong = Self::buffers_bytes(shape, group, cap);
+        if let (Some(budget), Some(_)) = (self.meter.budget(), &self.residency) {
+            // `auto`: the grown streaming buffers come first; resident units make room,
+            // the last-decided first.
+            let old = Self::buffers_bytes(shape, self.group, self.buf_cap);
+            let scratch = shape.step_scratch_bytes(group, cap, &self.device);
+            while self.meter.current() - old.min(self.meter.current()) + pingpong + scratch > budget
+            {
+                let Some(unit) = self.residency.as_ref().and_then(Residency::last_resident) else {
+                    break;
+                };
+                let groups = shape.n_kv_heads / self.group.max(1);
+                self.demote(unit, unit / groups, unit % groups, self.group)?;
+            }
+        }
         // The buffers are scratch (refilled from the host every step): free, then allocate.
-        let old = self.meter.current();
+        let old = if self.group == 0 || self.residency.is_none() {
+            self.meter.current()
+        } else {
+            Self::buffers_bytes(shape, self.group, self.buf_cap)
+        };
         self.meter.free(old);
         self.bufs = [None, None];
         let dims = (shape.batch, group, cap, shape.head_dim);
@@ -225,7 +195,7 @@ impl OffloadPolicy {
                 Tensor::zeros(dims, shape.dtype, &self.device)?,
             ));
         }
-        self.meter.alloc(Self::buffers_bytes(shape, group, cap));
+        self.meter.alloc(pingpong);
         self.buf_cap = cap;
         self.group = group;
         Ok(())
@@ -325,11 +295,22 @@ impl OffloadPolicy {
         pos: usize,
         buf: usize,
     ) -> Result<()> {
-        let (nl, ng) = if group + 1 < groups {
-            (layer, group + 1)
-        } else {
-            (layer + 1, 0)
+        let next = |l: usize, g: usize| {
+            if g + 1 < groups {
+                (l, g + 1)
+            } else {
+                (l + 1, 0)
+            }
         };
+        let (mut nl, mut ng) = next(layer, group);
+        // Resident units need no copy: the next unit to fetch is the next streamed one.
+        while self
+            .residency
+            .as_ref()
+            .is_some_and(|r| r.is_resident(nl * groups + ng))
+        {
+            (nl, ng) = next(nl, ng);
+        }
         let (Some(&len_next), Some(Some(spec))) = (self.lens.get(nl), self.specs.get(nl)) else {
             return Ok(());
         };
@@ -401,16 +382,26 @@ impl KvPolicy for OffloadPolicy {
         let q_per_group = gs * step.spec.group_size();
         let mut outs = Vec::with_capacity(groups);
         for g in 0..groups {
+            let kn = step.k.narrow(1, g * gs, gs)?.contiguous()?;
+            let vn = step.v.narrow(1, g * gs, gs)?.contiguous()?;
+            let q = step.q.narrow(1, g * q_per_group, q_per_group)?;
+            let unit = layer * groups + g;
+            if let Some(r) = self.residency.as_mut() {
+                r.decide(unit, self.grow_tokens);
+            }
+            let reserve = shape.step_scratch_bytes(gs, widest + t, &self.device);
+            let act = shape.activation_bytes(t);
+            if let Some(out) = self.attend_resident(unit, (&q, &kn, &vn), step, reserve, act)? {
+                outs.push(out);
+                continue;
+            }
             let buf = self.take_unit(layer, g, start, hist)?;
             self.prefetch_next(layer, g, groups, pos, 1 - buf)?;
             let (kb, vb) = self.bufs[buf]
                 .clone()
                 .ok_or_else(|| KvError::Step("device buffers missing".into()))?;
-            let kn = step.k.narrow(1, g * gs, gs)?.contiguous()?;
-            let vn = step.v.narrow(1, g * gs, gs)?.contiguous()?;
             kb.slice_set(&kn, 2, hist)?;
             vb.slice_set(&vn, 2, hist)?;
-            let q = step.q.narrow(1, g * q_per_group, q_per_group)?;
             let k = kb.narrow(2, 0, hist + t)?;
             let v = vb.narrow(2, 0, hist + t)?;
             let part = attend_partial(&q, &k, &v, pos, start, step.spec)?;
@@ -460,6 +451,9 @@ impl KvPolicy for OffloadPolicy {
         self.buf_cap = 0;
         self.group = 0;
         self.prefetched = None;
+        if let Some(r) = self.residency.as_mut() {
+            r.clear();
+        }
         self.meter.reset();
         self.stats = KvStats::default();
         self.copy_base = self.engine.copy_seconds();
@@ -482,6 +476,9 @@ impl KvPolicy for OffloadPolicy {
             host_pinned_bytes: self.engine.pinned_bytes(),
             copy_s: self.engine.copy_seconds() - self.copy_base,
             kv_tokens: self.seq_len() as u64,
+            resident_units: self.residency.as_ref().map_or(0, |r| r.resident() as u64),
+            streamed_units: self.residency.as_ref().map_or(0, |r| r.streamed() as u64),
+            demotions: self.residency.as_ref().map_or(0, |r| r.demotions),
             ..self.stats.clone()
         }
     }

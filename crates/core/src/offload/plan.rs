@@ -1,0 +1,106 @@
+//! How an offload policy lays its units out on the device: the head group of a unit, and
+//! under `auto` how many units stay resident (HeadInfer §3.3's adaptive head grouping, and
+//! the resident/streamed split of the `auto` policy).
+use super::{Grouping, OffloadPolicy};
+use crate::error::{KvError, Result};
+use crate::policy::KvShape;
+use crate::registry::HeadGroup;
+
+/// Contexts below this keep all heads of a layer in one unit under `auto` without a budget;
+/// each doubling beyond halves the unit (HeadInfer §3.3's adaptive head grouping).
+pub const AUTO_ALL_HEADS_BELOW: usize = 500_000;
+
+pub(super) fn divisors_desc(n: usize) -> Vec<usize> {
+    (1..=n).rev().filter(|d| n % d == 0).collect()
+}
+
+impl OffloadPolicy {
+    /// Device bytes of the two buffers for `group` heads at capacity `cap`.
+    pub(super) fn buffers_bytes(shape: &KvShape, group: usize, cap: usize) -> u64 {
+        2 * shape.kv_bytes(group, cap)
+    }
+
+    /// The unit size for a context needing `cap` tokens of buffer.
+    pub(super) fn choose_group(
+        &self,
+        shape: &KvShape,
+        cap: usize,
+        context: usize,
+    ) -> Result<usize> {
+        let nkv = shape.n_kv_heads;
+        let budget = self.meter.budget();
+        // The two buffers plus what a step holds besides them (attention scratch for one
+        // unit, the model's activations).
+        let need = |g: usize| {
+            Self::buffers_bytes(shape, g, cap) + shape.step_scratch_bytes(g, cap, &self.device)
+        };
+        let fits = |g: usize| budget.is_none_or(|b| need(g) <= b);
+        let too_small = |g: usize| {
+            KvError::BudgetExceeded {
+            what: format!(
+                "two device buffers for {g} KV head(s) at {cap} tokens ({} layer(s), {} head(s) each) and a step's scratch",
+                shape.n_layers, nkv
+            ),
+            needed: need(g),
+            budget: budget.unwrap_or(0),
+            in_use: 0,
+            hint: match self.grouping {
+                Grouping::Layer => "the budget is smaller than one layer's double buffer; raise --device-kv-budget, or use `--policy headwise`, which streams a group of KV heads at a time",
+                Grouping::Heads(_) | Grouping::Resident => "the budget is smaller than one head group's buffers; raise --device-kv-budget or use a smaller head group (--head-group N; headwise:N in kvbench's --policies)",
+            },
+        }
+        };
+        let group = match self.grouping {
+            Grouping::Layer => nkv,
+            Grouping::Heads(HeadGroup::Fixed(n)) => {
+                if n > nkv || nkv % n != 0 {
+                    let ok: Vec<String> = divisors_desc(nkv)
+                        .iter()
+                        .rev()
+                        .map(usize::to_string)
+                        .collect();
+                    return Err(self.bad_option(format!(
+                        "a head group of {n} does not divide the model's {nkv} KV heads; use one of {} or auto (--head-group N; headwise:N in kvbench's --policies)",
+                        ok.join(", ")
+                    )));
+                }
+                n
+            }
+            Grouping::Heads(HeadGroup::Auto) | Grouping::Resident => match budget {
+                Some(_) => divisors_desc(nkv)
+                    .into_iter()
+                    .find(|&g| fits(g))
+                    .ok_or_else(|| too_small(1))?,
+                None => {
+                    let mut target = nkv;
+                    let mut limit = AUTO_ALL_HEADS_BELOW;
+                    while context >= limit && target > 1 {
+                        target /= 2;
+                        limit = limit.saturating_mul(2);
+                    }
+                    divisors_desc(nkv)
+                        .into_iter()
+                        .find(|&g| g <= target.max(1))
+                        .unwrap_or(1)
+                }
+            },
+        };
+        if !fits(group) {
+            return Err(too_small(group));
+        }
+        Ok(group)
+    }
+
+    /// Under `auto`, how many units may stay resident on the device: what the budget leaves
+    /// after the two streaming buffers and a step's scratch, in units of `group` KV heads
+    /// at capacity `cap` (the capacity the run will reach, when `prepare` said it).
+    pub(super) fn resident_target(&self, shape: &KvShape, group: usize, cap: usize) -> usize {
+        let Some(budget) = self.meter.budget() else {
+            return usize::MAX;
+        };
+        let streaming = Self::buffers_bytes(shape, group, cap)
+            + shape.step_scratch_bytes(group, cap, &self.device);
+        let unit = shape.kv_bytes(group, cap).max(1);
+        (budget.saturating_sub(streaming) / unit) as usize
+    }
+}
