@@ -8,6 +8,8 @@ use std::process::{Command, Output};
 
 use anyhow::{Context, Result};
 use candle_core::Tensor;
+use kvpolicy::models::generate::kv_shape;
+use kvpolicy::PolicyOptions;
 
 const TOL: f32 = 1e-4;
 
@@ -53,8 +55,9 @@ fn every_fixture_under_every_policy_matches_hf_through_the_cli() -> Result<()> {
     let tmp = tempfile::tempdir()?;
     let out = tmp.path().join("l.npy");
     let out_s = out.to_string_lossy().into_owned();
-    let policies: [&[&str]; 6] = [
+    let policies: [&[&str]; 7] = [
         &["--policy", "full"],
+        &["--policy", "auto"],
         &["--policy", "layer"],
         &["--policy", "headwise", "--head-group", "1"],
         &["--policy", "headwise"],
@@ -68,8 +71,30 @@ fn every_fixture_under_every_policy_matches_hf_through_the_cli() -> Result<()> {
         let want = common::fixture_logits(name)?;
         let dir_s = dir.to_string_lossy().into_owned();
         let (p, d) = (join(&prompt), join(&decode));
-        for policy in policies {
-            for chunk in ["0", "5"] {
+        // `auto` with a budget for the streaming buffers, a step's scratch and half the
+        // layers resident, planned as the policy plans it for a prefill chunk of `step`.
+        let info = common::load_fixture(name)?.model.info().clone();
+        let total = prompt.len() + decode.len();
+        let budget_for = |step: usize| {
+            let shape = kv_shape(&info, 1, total, step);
+            let grow = PolicyOptions::default().grow_tokens;
+            let cap = total.div_ceil(grow) * grow;
+            let unit = shape.kv_bytes(info.n_kv_heads, cap);
+            let scratch = shape.step_scratch_bytes(info.n_kv_heads, cap, &candle_core::Device::Cpu);
+            ((2 + info.n_layers as u64 / 2) * unit + scratch).to_string()
+        };
+        let budgets = [budget_for(prompt.len()), budget_for(5)];
+        let stats = tmp.path().join("stats.json");
+        let stats_s = stats.to_string_lossy().into_owned();
+        let with_budget: [&str; 5] = [
+            "--policy",
+            "auto",
+            "--stats-out",
+            &stats_s,
+            "--device-kv-budget",
+        ];
+        for policy in policies.iter().copied().chain([&with_budget[..]]) {
+            for (chunk, budget) in ["0", "5"].into_iter().zip(&budgets) {
                 let mut args = vec![
                     "--model-dir",
                     &dir_s,
@@ -86,6 +111,9 @@ fn every_fixture_under_every_policy_matches_hf_through_the_cli() -> Result<()> {
                     &out_s,
                 ];
                 args.extend_from_slice(policy);
+                if policy.contains(&"--stats-out") {
+                    args.push(budget);
+                }
                 let o = run(example, &args)?;
                 assert!(
                     o.status.success(),
@@ -99,6 +127,16 @@ fn every_fixture_under_every_policy_matches_hf_through_the_cli() -> Result<()> {
                     diff <= TOL,
                     "{name} {policy:?} chunk {chunk}: max |Δ| = {diff}"
                 );
+                if policy.contains(&"--stats-out") {
+                    // The budget left some units resident and streamed the others.
+                    let st: serde_json::Value =
+                        serde_json::from_str(&std::fs::read_to_string(&stats)?)?;
+                    let (r, s) = (&st["resident_units"], &st["streamed_units"]);
+                    assert!(
+                        r.as_u64() > Some(0) && s.as_u64() > Some(0),
+                        "{name} chunk {chunk}: resident {r}, streamed {s}"
+                    );
+                }
             }
         }
     }

@@ -136,7 +136,7 @@ fn bad_variants_and_outputs_are_clear_errors() -> Result<()> {
         ),
         (
             vec!["--policies", "full:3"],
-            "only headwise:GROUP and recompute:SPLIT take a value",
+            "only headwise:GROUP, recompute:SPLIT and auto:BUDGET take a value",
         ),
         (
             vec!["--policies", "headwise:zero"],

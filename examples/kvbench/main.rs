@@ -60,7 +60,7 @@ struct Args {
     /// Runs per policy and context (median reported).
     #[arg(long, default_value_t = 3)]
     repeats: usize,
-    /// Policies: `name`, `headwise:GROUP` or `recompute:SPLIT`.
+    /// Policies: `name`, `headwise:GROUP`, `recompute:SPLIT` or `auto:BUDGET` (e.g. auto:64MiB).
     #[arg(long, value_delimiter = ',', default_values_t = ["full", "layer", "headwise:1", "headwise:auto", "recompute"].map(String::from).to_vec())]
     policies: Vec<String>,
     /// Prefill chunk (tokens per pass).

@@ -4,6 +4,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use candle_core::{Device, Tensor};
+use kvpolicy::models::generate::kv_shape;
 use kvpolicy::models::prefill;
 use kvpolicy::{build_policy, CausalLm, HeadGroup, LogitsMode, PolicyOptions, Profile};
 
@@ -33,8 +34,13 @@ impl Variant {
             ("headwise", g) => {
                 opts.head_group = g.parse::<HeadGroup>().map_err(anyhow::Error::msg)?
             }
+            ("auto", b) => {
+                opts.device_kv_budget = Some(kvpolicy::parse_bytes(b).with_context(|| {
+                    format!("`{label}`: auto:BUDGET needs a size, e.g. auto:64MiB")
+                })?)
+            }
             (p, _) => anyhow::bail!(
-                "`{label}`: only headwise:GROUP and recompute:SPLIT take a value, not {p}"
+                "`{label}`: only headwise:GROUP, recompute:SPLIT and auto:BUDGET take a value, not {p}"
             ),
         }
         // Fail on an unknown name before any model work.
@@ -119,6 +125,9 @@ pub fn measure(
     let mut last = None;
     for _ in 0..repeats.max(1) {
         let mut p = build_policy(&v.policy, &v.opts)?;
+        // As `generate` does: the policy plans for the run's length (`auto` sizes its
+        // resident units for it).
+        p.prepare(&kv_shape(model.info(), 1, context + steps, chunk))?;
         let t = Instant::now();
         prefill(model, p.as_mut(), &prompt, chunk, false)?;
         dev.synchronize()?;

@@ -151,6 +151,7 @@ impl OffloadPolicy {
             let target = self.resident_target(shape, group, plan_cap);
             if let Some(r) = self.residency.as_mut() {
                 r.target = target;
+                r.plan_cap = plan_cap;
             }
         }
         if self

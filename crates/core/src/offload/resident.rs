@@ -21,6 +21,10 @@ pub(super) struct Residency {
     units: Vec<Option<KvBuffer>>,
     /// How many units may be resident (from the budget; `usize::MAX` without one).
     pub target: usize,
+    /// The capacity the plan sized a unit for: a resident unit allocates it at once (and
+    /// grows by as much beyond it), so within the plan it never grows, and a growth copy
+    /// never needs old and new buffers at once.
+    pub plan_cap: usize,
     /// Units demoted to the host since the last reset.
     pub demotions: u64,
 }
@@ -29,10 +33,10 @@ impl Residency {
     /// Decides `unit` on its first run (resident while fewer than `target` are); a unit
     /// already decided keeps its decision.
     pub fn decide(&mut self, unit: usize, grow_tokens: usize) {
+        let chunk = self.plan_cap.max(grow_tokens);
         while self.units.len() <= unit {
             let resident = self.resident() < self.target;
-            self.units
-                .push(resident.then(|| KvBuffer::new(grow_tokens)));
+            self.units.push(resident.then(|| KvBuffer::new(chunk)));
         }
     }
 
@@ -75,6 +79,7 @@ impl Residency {
         self.units.clear();
         self.demotions = 0;
         self.target = 0;
+        self.plan_cap = 0;
     }
 }
 
@@ -148,5 +153,4 @@ impl OffloadPolicy {
         self.meter.free(buf.allocated_bytes());
         Ok(())
     }
-
 }
