@@ -329,3 +329,55 @@ fn llamacpp_with_a_python_that_cannot_run_it_is_a_clear_error() -> Result<()> {
     assert!(!err.contains("panicked"), "{err}");
     Ok(())
 }
+
+#[test]
+fn auto_budget_variants_sweep_and_chart() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let cfg = dir.path().join("config.json");
+    std::fs::write(&cfg, TINY)?;
+    let charts = dir.path().join("charts");
+    let s = |p: &std::path::Path| p.to_string_lossy().into_owned();
+    let o = kvbench(&[
+        "--random-weights",
+        "--config",
+        &s(&cfg),
+        "--cpu",
+        "--context",
+        "24",
+        "--steps",
+        "2",
+        "--repeats",
+        "1",
+        "--policies",
+        "full,auto:1MiB,auto:8MiB",
+        "--plot",
+        &s(&charts),
+    ])?;
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        out.contains("| 24 | auto:1MiB |") && out.contains("| 24 | auto:8MiB |"),
+        "{out}"
+    );
+    assert!(charts.join("auto_budget.svg").is_file());
+    // A budget that is not a size names the variant.
+    let o = kvbench(&[
+        "--random-weights",
+        "--config",
+        &s(&cfg),
+        "--cpu",
+        "--context",
+        "8",
+        "--steps",
+        "1",
+        "--policies",
+        "auto:lots",
+    ])?;
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("`auto:lots`: auto:BUDGET needs a size, e.g. auto:64MiB"),
+        "{err}"
+    );
+    Ok(())
+}

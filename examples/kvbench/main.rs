@@ -266,6 +266,9 @@ fn main() -> Result<()> {
         for p in plot::draw(&rows, dir, &name)? {
             eprintln!("wrote {}", p.display());
         }
+        if let Some(p) = plot::draw_budget_sweep(&rows, dir, &name)? {
+            eprintln!("wrote {}", p.display());
+        }
     }
     Ok(())
 }

@@ -1,6 +1,7 @@
 //! SVG charts of a sweep (plotters): decode tok/s, peak device KV bytes (log scale) and
-//! host→device bytes per token, each against the context length, one line per policy.
-use std::path::Path;
+//! host→device bytes per token, each against the context length, one line per policy; and
+//! for a sweep of `auto:BUDGET` variants, decode s/token against the budget.
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use plotters::prelude::*;
@@ -137,4 +138,87 @@ fn draw_one(
         series!(b.build_cartesian_2d(x, 0.0..ymax * 1.15).map_err(err)?);
     }
     Ok(())
+}
+
+/// With two or more `auto:BUDGET` rows at the largest context: decode seconds per token
+/// against the budget (`auto_budget.svg`), with `full` and every `headwise` row at that
+/// context as horizontal references — the curve should fall from the streaming policies'
+/// time to `full`'s as the budget grows. `None` when the sweep has no such rows.
+pub fn draw_budget_sweep(rows: &[Row], dir: &Path, model: &str) -> Result<Option<PathBuf>> {
+    let Some(context) = rows.iter().map(|r| r.context).max() else {
+        return Ok(None);
+    };
+    let at: Vec<&Row> = rows.iter().filter(|r| r.context == context).collect();
+    let mut curve: Vec<(f64, f64)> = at
+        .iter()
+        .filter_map(|r| {
+            let budget = kvpolicy::parse_bytes(r.policy.strip_prefix("auto:")?).ok()?;
+            Some((budget as f64 / (1 << 20) as f64, 1.0 / r.decode_tok_s))
+        })
+        .collect();
+    if curve.len() < 2 {
+        return Ok(None);
+    }
+    curve.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let refs: Vec<(&str, f64)> = at
+        .iter()
+        .filter(|r| r.policy == "full" || r.policy.starts_with("headwise"))
+        .map(|r| (r.policy.as_str(), 1.0 / r.decode_tok_s))
+        .collect();
+    let (x0, x1) = (curve[0].0, curve[curve.len() - 1].0);
+    let ymax = curve
+        .iter()
+        .map(|p| p.1)
+        .chain(refs.iter().map(|r| r.1))
+        .fold(0f64, f64::max);
+    let file = dir.join("auto_budget.svg");
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (720, 440)).into_drawing_area();
+        let err = |e: DrawingAreaErrorKind<_>| anyhow::anyhow!("drawing auto_budget.svg: {e}");
+        root.fill(&WHITE).map_err(err)?;
+        let mut c = ChartBuilder::on(&root)
+            .caption(
+                format!("auto: decode s/token vs device KV budget at {context} tokens — {model}"),
+                ("sans-serif", 16),
+            )
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(80)
+            .build_cartesian_2d(x0 * 0.9..x1 * 1.05, 0.0..ymax * 1.15)
+            .map_err(err)?;
+        c.configure_mesh()
+            .x_desc("--device-kv-budget (MiB)")
+            .y_desc("decode seconds per token")
+            .draw()
+            .map_err(err)?;
+        c.draw_series(LineSeries::new(curve.clone(), BLUE.stroke_width(2)))
+            .map_err(err)?
+            .label("auto")
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], BLUE.stroke_width(2)));
+        c.draw_series(curve.iter().map(|&p| Circle::new(p, 3, BLUE.filled())))
+            .map_err(err)?;
+        let colors = [&RED, &GREEN, &MAGENTA, &BLACK];
+        for (i, (name, y)) in refs.iter().enumerate() {
+            let color = colors[i % colors.len()];
+            c.draw_series(LineSeries::new(
+                vec![(x0 * 0.9, *y), (x1 * 1.05, *y)],
+                color.stroke_width(1),
+            ))
+            .map_err(err)?
+            .label(*name)
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(1))
+            });
+        }
+        c.configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()
+            .map_err(err)?;
+        root.present().map_err(|e| anyhow::anyhow!("{e}"))?;
+    }
+    write_atomic(&file, |p| Ok(std::fs::write(p, &svg)?))?;
+    Ok(Some(file))
 }
