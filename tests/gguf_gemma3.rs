@@ -59,16 +59,7 @@ fn greedy_follows_llamacpp() -> Result<()> {
     let loaded = gemma3()?;
     let refs = common::gemma3_refs()?;
     let runs = refs["greedy"].as_array().context("greedy")?;
-    let spread = common::llamacpp_spread(runs, usize::MAX)?;
-    println!("llama.cpp's own f16/f32-KV margin spread: {spread} logits");
-    assert!(
-        spread > 0.0,
-        "the references record no f32-KV margins: no anchor"
-    );
-    assert!(
-        spread <= MAX_SPREAD,
-        "llama.cpp's own spread is {spread} logits"
-    );
+    let spread = common::anchored_spread(runs, usize::MAX, MAX_SPREAD)?;
     for name in ["short", "chat", "needle_3k"] {
         let g = run_named(&refs, name)?;
         let prompt = common::ids_of(&g["prompt_ids"])?;

@@ -40,16 +40,7 @@ fn greedy_follows_llamacpp() -> Result<()> {
     let model = loaded.model.as_ref();
     let refs = common::llamacpp_refs()?;
     let greedy = refs["greedy"].as_array().context("greedy")?;
-    let spread = common::llamacpp_spread(greedy, STEPS)?;
-    println!("llama.cpp's own f16/f32-KV margin spread: {spread} logits");
-    assert!(
-        spread > 0.0,
-        "the references record no f32-KV margins: no anchor"
-    );
-    assert!(
-        spread <= MAX_SPREAD,
-        "llama.cpp's own spread is {spread} logits"
-    );
+    let spread = common::anchored_spread(greedy, STEPS, MAX_SPREAD)?;
     for (n, g) in greedy.iter().enumerate() {
         let prompt = common::ids_of(&g["prompt_ids"])?;
         let want = common::ids_of(&g["generated_ids"])?;

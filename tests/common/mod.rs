@@ -258,6 +258,22 @@ pub fn llamacpp_spread(runs: &[serde_json::Value], steps: usize) -> Result<f32> 
     Ok(spread)
 }
 
+/// [`llamacpp_spread`] of `runs`, printed, and checked to be an anchor: recorded (> 0) and
+/// at most `max` logits wide.
+pub fn anchored_spread(runs: &[serde_json::Value], steps: usize, max: f32) -> Result<f32> {
+    let spread = llamacpp_spread(runs, steps)?;
+    println!("llama.cpp's own f16/f32-KV margin spread: {spread} logits");
+    anyhow::ensure!(
+        spread > 0.0,
+        "the references record no f32-KV margins: no anchor"
+    );
+    anyhow::ensure!(
+        spread <= max,
+        "llama.cpp's own spread is {spread} logits (> {max})"
+    );
+    Ok(spread)
+}
+
 /// Where our greedy choice differs from llama.cpp's (`gaps` from [`greedy_gaps`] along its
 /// ids), our margin for its token (−gap) is no farther from llama.cpp's own margin than
 /// llama.cpp's f32-KV margin is (`spread`, [`llamacpp_spread`]): the step was a tie that a

@@ -92,6 +92,31 @@ impl std::fmt::Debug for OffloadPolicy {
     }
 }
 
+/// Copy jobs writing a unit's K/V `(b, heads, t, d)` into the host layer's heads from
+/// `first_head` on, at token `offset`.
+fn write_back_jobs(
+    (k, v): (&Tensor, &Tensor),
+    host: &HostLayer,
+    first_head: usize,
+    offset: usize,
+) -> Result<Vec<CopyJob>> {
+    let (batch, heads) = (k.dim(0)?, k.dim(1)?);
+    let mut jobs = Vec::with_capacity(2 * batch * heads);
+    for bi in 0..batch {
+        for j in 0..heads {
+            for (src, dst) in [(k, &host.k), (v, &host.v)] {
+                jobs.push(CopyJob {
+                    src: src.narrow(0, bi, 1)?.narrow(1, j, 1)?,
+                    dst: dst.narrow(0, bi, 1)?.narrow(1, first_head + j, 1)?,
+                    dim: 2,
+                    offset,
+                });
+            }
+        }
+    }
+    Ok(jobs)
+}
+
 impl OffloadPolicy {
     /// An offload policy registered as `name`, host tier in CPU memory.
     pub fn new(name: &'static str, grouping: Grouping, opts: &PolicyOptions) -> Result<Self> {
@@ -413,19 +438,7 @@ impl KvPolicy for OffloadPolicy {
             let host = self.layers[layer]
                 .as_ref()
                 .ok_or_else(|| KvError::Step("host layer missing".into()))?;
-            let mut jobs = Vec::with_capacity(2 * shape.batch * gs);
-            for bi in 0..shape.batch {
-                for j in 0..gs {
-                    for (src, dst) in [(&kn, &host.k), (&vn, &host.v)] {
-                        jobs.push(CopyJob {
-                            src: src.narrow(0, bi, 1)?.narrow(1, j, 1)?,
-                            dst: dst.narrow(0, bi, 1)?.narrow(1, g * gs + j, 1)?,
-                            dim: 2,
-                            offset: pos,
-                        });
-                    }
-                }
-            }
+            let jobs = write_back_jobs((&kn, &vn), host, g * gs, pos)?;
             self.submit(jobs, false)?;
         }
         self.lens[layer] += t;

@@ -11,7 +11,6 @@ use crate::attention::attend_partial;
 use crate::buffer::KvBuffer;
 use crate::error::{KvError, Result};
 use crate::policy::AttnStep;
-use crate::transfer::CopyJob;
 
 /// Which units stay on the device, and their buffers.
 #[derive(Debug, Default)]
@@ -134,19 +133,7 @@ impl OffloadPolicy {
                 .ok_or_else(|| {
                     KvError::Step(format!("layer {layer} has no host storage to demote into"))
                 })?;
-            let mut jobs = Vec::with_capacity(2 * k.dim(0)? * gs);
-            for bi in 0..k.dim(0)? {
-                for j in 0..gs {
-                    for (src, dst) in [(&k, &host.k), (&v, &host.v)] {
-                        jobs.push(CopyJob {
-                            src: src.narrow(0, bi, 1)?.narrow(1, j, 1)?,
-                            dst: dst.narrow(0, bi, 1)?.narrow(1, g * gs + j, 1)?,
-                            dim: 2,
-                            offset: 0,
-                        });
-                    }
-                }
-            }
+            let jobs = super::write_back_jobs((&k, &v), host, g * gs, 0)?;
             let ticket = self.submit(jobs, false)?;
             self.stats.transfer_wait_s += self.engine.wait(ticket)?;
         }
