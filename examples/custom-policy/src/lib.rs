@@ -1,0 +1,161 @@
+//! A KV policy written outside kvpolicy, on its public API only: StreamingLLM's attention
+//! sinks + recent window (Xiao et al., "Efficient Streaming Language Models with Attention
+//! Sinks", ICLR 2024, §3.2). **Approximate**: every query attends to the first `sinks`
+//! tokens and the last `window` tokens up to itself, nothing in between — logits differ
+//! from `full` once a sequence is longer than `sinks + window`, and the cache stays bounded
+//! by `sinks + window + one chunk` tokens per layer however long it runs.
+//!
+//! How a policy plugs in: implement [`KvPolicy`] — `attend` receives each layer's queries
+//! and new K/V ([`AttnStep`]) and returns the attention output; `seq_len`, `reset` and
+//! `stats` report and clear what it keeps — then [`register`] it next to the built-in
+//! policies in a [`PolicyRegistry`] and build it by name like any other. A model of one's
+//! own calls `policy.attend(&AttnStep { .. })` from its attention layer the same way
+//! kvpolicy's models do (see `kvpolicy::models::attention`).
+//!
+//! Unlike the paper this keeps the cached keys' original positions (no re-rotation inside
+//! the cache), which is what a window over an unmodified RoPE model means.
+use candle_core::Tensor;
+use kvpolicy::core::KvBuffer;
+use kvpolicy::{
+    attend_partial, merge_partials, AttnStep, KvError, KvPolicy, KvStats, PolicyOption,
+    PolicyOptions, PolicyRegistry,
+};
+
+/// Attention sinks + recent window (see the crate docs). Approximate.
+#[derive(Debug)]
+pub struct SinkWindow {
+    sinks: usize,
+    window: usize,
+    /// Per layer: the first `sinks` tokens' K/V.
+    head: Vec<KvBuffer>,
+    /// Per layer: the most recent tokens' K/V (at least `window + chunk − 1` of them), and
+    /// the position of its first token.
+    tail: Vec<(KvBuffer, usize)>,
+    len: usize,
+    stats: KvStats,
+}
+
+impl SinkWindow {
+    /// Keeps `sinks` first tokens and a window of `window` recent ones.
+    pub fn new(sinks: usize, window: usize) -> Self {
+        Self {
+            sinks,
+            window: window.max(1),
+            head: Vec::new(),
+            tail: Vec::new(),
+            len: 0,
+            stats: KvStats::default(),
+        }
+    }
+
+    fn bytes(&self) -> u64 {
+        let b = |buf: &KvBuffer| buf.allocated_bytes();
+        self.head.iter().map(b).sum::<u64>() + self.tail.iter().map(|(t, _)| b(t)).sum::<u64>()
+    }
+}
+
+fn step_err(e: impl std::fmt::Display) -> KvError {
+    KvError::Step(e.to_string())
+}
+
+impl KvPolicy for SinkWindow {
+    fn name(&self) -> &str {
+        "sinks"
+    }
+
+    fn attend(&mut self, step: &AttnStep<'_>) -> kvpolicy::core::Result<Tensor> {
+        let (layer, pos, t) = (step.layer, step.pos, step.k.dim(2)?);
+        while self.head.len() <= layer {
+            self.head.push(KvBuffer::new(self.sinks.max(1)));
+            self.tail.push((KvBuffer::new(256), self.sinks));
+        }
+        // New tokens below `sinks` go to the head, the rest to the tail.
+        let to_head = self.sinks.saturating_sub(pos).min(t);
+        if to_head > 0 {
+            self.head[layer].append(
+                &step.k.narrow(2, 0, to_head)?,
+                &step.v.narrow(2, 0, to_head)?,
+            )?;
+        }
+        if to_head < t {
+            let n = t - to_head;
+            let (tail, _) = &mut self.tail[layer];
+            tail.append(
+                &step.k.narrow(2, to_head, n)?,
+                &step.v.narrow(2, to_head, n)?,
+            )?;
+        }
+        let mut parts = Vec::with_capacity(2);
+        if !self.head[layer].is_empty() {
+            let (k, v) = self.head[layer].view(0, self.head[layer].len())?;
+            parts.push(attend_partial(step.q, &k, &v, pos, 0, step.spec)?);
+        }
+        let (tail, first) = &mut self.tail[layer];
+        if !tail.is_empty() {
+            // Recent keys only within `window` of each query (and the model's own window).
+            let mut spec = step.spec.clone();
+            spec.sliding_window = Some(
+                spec.sliding_window
+                    .map_or(self.window, |w| w.min(self.window)),
+            );
+            let (k, v) = tail.view(0, tail.len())?;
+            parts.push(attend_partial(step.q, &k, &v, pos, *first, &spec)?);
+            // Evict what no later query can see: keep `window` tokens (a chunk's earliest
+            // query needs them); rebuilt when twice that has piled up.
+            if tail.len() > 2 * self.window + t {
+                let keep = self.window;
+                let (k, v) = tail.view(tail.len() - keep, keep)?;
+                let (k, v) = (k.contiguous()?, v.contiguous()?);
+                let mut fresh = KvBuffer::new(256);
+                fresh.append(&k, &v)?;
+                *first += tail.len() - keep;
+                *tail = fresh;
+            }
+        }
+        let out = merge_partials(&parts).map_err(step_err)?;
+        if layer == 0 {
+            self.len = pos + t;
+        }
+        let bytes = self.bytes();
+        self.stats.device_kv_bytes = bytes;
+        self.stats.device_kv_peak_bytes = self.stats.device_kv_peak_bytes.max(bytes);
+        Ok(out.out.to_dtype(step.q.dtype())?)
+    }
+
+    fn seq_len(&self) -> usize {
+        self.len
+    }
+
+    fn reset(&mut self) {
+        *self = Self::new(self.sinks, self.window);
+    }
+
+    fn stats(&self) -> KvStats {
+        KvStats {
+            kv_tokens: self.len as u64,
+            ..self.stats.clone()
+        }
+    }
+}
+
+/// Sinks kept when the options do not say (StreamingLLM's 4).
+pub const DEFAULT_SINKS: usize = 4;
+/// Recent tokens kept when the options do not say.
+pub const DEFAULT_WINDOW: usize = 1020;
+
+/// Registers `sinks` (4 sinks + a 1,020-token window) in `reg`.
+pub fn register(reg: &mut PolicyRegistry) {
+    reg.register(
+        "sinks",
+        "APPROXIMATE: StreamingLLM attention sinks + recent window (4 + 1,020 tokens per layer); logits differ from full beyond 1,024 tokens",
+        &[] as &[PolicyOption],
+        |_o: &PolicyOptions| Ok(Box::new(SinkWindow::new(DEFAULT_SINKS, DEFAULT_WINDOW))),
+    );
+}
+
+/// kvpolicy's registry with `sinks` added.
+pub fn registry() -> PolicyRegistry {
+    let mut reg = kvpolicy::registry();
+    register(&mut reg);
+    reg
+}
