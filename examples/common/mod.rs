@@ -23,7 +23,7 @@ use serde::Serialize;
 #[derive(Parser, Debug)]
 #[command(about = "Generate text under a KV-cache policy", long_about = None)]
 pub struct Args {
-    /// KV policy: full (all on device), layer (layer-wise offload), headwise (head-wise offload), recompute (partial recompute, KVPR), hybrid (KV and activation blocks, HybridServe); an unknown name lists the valid ones.
+    /// KV policy: full (all on device), layer (layer-wise offload), headwise (head-wise offload), recompute (partial recompute, KVPR), hybrid (KV and activation blocks, HybridServe), auto (resident units under --device-kv-budget, the rest streamed); an unknown name lists the valid ones.
     #[arg(long, default_value = "full")]
     pub policy: String,
     /// Prompt text (tokenized with the model's tokenizer).
