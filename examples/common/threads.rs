@@ -1,8 +1,8 @@
 //! The CPU thread count, settled once at start-up. Without `RAYON_NUM_THREADS` candle
 //! 0.11 works it out again on every f32 matmul (`utils::get_num_threads` reads the CPU
 //! affinity and `/proc/cpuinfo`: ~1,200 file opens in a 20-token run); setting the variable
-//! once to the same value (the physical cores) makes that a lookup, and rayon's pool, which
-//! our quantized kernels run on, uses the same count.
+//! once to the same value (the physical cores) makes that a lookup; candle's worker pool,
+//! which our quantized kernels and attention run on, and rayon's size themselves from it.
 
 /// Sets `RAYON_NUM_THREADS` to candle's default count unless the user set it. Call first
 /// thing in `main`, before any thread is started.

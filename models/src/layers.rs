@@ -19,8 +19,8 @@ pub enum Linear {
     Quant {
         /// The quantized matmul.
         w: QMatMul,
-        /// Our CPU kernel for the formats candle dots with a scalar loop (Q4_1, Q5_0, Q5_1),
-        /// used for activation rows below [`DEQUANT_MIN_ROWS`].
+        /// Our CPU kernel for GGML's 32-element formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; see
+        /// `kvpolicy_kernels::quant`), used for activation rows below [`DEQUANT_MIN_ROWS`].
         fast: Option<QuantMatMul>,
         /// Bias `(out,)`.
         bias: Option<Tensor>,

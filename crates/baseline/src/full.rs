@@ -81,27 +81,20 @@ impl KvPolicy for FullPolicy {
             )));
         }
         let grow = buf.growth_bytes(step.k)?;
-        if grow > 0 {
-            if !self.meter.fits(grow) {
-                return Err(KvError::BudgetExceeded {
-                    what: format!(
-                        "growing layer {} to {} tokens",
-                        step.layer,
-                        buf.capacity_for(buf.len() + step.k.dim(2)?)
-                    ),
-                    needed: grow,
-                    budget: self.meter.budget().unwrap_or(0),
-                    in_use: self.meter.current(),
-                    hint: OFFLOAD_HINT,
-                });
-            }
-            let old = buf.allocated_bytes();
-            self.meter.alloc(grow);
-            buf.append(step.k, step.v)?;
-            self.meter.free(old);
-        } else {
-            buf.append(step.k, step.v)?;
+        if grow > 0 && !self.meter.fits(grow) {
+            return Err(KvError::BudgetExceeded {
+                what: format!(
+                    "growing layer {} to {} tokens",
+                    step.layer,
+                    buf.capacity_for(buf.len() + step.k.dim(2)?)
+                ),
+                needed: grow,
+                budget: self.meter.budget().unwrap_or(0),
+                in_use: self.meter.current(),
+                hint: OFFLOAD_HINT,
+            });
         }
+        buf.append_metered(step.k, step.v, &mut self.meter)?;
         let (k, v) = buf.view(0, buf.len())?;
         let out = attend_partial(step.q, &k, &v, step.pos, 0, step.spec)?;
         let t = step.q.dim(2)?;

@@ -8,6 +8,7 @@
 use candle_core::{DType, Device, Tensor};
 
 use crate::error::{KvError, Result};
+use crate::stats::DeviceMeter;
 
 /// `tokens` rounded up to a whole number of `step`-token chunks: the capacity rule of every
 /// preallocated buffer in this workspace (device and host tiers alike).
@@ -151,6 +152,26 @@ impl KvBuffer {
         self.k = Some(grown(self.k.as_ref(), (b, h, cap, d), 2, dtype, dev)?);
         self.v = Some(grown(self.v.as_ref(), (b, h, cap, d), 2, dtype, dev)?);
         self.capacity = cap;
+        Ok(())
+    }
+
+    /// [`Self::append`], counting a growth on `meter` as it happens: the new buffers are
+    /// allocated while the old ones still exist (the peak holds both), then the old ones
+    /// are freed. Whether the growth fits is the caller's decision ([`Self::growth_bytes`]).
+    pub fn append_metered(
+        &mut self,
+        k: &Tensor,
+        v: &Tensor,
+        meter: &mut DeviceMeter,
+    ) -> Result<()> {
+        let grow = self.growth_bytes(k)?;
+        if grow == 0 {
+            return self.append(k, v);
+        }
+        let old = self.allocated_bytes();
+        meter.alloc(grow);
+        self.append(k, v)?;
+        meter.free(old);
         Ok(())
     }
 

@@ -17,8 +17,8 @@
 use candle_core::Tensor;
 use kvpolicy::core::KvBuffer;
 use kvpolicy::{
-    attend_partial, merge_partials, AttnStep, KvError, KvPolicy, KvStats, PolicyOption,
-    PolicyOptions, PolicyRegistry,
+    attend_partial, merge_partials, AttnStep, KvPolicy, KvStats, PolicyOption, PolicyOptions,
+    PolicyRegistry,
 };
 
 /// Attention sinks + recent window (see the crate docs). Approximate.
@@ -52,10 +52,6 @@ impl SinkWindow {
         let b = |buf: &KvBuffer| buf.allocated_bytes();
         self.head.iter().map(b).sum::<u64>() + self.tail.iter().map(|(t, _)| b(t)).sum::<u64>()
     }
-}
-
-fn step_err(e: impl std::fmt::Display) -> KvError {
-    KvError::Step(e.to_string())
 }
 
 impl KvPolicy for SinkWindow {
@@ -112,7 +108,7 @@ impl KvPolicy for SinkWindow {
                 *tail = fresh;
             }
         }
-        let out = merge_partials(&parts).map_err(step_err)?;
+        let out = merge_partials(&parts)?;
         if layer == 0 {
             self.len = pos + t;
         }

@@ -59,7 +59,7 @@ pub fn format_of(dtype: GgmlDType) -> Option<WeightFormat> {
 pub fn dot(fmt: WeightFormat, row: &[u8], x: &[ActBlock]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if avx2::available() {
-        // SAFETY: `available` checked AVX2 and FMA.
+        // SAFETY: `available` checked AVX2, FMA and F16C.
         return unsafe { avx2::dot(fmt, row, x) };
     }
     blocks::dot_scalar(fmt, row, x)

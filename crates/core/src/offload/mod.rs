@@ -192,10 +192,16 @@ impl OffloadPolicy {
         self.stats.transfer_wait_s += self.engine.wait_all()?;
         self.prefetched = None;
         let pingpong = Self::buffers_bytes(shape, group, cap);
+        // The current streaming buffers (for `layer`/`headwise` all the meter holds; under
+        // `auto` the meter also holds resident units).
+        let old = if self.residency.is_some() {
+            Self::buffers_bytes(shape, self.group, self.buf_cap)
+        } else {
+            self.meter.current()
+        };
         if let (Some(budget), Some(_)) = (self.meter.budget(), &self.residency) {
             // `auto`: the grown streaming buffers come first; resident units make room,
             // the last-decided first.
-            let old = Self::buffers_bytes(shape, self.group, self.buf_cap);
             let scratch = shape.step_scratch_bytes(group, cap, &self.device);
             while self.meter.current() - old.min(self.meter.current()) + pingpong + scratch > budget
             {
@@ -207,11 +213,6 @@ impl OffloadPolicy {
             }
         }
         // The buffers are scratch (refilled from the host every step): free, then allocate.
-        let old = if self.group == 0 || self.residency.is_none() {
-            self.meter.current()
-        } else {
-            Self::buffers_bytes(shape, self.group, self.buf_cap)
-        };
         self.meter.free(old);
         self.bufs = [None, None];
         let dims = (shape.batch, group, cap, shape.head_dim);
@@ -406,6 +407,9 @@ impl KvPolicy for OffloadPolicy {
         let gs = self.group;
         let groups = shape.n_kv_heads / gs;
         let q_per_group = gs * step.spec.group_size();
+        // What a resident unit's growth must leave free, and the step's activations.
+        let reserve = shape.step_scratch_bytes(gs, widest + t, &self.device);
+        let act = shape.activation_bytes(t);
         let mut outs = Vec::with_capacity(groups);
         for g in 0..groups {
             let kn = step.k.narrow(1, g * gs, gs)?.contiguous()?;
@@ -415,8 +419,6 @@ impl KvPolicy for OffloadPolicy {
             if let Some(r) = self.residency.as_mut() {
                 r.decide(unit, self.grow_tokens);
             }
-            let reserve = shape.step_scratch_bytes(gs, widest + t, &self.device);
-            let act = shape.activation_bytes(t);
             if let Some(out) = self.attend_resident(unit, (&q, &kn, &vn), step, reserve, act)? {
                 outs.push(out);
                 continue;
@@ -431,8 +433,7 @@ impl KvPolicy for OffloadPolicy {
             let k = kb.narrow(2, 0, hist + t)?;
             let v = vb.narrow(2, 0, hist + t)?;
             let part = attend_partial(&q, &k, &v, pos, start, step.spec)?;
-            self.stats
-                .note_scratch(part.scratch_bytes, shape.activation_bytes(t));
+            self.stats.note_scratch(part.scratch_bytes, act);
             outs.push(part.out.to_dtype(q.dtype())?);
             // Write the unit's new entries back to the host tier behind the compute.
             let host = self.layers[layer]

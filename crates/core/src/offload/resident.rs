@@ -105,12 +105,7 @@ impl OffloadPolicy {
             self.demote(unit, layer, unit % groups, gs)?;
             return Ok(None);
         }
-        let old = buf.allocated_bytes();
-        self.meter.alloc(grow);
-        buf.append(kn, vn)?;
-        if grow > 0 {
-            self.meter.free(old);
-        }
+        buf.append_metered(kn, vn, &mut self.meter)?;
         let start = step.spec.window_start(pos);
         let (k, v) = buf.view(start, pos + t - start)?;
         let part = attend_partial(q, &k, &v, pos, start, step.spec)?;
