@@ -21,14 +21,11 @@
 pub mod attention;
 pub mod batch;
 pub mod buffer;
-#[cfg(feature = "cuda")]
-pub mod cuda_transfer;
 pub mod error;
 pub mod offload;
 pub mod policy;
 pub mod profile;
 pub mod registry;
-pub mod runs;
 pub mod size;
 pub mod stats;
 pub mod transfer;
@@ -37,13 +34,13 @@ pub use attention::{attend, attend_partial, merge_partials, AttnSpec, Partial};
 pub use batch::{PerSequence, PolicyFactory};
 pub use buffer::{grown, round_up, KvBuffer};
 #[cfg(feature = "cuda")]
-pub use cuda_transfer::CudaTransferEngine;
+pub use transfer::CudaTransferEngine;
 pub use error::{KvError, Result};
 pub use offload::{Grouping, OffloadPolicy};
 pub use policy::{AttnStep, KvPolicy, KvRegen, KvShape, SeqLoad};
 pub use profile::{Probe, Profile};
 pub use registry::{HeadGroup, PolicyBuilder, PolicyOption, PolicyOptions, PolicyRegistry};
-pub use runs::{copy_runs, Run};
+pub use transfer::runs::{copy_runs, Run};
 pub use size::{format_bytes, parse_bytes};
 pub use stats::{DeviceMeter, KvStats};
 pub use transfer::{

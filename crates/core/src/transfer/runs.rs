@@ -1,7 +1,7 @@
 //! A copy between two strided views as contiguous byte runs.
 //!
 //! An asynchronous copy engine (the CUDA one: `cuMemcpy*Async` on a copy stream, HeadInfer
-//! §3.2 / KVPR §3.3 overlap) moves contiguous byte ranges, while a [`crate::CopyJob`] names
+//! §3.2 / KVPR §3.3 overlap) moves contiguous byte ranges, while a [`CopyJob`](super::CopyJob) names
 //! strided views. [`copy_runs`] pairs the two views' element blocks in logical order and
 //! returns the byte runs to copy, merged where both sides continue contiguously. The
 //! policies' jobs are one run each (one KV head's token range, one block of rows); views too

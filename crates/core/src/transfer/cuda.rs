@@ -9,7 +9,7 @@
 //!   tensor's memory with `cuMemHostRegister`, so candle keeps using it as an ordinary CPU
 //!   tensor and the DMA engine reads it directly);
 //! - issues every copy as `cuMemcpy{HtoD,DtoH,DtoD}Async` on one dedicated copy stream, one
-//!   call per contiguous byte run of the job ([`crate::runs::copy_runs`]), straight into the
+//!   call per contiguous byte run of the job ([`super::runs::copy_runs`]), straight into the
 //!   destination tensor's memory — the device buffers are ordinary candle tensors;
 //! - orders the two streams with events: a batch starts after the compute enqueued before
 //!   it (so a ping-pong buffer is not overwritten while attention still reads it, and a
@@ -31,8 +31,8 @@ use candle_core::cuda::CudaStorageSlice;
 use candle_core::{CpuStorage, CudaDevice, DType, Device, Shape, Storage, Tensor, TensorId};
 
 use crate::error::{KvError, Result};
-use crate::runs::{copy_runs, Run};
-use crate::transfer::{CopyJob, Ticket, TransferEngine};
+use super::runs::{copy_runs, Run};
+use super::{CopyJob, Ticket, TransferEngine};
 
 /// Host buffers below this size stay pageable: registration works on whole pages, and small
 /// allocations may share a page with other data.

@@ -1,0 +1,158 @@
+//! Moving K/V ranges between the host tier and the device tier.
+//!
+//! A [`TransferEngine`] takes batches of [`CopyJob`]s and returns a [`Ticket`] to wait on.
+//! [`CpuTransferEngine`] runs the copies on a worker thread, so a prefetch overlaps compute
+//! even on a CPU-only machine (HeadInfer §3.2's ping-pong schedule); jobs run in submission
+//! order, so a write-back always lands before a later prefetch of the same range.
+//! [`SyncTransferEngine`] copies at submission (the fallback for devices without a copy
+//! engine of their own). On CUDA, `CudaTransferEngine` (feature `cuda`) issues the copies on
+//! a dedicated copy stream from page-locked host buffers and orders them with events.
+//!
+//! The host tier's buffers are allocated through the engine ([`TransferEngine::host_zeros`])
+//! so that an engine able to page-lock them does, and handed back with
+//! [`TransferEngine::host_release`] before they are dropped.
+//!
+//! Files: this one the trait, the jobs and [`engine_for`]; `cpu` the worker-thread and
+//! synchronous engines; `cuda` the copy-stream engine; `runs` the byte runs a strided copy
+//! is made of.
+
+use candle_core::{DType, Device, Shape, Tensor};
+
+mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod runs;
+
+pub use cpu::{CpuTransferEngine, SyncTransferEngine, INLINE_BYTES};
+#[cfg(feature = "cuda")]
+pub use cuda::CudaTransferEngine;
+
+use crate::error::{KvError, Result};
+
+/// Copy `src` into `dst` at `offset` along `dim` (`dst.slice_set(src, dim, offset)`), moving
+/// `src` to `dst`'s device first. `src` may be a strided view (it is gathered on the copying
+/// thread); `dst` is a contiguous buffer (or a contiguous narrow of one).
+#[derive(Debug, Clone)]
+pub struct CopyJob {
+    /// Source range.
+    pub src: Tensor,
+    /// Destination buffer.
+    pub dst: Tensor,
+    /// Dimension along which `offset` counts.
+    pub dim: usize,
+    /// Offset in `dst` along `dim`.
+    pub offset: usize,
+}
+
+impl CopyJob {
+    /// Bytes this job moves.
+    pub fn bytes(&self) -> u64 {
+        (self.src.elem_count() * self.src.dtype().size_in_bytes()) as u64
+    }
+
+    /// Performs the copy.
+    pub fn run(&self) -> Result<()> {
+        // candle's `to_device` copies a view's whole storage; compact the view first so only
+        // its own bytes cross devices.
+        // A strided view (e.g. a token range across all heads) is gathered first.
+        let src = if self.src.is_contiguous() {
+            self.src.clone()
+        } else {
+            self.src.force_contiguous()?
+        };
+        let src = if src.device().same_device(self.dst.device()) {
+            src
+        } else {
+            src.to_device(self.dst.device())?
+        };
+        self.dst.slice_set(&src, self.dim, self.offset)?;
+        Ok(())
+    }
+}
+
+/// Runs `jobs` in order, stopping at the first failure.
+pub fn run_jobs(jobs: &[CopyJob]) -> Result<()> {
+    jobs.iter().try_for_each(CopyJob::run)
+}
+
+/// A handle on a submitted batch of copies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Ticket(pub u64);
+
+/// Moves ranges between tiers, possibly asynchronously.
+pub trait TransferEngine: Send {
+    /// Queues `jobs`; they run in order after every earlier submission.
+    fn submit(&mut self, jobs: Vec<CopyJob>) -> Result<Ticket>;
+    /// Blocks until `ticket` (and everything before it) is done; returns the seconds waited.
+    fn wait(&mut self, ticket: Ticket) -> Result<f64>;
+    /// Blocks until everything submitted is done.
+    fn wait_all(&mut self) -> Result<f64>;
+
+    /// A zeroed host-tier buffer (CPU memory; page-locked where the engine can do so, kept
+    /// so until [`Self::host_release`]).
+    fn host_zeros(&mut self, shape: Shape, dtype: DType) -> Result<Tensor> {
+        Ok(Tensor::zeros(shape, dtype, &Device::Cpu)?)
+    }
+
+    /// Hands back a buffer from [`Self::host_zeros`] that its owner is about to drop (after
+    /// every copy touching it is done).
+    fn host_release(&mut self, buffer: &Tensor) -> Result<()> {
+        let _ = buffer;
+        Ok(())
+    }
+
+    /// Bytes of host-tier buffers page-locked now (0 for engines that do not pin).
+    fn pinned_bytes(&self) -> u64 {
+        0
+    }
+
+    /// Seconds this engine has spent copying since it was created, over the batches known to
+    /// be complete: its worker (CPU) or copy stream (CUDA) busy, whether or not compute ran
+    /// beside it. Compared with a step's time it shows the overlap.
+    fn copy_seconds(&self) -> f64 {
+        0.0
+    }
+}
+
+/// A host-tier buffer of `dims` from `engine` whose leading part along `dim` holds a copy of
+/// `old`, which is handed back to the engine: how host buffers grow (see [`grown`] for the
+/// device tier). Waits for every queued copy first, since they may target `old`.
+///
+/// [`grown`]: crate::buffer::grown
+pub fn grown_host(
+    engine: &mut dyn TransferEngine,
+    old: Option<&Tensor>,
+    dims: impl Into<Shape>,
+    dim: usize,
+    dtype: DType,
+) -> Result<Tensor> {
+    let t = engine.host_zeros(dims.into(), dtype)?;
+    if let Some(o) = old {
+        engine.wait_all()?;
+        t.slice_set(o, dim, 0)?;
+        engine.host_release(o)?;
+    }
+    Ok(t)
+}
+
+/// The engine suited to a device: a worker thread on the CPU (simulating a link of
+/// `link_bytes_per_s` when given), a copy stream with pinned host buffers on CUDA (feature
+/// `cuda`), synchronous copies elsewhere.
+pub fn engine_for(
+    device: &Device,
+    link_bytes_per_s: Option<f64>,
+) -> Result<Box<dyn TransferEngine>> {
+    if !device.is_cpu() && link_bytes_per_s.is_some() {
+        return Err(KvError::Step(
+            "a simulated link is for CPU runs only; drop --link-bandwidth on a GPU".into(),
+        ));
+    }
+    match (device, link_bytes_per_s) {
+        (Device::Cpu, None) => Ok(Box::new(CpuTransferEngine::new()?)),
+        (Device::Cpu, Some(bw)) => Ok(Box::new(CpuTransferEngine::with_link(bw)?)),
+        #[cfg(feature = "cuda")]
+        (Device::Cuda(d), _) => Ok(Box::new(CudaTransferEngine::new(d)?)),
+        _ => Ok(Box::new(SyncTransferEngine::default())),
+    }
+}
+
