@@ -223,7 +223,7 @@ impl Drop for CpuTransferEngine {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::Device;
+    use candle_core::{Device, Tensor};
 
     #[test]
     fn copies_in_order_in_the_background() -> Result<()> {
