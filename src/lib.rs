@@ -17,9 +17,9 @@
 
 pub use kvpolicy_baseline as baseline;
 pub use kvpolicy_core as core;
-pub use kvpolicy_headwise as headwise;
 pub use kvpolicy_hybrid as hybrid;
 pub use kvpolicy_models as models;
+pub use kvpolicy_offload as offload;
 pub use kvpolicy_recompute as recompute;
 
 pub use kvpolicy_core::{
@@ -34,7 +34,7 @@ pub use kvpolicy_models::{
 pub fn registry() -> PolicyRegistry {
     let mut reg = PolicyRegistry::new();
     kvpolicy_baseline::register(&mut reg);
-    kvpolicy_headwise::register(&mut reg);
+    kvpolicy_offload::register(&mut reg);
     kvpolicy_recompute::register(&mut reg);
     kvpolicy_hybrid::register(&mut reg);
     reg

@@ -5,9 +5,10 @@ mod common;
 
 use anyhow::Result;
 use candle_core::Tensor;
-use kvpolicy::core::{CopyJob, CpuTransferEngine, Grouping, OffloadPolicy, Ticket, TransferEngine};
+use kvpolicy::core::{CopyJob, CpuTransferEngine, Ticket, TransferEngine};
 use kvpolicy::hybrid::HybridPolicy;
 use kvpolicy::models::{generate, GenerateConfig};
+use kvpolicy::offload::{Grouping, OffloadPolicy};
 use kvpolicy::recompute::RecomputePolicy;
 use kvpolicy::{build_policy, CausalLm, HeadGroup, KvError, KvPolicy, PolicyOptions};
 
@@ -22,7 +23,7 @@ impl TransferEngine for Faulty {
     fn submit(&mut self, jobs: Vec<CopyJob>) -> kvpolicy::core::Result<Ticket> {
         self.submitted += 1;
         if self.submitted == self.fail_at {
-            return Err(KvError::Step("injected transfer failure".into()));
+            return Err(KvError::Transfer("injected transfer failure".into()));
         }
         self.inner.submit(jobs)
     }

@@ -11,9 +11,10 @@ use std::sync::{Arc, Mutex};
 
 use anyhow::Result;
 use candle_core::{DType, Device, Shape, Tensor, TensorId};
-use kvpolicy::core::{CopyJob, CpuTransferEngine, Grouping, OffloadPolicy, Ticket, TransferEngine};
+use kvpolicy::core::{CopyJob, CpuTransferEngine, Ticket, TransferEngine};
 use kvpolicy::hybrid::HybridPolicy;
 use kvpolicy::models::prefill;
+use kvpolicy::offload::{Grouping, OffloadPolicy};
 use kvpolicy::recompute::RecomputePolicy;
 use kvpolicy::{build_policy, HeadGroup, KvPolicy, LogitsMode, PolicyOptions};
 

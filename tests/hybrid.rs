@@ -321,11 +321,11 @@ fn bad_options_are_clear_errors() -> Result<()> {
             .unwrap_or_default()
     };
     let e = msg(hybrid_opts(0, None));
-    assert!(e.contains("--block-size 0"), "{e}");
+    assert!(e.contains("`block_size` 0"), "{e}");
     for r in [-0.5, 1.5, f64::NAN] {
         let e = msg(hybrid_opts(16, Some(r)));
         assert!(
-            e.contains("--kv-act-ratio") && e.contains("outside [0, 1]"),
+            e.contains("`kv_act_ratio`") && e.contains("outside [0, 1]"),
             "{e}"
         );
     }

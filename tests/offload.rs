@@ -212,7 +212,7 @@ fn options_that_cannot_work_are_clear_errors() -> Result<()> {
         "{e}"
     );
     let e = err("full", opts(HeadGroup::Auto, 256, Some(100_000)))?;
-    assert!(e.contains("use `--policy headwise`"), "{e}");
+    assert!(e.contains("use the `headwise` policy"), "{e}");
     // Auto under a budget picks the largest group that fits: 2 heads need 131072 bytes.
     let mut p = build_policy(
         "headwise",
@@ -236,5 +236,57 @@ fn options_that_cannot_work_are_clear_errors() -> Result<()> {
     let st = p.stats();
     assert!(st.attn_scratch_peak_bytes > 0);
     assert!(st.device_scratch_peak_bytes <= scratch(2), "{st:?}");
+    Ok(())
+}
+
+#[test]
+fn library_errors_are_typed_and_name_no_flags() -> Result<()> {
+    use kvpolicy::core::Advice;
+    use kvpolicy::{KvError, PolicyOption};
+    let name = "llama_gqa";
+    let loaded = common::load_fixture(name)?;
+    let model = loaded.model.as_ref();
+    let (prompt, _) = common::fixture_ids(name)?;
+    let cfg = GenerateConfig {
+        max_new_tokens: 2,
+        ..GenerateConfig::default()
+    };
+    // A budget below one layer's double buffer: advice, not flags.
+    let mut p = build_policy("layer", &opts(HeadGroup::Auto, 256, Some(10)))?;
+    let e = generate(model, p.as_mut(), &prompt, &cfg, &mut |_| Ok(()))
+        .err()
+        .ok_or_else(|| anyhow::anyhow!("layer fit 10 bytes"))?;
+    match &e {
+        kvpolicy::models::ModelError::Policy(KvError::BudgetExceeded {
+            advice, budget, ..
+        }) => {
+            assert_eq!(*budget, 10);
+            assert_eq!(
+                advice,
+                &[
+                    Advice::Raise(PolicyOption::DeviceKvBudget),
+                    Advice::UsePolicy("headwise")
+                ]
+            );
+        }
+        other => anyhow::bail!("expected a budget error, got {other:?}"),
+    }
+    let msg = e.to_string();
+    assert!(!msg.contains("--"), "{msg}");
+    assert!(msg.contains("raise `device_kv_budget`"), "{msg}");
+    // A step that does not continue the sequence: which layer, how many held, where.
+    for policy in ["full", "layer", "headwise", "recompute", "auto"] {
+        let mut p = build_policy(policy, &opts(HeadGroup::Auto, 256, None))?;
+        prefill(model, p.as_mut(), &prompt, prompt.len(), false)?;
+        match prefill(model, p.as_mut(), &prompt, prompt.len(), false) {
+            Err(kvpolicy::models::ModelError::Policy(KvError::OutOfOrder {
+                layer,
+                held,
+                pos,
+                ..
+            })) => assert_eq!((layer, held, pos), (0, prompt.len(), 0), "{policy}"),
+            other => anyhow::bail!("{policy}: expected OutOfOrder, got {other:?}"),
+        }
+    }
     Ok(())
 }

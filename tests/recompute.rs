@@ -224,7 +224,7 @@ fn a_split_beyond_the_sequence_is_a_clear_error() -> Result<()> {
         .unwrap_or_default();
     assert!(
         e.contains(&format!(
-            "--recompute-split {} is beyond the sequence",
+            "`recompute_split` {} is beyond the sequence",
             max + 1
         )) && e.contains(&format!("0..={max}")),
         "{e}"

@@ -8,7 +8,7 @@ use kvpolicy::{build_policy, AttnSpec, AttnStep, HeadGroup, KvPolicy, KvRegen, P
 struct NoRegen;
 impl KvRegen for NoRegen {
     fn regen(&self, _x: &Tensor, _pos: usize) -> kvpolicy::core::Result<(Tensor, Tensor)> {
-        Err(kvpolicy::KvError::Step("not used".into()))
+        Err(kvpolicy::KvError::Regen("not used".into()))
     }
     fn flops_per_token(&self) -> u64 {
         0

@@ -9,6 +9,7 @@ use anyhow::{Context, Result};
 mod applies;
 mod atomic;
 mod batch;
+mod errors;
 mod threads;
 use atomic::Staged;
 use candle_core::{DType, Device};
@@ -175,7 +176,7 @@ pub fn main(example: &str, archs: &[&str], default: Option<ModelSpec>) -> ExitCo
     match run(&args, example, archs, default) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", errors::for_cli(&e));
             ExitCode::FAILURE
         }
     }

@@ -14,6 +14,8 @@
 #[path = "../common/atomic.rs"]
 mod atomic;
 mod bandwidth;
+#[path = "../common/errors.rs"]
+mod errors;
 mod llamacpp;
 mod plot;
 mod report;
@@ -103,9 +105,20 @@ fn parse_size(s: &str) -> std::result::Result<u64, String> {
     kvpolicy::parse_bytes(s).map_err(|e| e.to_string())
 }
 
-fn main() -> Result<()> {
+fn main() -> std::process::ExitCode {
     threads::settle();
-    let mut args = Args::parse();
+    let args = Args::parse();
+    match run(args) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {}", errors::for_cli(&e));
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+/// The sweep `args` asks for.
+fn run(mut args: Args) -> Result<()> {
     if args.quick {
         args.context = vec![64, 256];
         args.steps = 4;

@@ -167,7 +167,7 @@ fn kv_error(e: crate::error::ModelError) -> KvError {
     match e {
         crate::error::ModelError::Candle(c) => KvError::Candle(c),
         crate::error::ModelError::Policy(p) => p,
-        other => KvError::Step(other.to_string()),
+        other => KvError::Regen(other.to_string()),
     }
 }
 

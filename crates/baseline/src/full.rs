@@ -5,12 +5,22 @@
 //! budget the policy fails before allocating past it and points to the offload policies.
 use candle_core::{Device, Tensor};
 use kvpolicy_core::{
-    attend_partial, round_up, AttnStep, DeviceMeter, KvBuffer, KvError, KvPolicy, KvShape, KvStats,
-    PolicyOptions, Result,
+    attend_partial, round_up, Advice, AttnStep, DeviceMeter, KvBuffer, KvError, KvPolicy, KvShape,
+    KvStats, PolicyOption, PolicyOptions, Result,
 };
 
-/// What to do when `full` does not fit the device budget.
-const OFFLOAD_HINT: &str = "`full` keeps every layer's KV on the device; use `--policy headwise` (or `layer`) to keep the cache in host memory";
+/// Why `full` cannot shrink to a device budget.
+const NOTE: &str = "`full` keeps every layer's KV on the device";
+
+/// What to do when `full` does not fit the device budget: a policy that keeps the cache in
+/// host memory.
+fn advice() -> Vec<Advice> {
+    vec![
+        Advice::UsePolicy("headwise"),
+        Advice::UsePolicy("auto"),
+        Advice::Raise(PolicyOption::DeviceKvBudget),
+    ]
+}
 
 /// Everything on the device: the reference policy.
 #[derive(Debug)]
@@ -60,7 +70,8 @@ impl KvPolicy for FullPolicy {
                     needed: need,
                     budget,
                     in_use: 0,
-                    hint: OFFLOAD_HINT,
+                    note: NOTE,
+                    advice: advice(),
                 });
             }
         }
@@ -73,12 +84,12 @@ impl KvPolicy for FullPolicy {
         }
         let buf = &mut self.layers[step.layer];
         if step.pos != buf.len() {
-            return Err(KvError::Step(format!(
-                "layer {} holds {} tokens but the step starts at position {}; call reset() before a new sequence",
-                step.layer,
-                buf.len(),
-                step.pos
-            )));
+            return Err(KvError::OutOfOrder {
+                seq: step.seq,
+                layer: step.layer,
+                held: buf.len(),
+                pos: step.pos,
+            });
         }
         let grow = buf.growth_bytes(step.k)?;
         if grow > 0 && !self.meter.fits(grow) {
@@ -91,7 +102,8 @@ impl KvPolicy for FullPolicy {
                 needed: grow,
                 budget: self.meter.budget().unwrap_or(0),
                 in_use: self.meter.current(),
-                hint: OFFLOAD_HINT,
+                note: NOTE,
+                advice: advice(),
             });
         }
         buf.append_metered(step.k, step.v, &mut self.meter)?;

@@ -1,16 +1,15 @@
-//! `kvpolicy-baseline`: the reference and baseline KV policies.
+//! `kvpolicy-baseline`: the reference KV policy.
 //!
 //! * [`FullPolicy`] (`full`) keeps every layer's K/V on the device tier in preallocated
 //!   buffers that grow in chunks — the reference every other policy must match.
-//! * [`layer_policy`] (`layer`) keeps the cache on the host and two layers' worth on the
-//!   device — layer-wise offload, the baseline of FlexGen and HF's offloaded cache.
+//!
+//! The baseline of the offloading papers, layer-wise offload (`layer`), is the offload
+//! runtime with one unit per layer and lives with it in `kvpolicy-offload`.
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 pub mod full;
-pub mod layer;
 
 pub use full::FullPolicy;
-pub use layer::layer_policy;
 
 use kvpolicy_core::{PolicyOption, PolicyRegistry};
 
@@ -21,11 +20,5 @@ pub fn register(reg: &mut PolicyRegistry) {
         "every layer's K/V on the device (the reference)",
         &[PolicyOption::DeviceKvBudget],
         |o| Ok(Box::new(FullPolicy::new(o))),
-    );
-    reg.register(
-        "layer",
-        "layer-wise offload: KV on the host, two layers' buffers on the device",
-        &[PolicyOption::DeviceKvBudget, PolicyOption::LinkBandwidth],
-        |o| Ok(Box::new(layer_policy(o)?)),
     );
 }

@@ -83,13 +83,13 @@ impl AttnSpec {
     /// Checks that the spec is self-consistent.
     pub fn validate(&self) -> Result<()> {
         if self.n_kv_heads == 0 || self.n_heads == 0 || self.n_heads % self.n_kv_heads != 0 {
-            return Err(KvError::Step(format!(
+            return Err(KvError::Shape(format!(
                 "{} query heads cannot be grouped over {} KV heads",
                 self.n_heads, self.n_kv_heads
             )));
         }
         if self.sliding_window == Some(0) {
-            return Err(KvError::Step("a sliding window of 0 tokens".into()));
+            return Err(KvError::Shape("a sliding window of 0 tokens".into()));
         }
         Ok(())
     }
@@ -149,7 +149,7 @@ pub fn attend_partial(
     let (b, nh, t, d) = q.dims4()?;
     let (kb, nkv, s, kd) = k.dims4()?;
     if kb != b || kd != d || nkv == 0 || nh % nkv != 0 || v.dims() != k.dims() {
-        return Err(KvError::Step(format!(
+        return Err(KvError::Shape(format!(
             "queries {:?} do not fit keys {:?} and values {:?}",
             q.dims(),
             k.dims(),
@@ -212,7 +212,7 @@ pub fn scratch_bound(call: &CallShape, device: &Device) -> u64 {
 /// Merges attentions over disjoint key sets into the attention over their union.
 pub fn merge_partials(parts: &[Partial]) -> Result<Partial> {
     let Some(first) = parts.first() else {
-        return Err(KvError::Step("no partial attention to merge".into()));
+        return Err(KvError::invariant("no partial attention to merge"));
     };
     if parts.len() == 1 {
         return Ok(first.clone());
@@ -237,7 +237,7 @@ pub fn merge_partials(parts: &[Partial]) -> Result<Partial> {
         });
     }
     let (Some(num), Some(den)) = (num, den) else {
-        return Err(KvError::Step("no partial attention to merge".into()));
+        return Err(KvError::invariant("no partial attention to merge"));
     };
     let out = num.broadcast_div(
         &den.clamp(f32::MIN_POSITIVE, f32::MAX)?

@@ -78,7 +78,7 @@ impl KvPolicy for PerSequence {
             .seqs
             .get_mut(&step.seq)
             .ok_or_else(|| {
-                crate::error::KvError::Step(format!(
+                crate::error::KvError::invariant(format!(
                     "sequence {} has no cache after it was created",
                     step.seq
                 ))

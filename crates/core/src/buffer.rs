@@ -111,7 +111,7 @@ impl KvBuffer {
     pub fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<()> {
         let (b, h, t, d) = k.dims4()?;
         if v.dims4()? != (b, h, t, d) {
-            return Err(KvError::Step(format!(
+            return Err(KvError::Shape(format!(
                 "keys {:?} and values {:?} differ in shape",
                 k.dims(),
                 v.dims()
@@ -120,7 +120,7 @@ impl KvBuffer {
         if let Some(old) = &self.k {
             let (ob, oh, _, od) = old.dims4()?;
             if (ob, oh, od) != (b, h, d) || old.dtype() != k.dtype() {
-                return Err(KvError::Step(format!(
+                return Err(KvError::Shape(format!(
                     "new keys {:?} ({:?}) do not fit the stored {:?} ({:?})",
                     k.dims(),
                     k.dtype(),
@@ -133,7 +133,7 @@ impl KvBuffer {
             self.grow(self.len + t, (b, h, d), k.dtype(), k.device())?;
         }
         let (Some(kb), Some(vb)) = (&self.k, &self.v) else {
-            return Err(KvError::Step("buffer missing after growth".into()));
+            return Err(KvError::invariant("buffer missing after growth"));
         };
         kb.slice_set(&k.contiguous()?, 2, self.len)?;
         vb.slice_set(&v.contiguous()?, 2, self.len)?;
@@ -181,7 +181,7 @@ impl KvBuffer {
             (Some(k), Some(v)) if start + len <= self.len => {
                 Ok((k.narrow(2, start, len)?, v.narrow(2, start, len)?))
             }
-            _ => Err(KvError::Step(format!(
+            _ => Err(KvError::Shape(format!(
                 "asked for tokens {start}..{} but {} are stored",
                 start + len,
                 self.len

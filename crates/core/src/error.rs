@@ -1,4 +1,44 @@
 //! Typed errors of the policy layer.
+//!
+//! Messages describe the problem and name options by their [`PolicyOptions`] field (in
+//! backticks, e.g. `` `device_kv_budget` ``); a front end maps those to its own spelling —
+//! the examples' [`PolicyOption::flag`]s — and reads [`Advice`] for what to change.
+//!
+//! [`PolicyOptions`]: crate::PolicyOptions
+use crate::registry::PolicyOption;
+
+/// One thing the user can change to get past a [`KvError::BudgetExceeded`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Advice {
+    /// Raise this option (the device KV budget).
+    Raise(PolicyOption),
+    /// Lower this option (a head group, a recompute split).
+    Lower(PolicyOption),
+    /// Switch to this policy.
+    UsePolicy(&'static str),
+    /// Prefill in smaller chunks (`GenerateConfig::prefill_chunk`).
+    SmallerPrefillChunk,
+    /// Send shorter requests.
+    ShorterRequests,
+}
+
+impl std::fmt::Display for Advice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Raise(o) => write!(f, "raise `{}`", o.field()),
+            Self::Lower(o) => write!(f, "use a smaller `{}`", o.field()),
+            Self::UsePolicy(p) => write!(f, "use the `{p}` policy"),
+            Self::SmallerPrefillChunk => write!(f, "use a smaller `prefill_chunk`"),
+            Self::ShorterRequests => write!(f, "shorten the requests"),
+        }
+    }
+}
+
+/// `advice` as one clause: "raise …, or use …".
+pub fn advice_text(advice: &[Advice]) -> String {
+    let parts: Vec<String> = advice.iter().map(Advice::to_string).collect();
+    parts.join(", or ")
+}
 
 /// Everything that can go wrong inside a policy or the attention math.
 #[derive(Debug, thiserror::Error)]
@@ -19,15 +59,19 @@ pub enum KvError {
     InvalidOption {
         /// The policy that rejected the option.
         policy: String,
-        /// What is wrong and what to do.
+        /// The option.
+        option: PolicyOption,
+        /// What is wrong and what to do (the option named by its field, in backticks).
         message: String,
     },
     /// The device tier would exceed its byte budget.
     #[error(
-        "device KV budget exceeded: {what} needs {} but the budget is {} ({} already in use); {hint}",
+        "device KV budget exceeded: {what} needs {} but the budget is {} ({} already in use); {note}{}{}",
         crate::size::format_bytes(*.needed),
         crate::size::format_bytes(*.budget),
-        crate::size::format_bytes(*.in_use)
+        crate::size::format_bytes(*.in_use),
+        if .note.is_empty() || .advice.is_empty() { "" } else { "; " },
+        advice_text(.advice)
     )]
     BudgetExceeded {
         /// What was being allocated.
@@ -38,13 +82,39 @@ pub enum KvError {
         budget: u64,
         /// Bytes already held.
         in_use: u64,
-        /// What the user can do about it.
-        hint: &'static str,
+        /// Why it cannot be made smaller here (may be empty).
+        note: &'static str,
+        /// What the user can change, best first.
+        advice: Vec<Advice>,
     },
-    /// The step handed to a policy does not fit what the policy holds.
-    #[error("inconsistent attention step: {0}")]
-    Step(String),
-    /// A cost profile (`--profile FILE`) that cannot be used.
+    /// A step that does not continue the sequence the policy holds.
+    #[error("layer {layer} of sequence {seq} holds {held} tokens but the step starts at position {pos}; reset the policy (or release the sequence) before starting it again")]
+    OutOfOrder {
+        /// The step's sequence slot (0 outside a batch).
+        seq: usize,
+        /// The step's layer.
+        layer: usize,
+        /// Tokens the policy holds for it.
+        held: usize,
+        /// Where the step starts.
+        pos: usize,
+    },
+    /// Tensors of a step (or of a call) whose shapes do not fit together.
+    #[error("shapes do not fit: {0}")]
+    Shape(String),
+    /// Something this policy or device does not do.
+    #[error("not supported: {0}")]
+    Unsupported(String),
+    /// A copy between the host and the device tier failed.
+    #[error("a transfer between the host and device tiers failed: {0}")]
+    Transfer(String),
+    /// The model could not regenerate K/V from stored inputs.
+    #[error("regenerating K/V failed: {0}")]
+    Regen(String),
+    /// A policy's own bookkeeping broke: a bug in the policy.
+    #[error("internal error in the KV policy ({0}); this is a bug, please report it")]
+    Invariant(String),
+    /// A cost profile (a `profile` file) that cannot be used.
     #[error("cannot use the profile {origin}: {reason}; write JSON such as {{\"h2d_bytes_per_s\": 2.5e10, \"recompute_tokens_per_s\": 1.0e6}}")]
     BadProfile {
         /// Where it came from (a path).
@@ -60,6 +130,13 @@ pub enum KvError {
         /// Why it is rejected.
         reason: String,
     },
+}
+
+impl KvError {
+    /// An [`Invariant`](Self::Invariant) error.
+    pub fn invariant(what: impl Into<String>) -> Self {
+        Self::Invariant(what.into())
+    }
 }
 
 /// Result type of the policy layer.

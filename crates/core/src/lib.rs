@@ -15,34 +15,43 @@
 //! worker thread on the CPU ([`CpuTransferEngine`]), a copy stream with a page-locked host
 //! tier and events on CUDA (`CudaTransferEngine`, feature `cuda`), picked by
 //! [`engine_for`]. Host-tier buffers are allocated through the engine
-//! ([`TransferEngine::host_zeros`]) so the CUDA one can page-lock them.
+//! ([`TransferEngine::host_zeros`]) so the CUDA one can page-lock them. Offloading policies
+//! are built from the [`tiered`] toolkit: a [`Link`] (engine + copy accounting),
+//! [`HostLayers`] (each layer's K/V on the host) and [`PingPong`] (two device buffers with a
+//! keyed prefetch).
+//!
+//! Errors are [`KvError`] variants with data; messages name options by their
+//! [`PolicyOptions`] field and budget errors carry [`Advice`], which front ends map to
+//! their own flags.
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 pub mod attention;
 pub mod batch;
 pub mod buffer;
 pub mod error;
-pub mod offload;
 pub mod policy;
 pub mod profile;
 pub mod registry;
 pub mod size;
 pub mod stats;
+pub mod tiered;
 pub mod transfer;
 
 pub use attention::{attend, attend_partial, merge_partials, AttnSpec, Partial};
 pub use batch::{PerSequence, PolicyFactory};
 pub use buffer::{grown, round_up, KvBuffer};
-#[cfg(feature = "cuda")]
-pub use transfer::CudaTransferEngine;
-pub use error::{KvError, Result};
-pub use offload::{Grouping, OffloadPolicy};
+pub use error::{Advice, KvError, Result};
 pub use policy::{AttnStep, KvPolicy, KvRegen, KvShape, SeqLoad};
 pub use profile::{Probe, Profile};
 pub use registry::{HeadGroup, PolicyBuilder, PolicyOption, PolicyOptions, PolicyRegistry};
-pub use transfer::runs::{copy_runs, Run};
 pub use size::{format_bytes, parse_bytes};
 pub use stats::{DeviceMeter, KvStats};
+pub use tiered::{
+    report_device, tensor_bytes, Direction, HostKv, HostLayers, Link, Loaded, PingPong,
+};
+pub use transfer::runs::{copy_runs, Run};
+#[cfg(feature = "cuda")]
+pub use transfer::CudaTransferEngine;
 pub use transfer::{
     engine_for, grown_host, run_jobs, CopyJob, CpuTransferEngine, SyncTransferEngine, Ticket,
     TransferEngine,

@@ -51,7 +51,7 @@ pub trait KvRegen {
             start = end;
         }
         if ks.is_empty() {
-            return Err(crate::error::KvError::Step(
+            return Err(crate::error::KvError::Regen(
                 "nothing to regenerate: no positions given".into(),
             ));
         }

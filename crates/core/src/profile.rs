@@ -4,7 +4,7 @@
 //!
 //! A [`Profile`] is either measured on the actual device at the first step
 //! ([`Profile::measure`], cached per device and layer shape for the life of the process) or
-//! read from a JSON file (`--profile FILE`), so that schedules are reproducible and
+//! read from a JSON file (a `profile` file, `--profile FILE` in the examples), so that schedules are reproducible and
 //! testable:
 //!
 //! ```json

@@ -106,6 +106,19 @@ impl PolicyOption {
         Self::KvActRatio,
     ];
 
+    /// Its field in [`PolicyOptions`], e.g. `head_group` (how library messages name it).
+    pub fn field(self) -> &'static str {
+        match self {
+            Self::DeviceKvBudget => "device_kv_budget",
+            Self::HeadGroup => "head_group",
+            Self::Profile => "profile",
+            Self::RecomputeSplit => "recompute_split",
+            Self::LinkBandwidth => "link_bandwidth",
+            Self::BlockSize => "block_size",
+            Self::KvActRatio => "kv_act_ratio",
+        }
+    }
+
     /// The examples' flag for it, e.g. `--head-group`.
     pub fn flag(self) -> &'static str {
         match self {

@@ -118,6 +118,12 @@ impl DeviceMeter {
         self.current = self.current.saturating_sub(bytes);
     }
 
+    /// Records that `bytes` are held now (for tiers whose size is read off their pools).
+    pub fn set(&mut self, bytes: u64) {
+        self.current = bytes;
+        self.peak = self.peak.max(bytes);
+    }
+
     /// Forgets everything held (the peak too).
     pub fn reset(&mut self) {
         self.current = 0;

@@ -201,7 +201,7 @@ impl Pool {
     pub fn take(&mut self, engine: &mut dyn TransferEngine) -> Result<usize> {
         if self.free.is_empty() {
             if !self.has_room() {
-                return Err(KvError::Step(format!(
+                return Err(KvError::invariant(format!(
                     "the {:?} pool of {:?} blocks is full ({} slots)",
                     self.tier, self.kind, self.slots
                 )));
@@ -210,7 +210,7 @@ impl Pool {
         }
         self.free
             .pop()
-            .ok_or_else(|| KvError::Step("a pool with room handed out no slot".into()))
+            .ok_or_else(|| KvError::invariant("a pool with room handed out no slot"))
     }
 
     /// Returns a slot.
@@ -225,7 +225,7 @@ impl Pool {
         self.layers
             .get(layer)
             .and_then(|q| q.get(j))
-            .ok_or_else(|| KvError::Step(format!("layer {layer} has no {:?} pool", self.kind)))
+            .ok_or_else(|| KvError::invariant(format!("layer {layer} has no {:?} pool", self.kind)))
     }
 
     /// Frees every slot (keeps the allocation).

@@ -45,9 +45,12 @@
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 pub mod blocks;
+pub mod manager;
 pub mod pack;
 pub mod policy;
+pub mod probe;
 pub mod ratio;
+pub mod stager;
 
 pub use policy::HybridPolicy;
 pub use ratio::{Costs, LinearCost};

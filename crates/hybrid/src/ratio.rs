@@ -14,7 +14,7 @@
 //! its K and V: otherwise storing K/V is cheaper in memory *and* needs no recompute. For
 //! grouped-query models (X = hidden > 2·kv_heads·head_dim) the ratio is therefore all-KV —
 //! derived from the byte sizes, not assumed.
-use kvpolicy_core::{KvError, Profile, Result};
+use kvpolicy_core::{KvError, PolicyOption, Profile, Result};
 
 /// Seconds as an affine function of tokens: `fixed_s + per_token_s · tokens`.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -35,7 +35,7 @@ impl LinearCost {
     /// counts; a negative intercept (measurement noise) is clamped to 0 and the slope refit
     /// through the origin, and the slope must come out positive.
     pub fn fit(points: &[(f64, f64)]) -> Result<Self> {
-        let bad = |why: &str| KvError::Step(format!("cannot fit a cost line: {why}"));
+        let bad = |why: &str| KvError::invariant(format!("cannot fit a cost line: {why}"));
         if points
             .iter()
             .any(|&(x, y)| !(x.is_finite() && y.is_finite()) || x < 0.0 || y < 0.0)
@@ -172,15 +172,16 @@ impl Costs {
     }
 }
 
-/// Checks a forced KV share (`--kv-act-ratio`).
+/// Checks a forced KV share (`kv_act_ratio`).
 pub fn check_share(share: f64) -> Result<f64> {
     if share.is_finite() && (0.0..=1.0).contains(&share) {
         Ok(share)
     } else {
         Err(KvError::InvalidOption {
             policy: "hybrid".into(),
+            option: PolicyOption::KvActRatio,
             message: format!(
-                "--kv-act-ratio {share} is outside [0, 1]: it is the share of blocks stored as K/V (1 = all KV, 0.5 = 1:1, 0 = all activations)"
+                "`kv_act_ratio` {share} is outside [0, 1]: it is the share of blocks stored as K/V (1 = all KV, 0.5 = 1:1, 0 = all activations)"
             ),
         })
     }

@@ -11,9 +11,9 @@
 //! results are bitwise `full`'s whenever regeneration reproduces the forward pass's K/V.
 use candle_core::{Device, Tensor};
 use kvpolicy_core::{
-    attend_partial, engine_for, grown_host, round_up, AttnSpec, AttnStep, CopyJob, DeviceMeter,
-    KvError, KvPolicy, KvShape, KvStats, PolicyOptions, Probe, Profile, Result, Ticket,
-    TransferEngine,
+    attend_partial, grown_host, report_device, round_up, tensor_bytes, Advice, AttnSpec, AttnStep,
+    CopyJob, DeviceMeter, Direction, HostLayers, KvError, KvPolicy, KvShape, KvStats, Link, Loaded,
+    PingPong, PolicyOption, PolicyOptions, Probe, Profile, Result, TransferEngine,
 };
 
 use crate::scheduler::SplitCosts;
@@ -21,15 +21,12 @@ use crate::scheduler::SplitCosts;
 /// Tokens the profiler regenerates per probe.
 const PROBE_TOKENS: usize = 64;
 
-/// The host tier of one layer: K/V for every token, X for tokens below the X limit.
+/// One layer's stored inputs on the host tier: `(b, cap, hidden)` for the tokens below the
+/// X limit (K/V for every token are in [`HostLayers`]).
 #[derive(Debug)]
-struct HostLayer {
-    k: Tensor,
-    v: Tensor,
+struct HostX {
+    x: Tensor,
     cap: usize,
-    /// `(b, xcap, hidden)`; `None` while no X is kept.
-    x: Option<Tensor>,
-    xcap: usize,
 }
 
 /// One of the two device buffer sets.
@@ -52,14 +49,8 @@ struct Split {
     l: usize,
 }
 
-#[derive(Debug, Clone, Copy)]
-struct Loaded {
-    layer: usize,
-    buf: usize,
-    split: Split,
-    x: Option<Ticket>,
-    kv: Option<Ticket>,
-}
+/// What a ping-pong buffer set holds: a layer at a split. Its tickets are X's, then K/V's.
+type LayerKey = (usize, Split);
 
 /// What the first step decides.
 #[derive(Debug, Clone)]
@@ -72,23 +63,17 @@ struct Plan {
 /// Partial recompute over an offloaded cache (see the crate docs).
 pub struct RecomputePolicy {
     device: Device,
-    engine: Box<dyn TransferEngine>,
-    /// `engine.copy_seconds()` at the last reset (stats count from there).
-    copy_base: f64,
+    link: Link,
     grow_tokens: usize,
     forced: Option<usize>,
     profile: Option<Profile>,
-    link: Option<f64>,
-    shape: Option<KvShape>,
+    link_bandwidth: Option<f64>,
     prepared_max: Option<usize>,
     plan: Option<Plan>,
-    layers: Vec<Option<HostLayer>>,
-    lens: Vec<usize>,
-    specs: Vec<Option<AttnSpec>>,
-    bufs: [Option<DeviceBuf>; 2],
-    buf_cap: usize,
+    host: HostLayers,
+    xs: Vec<Option<HostX>>,
+    pingpong: PingPong<DeviceBuf, LayerKey>,
     buf_xcap: usize,
-    prefetched: Option<Loaded>,
     meter: DeviceMeter,
     stats: KvStats,
 }
@@ -102,10 +87,6 @@ impl std::fmt::Debug for RecomputePolicy {
     }
 }
 
-fn bytes_of(t: &Tensor) -> u64 {
-    (t.elem_count() * t.dtype().size_in_bytes()) as u64
-}
-
 impl RecomputePolicy {
     /// A `recompute` policy from the options' profile, forced split, budget and link.
     pub fn new(opts: &PolicyOptions) -> Result<Self> {
@@ -114,22 +95,17 @@ impl RecomputePolicy {
         }
         Ok(Self {
             device: opts.device.clone(),
-            engine: engine_for(&opts.device, opts.link_bandwidth)?,
-            copy_base: 0.0,
+            link: Link::for_device(&opts.device, opts.link_bandwidth)?,
             grow_tokens: opts.grow_tokens.max(1),
             forced: opts.recompute_split,
             profile: opts.profile.clone(),
-            link: opts.link_bandwidth,
-            shape: None,
+            link_bandwidth: opts.link_bandwidth,
             prepared_max: None,
             plan: None,
-            layers: Vec::new(),
-            lens: Vec::new(),
-            specs: Vec::new(),
-            bufs: [None, None],
-            buf_cap: 0,
+            host: HostLayers::new(opts.grow_tokens),
+            xs: Vec::new(),
+            pingpong: PingPong::default(),
             buf_xcap: 0,
-            prefetched: None,
             meter: DeviceMeter::new(opts.device_kv_budget),
             stats: KvStats::default(),
         })
@@ -137,16 +113,8 @@ impl RecomputePolicy {
 
     /// Replaces the transfer engine.
     pub fn with_engine(mut self, engine: Box<dyn TransferEngine>) -> Self {
-        self.copy_base = engine.copy_seconds();
-        self.engine = engine;
+        self.link = Link::new(engine);
         self
-    }
-
-    fn bad_option(message: String) -> KvError {
-        KvError::InvalidOption {
-            policy: "recompute".into(),
-            message,
-        }
     }
 
     /// Profile, costs and X limit, decided at the first step (the regeneration handle
@@ -171,9 +139,9 @@ impl RecomputePolicy {
                     transfer_bytes: (shape.kv_bytes(shape.n_kv_heads, max) as usize)
                         .clamp(1 << 20, 64 << 20),
                     tokens: PROBE_TOKENS,
-                    link: self.link,
+                    link: self.link_bandwidth,
                 };
-                Profile::measure_cached(&probe, self.engine.as_mut(), step.regen)?
+                Profile::measure_cached(&probe, self.link.engine(), step.regen)?
             }
         };
         let costs = SplitCosts::new(
@@ -216,63 +184,26 @@ impl RecomputePolicy {
         }
     }
 
-    fn shape_for(&mut self, step: &AttnStep<'_>) -> Result<KvShape> {
-        let shape = KvShape::for_step(self.shape.as_ref(), self.lens.len(), step)?;
-        self.shape = Some(shape.clone());
-        Ok(shape)
-    }
-
-    fn ensure_host(
-        &mut self,
-        layer: usize,
-        shape: &KvShape,
-        hidden: usize,
-        tokens: usize,
-        x_tokens: usize,
-    ) -> Result<()> {
-        while self.layers.len() <= layer {
-            self.layers.push(None);
-            self.lens.push(0);
-            self.specs.push(None);
+    /// Grows `layer`'s stored inputs to hold `x_tokens` (queued copies land first).
+    fn ensure_x(&mut self, layer: usize, shape: &KvShape, x_tokens: usize) -> Result<()> {
+        while self.xs.len() <= layer {
+            self.xs.push(None);
         }
-        let (have, have_x) = self.layers[layer]
-            .as_ref()
-            .map_or((0, 0), |h| (h.cap, h.xcap));
-        if tokens <= have && x_tokens <= have_x {
+        let have = self.xs[layer].as_ref().map_or(0, |h| h.cap);
+        if x_tokens <= have {
             return Ok(());
         }
-        // Pending write-backs target the old buffers: let them land first.
-        self.stats.transfer_wait_s += self.engine.wait_all()?;
-        let chunk = self.grow_tokens * 8;
-        let cap = round_up(tokens, chunk).max(have);
-        let xcap = if x_tokens == 0 {
-            have_x
-        } else {
-            round_up(x_tokens, chunk).max(have_x)
-        };
-        let dims = (shape.batch, shape.n_kv_heads, cap, shape.head_dim);
-        // The old buffers stay in place until the new ones are complete.
-        let old = self.layers[layer].take();
-        let engine = self.engine.as_mut();
-        let (k, v) = match &old {
-            Some(o) if o.cap == cap => (o.k.clone(), o.v.clone()),
-            old => (
-                grown_host(engine, old.as_ref().map(|o| &o.k), dims, 2, shape.dtype)?,
-                grown_host(engine, old.as_ref().map(|o| &o.v), dims, 2, shape.dtype)?,
-            ),
-        };
-        let x = match (&old, xcap) {
-            (_, 0) => None,
-            (Some(o), c) if o.xcap == c => o.x.clone(),
-            (old, c) => Some(grown_host(
-                engine,
-                old.as_ref().and_then(|o| o.x.as_ref()),
-                (shape.batch, c, hidden),
-                1,
-                shape.dtype,
-            )?),
-        };
-        self.layers[layer] = Some(HostLayer { k, v, cap, x, xcap });
+        self.link.wait_all()?;
+        let cap = round_up(x_tokens, self.host.chunk());
+        let old = self.xs[layer].take();
+        let x = grown_host(
+            self.link.engine(),
+            old.as_ref().map(|o| &o.x),
+            (shape.batch, cap, shape.hidden),
+            1,
+            shape.dtype,
+        )?;
+        self.xs[layer] = Some(HostX { x, cap });
         Ok(())
     }
 
@@ -289,10 +220,11 @@ impl RecomputePolicy {
         tokens: usize,
         x_tokens: usize,
     ) -> Result<()> {
-        if tokens <= self.buf_cap && x_tokens <= self.buf_xcap && self.bufs[0].is_some() {
+        let have = self.pingpong.cap();
+        if tokens <= have && x_tokens <= self.buf_xcap && self.pingpong.is_ready() {
             return Ok(());
         }
-        let cap = round_up(tokens, self.grow_tokens).max(self.buf_cap);
+        let cap = round_up(tokens, self.grow_tokens).max(have);
         let xcap = if x_tokens == 0 {
             self.buf_xcap
         } else {
@@ -310,74 +242,50 @@ impl RecomputePolicy {
                     needed: needed + scratch,
                     budget,
                     in_use: 0,
-                    hint: "recompute keeps one layer's K/V and X on the device twice; raise --device-kv-budget, force a smaller --recompute-split, or use headwise",
+                    note: "recompute keeps one layer's K/V and X on the device twice",
+                    advice: vec![
+                        Advice::Raise(PolicyOption::DeviceKvBudget),
+                        Advice::Lower(PolicyOption::RecomputeSplit),
+                        Advice::UsePolicy("headwise"),
+                    ],
                 });
             }
         }
-        self.stats.transfer_wait_s += self.engine.wait_all()?;
-        self.prefetched = None;
+        self.pingpong.release(&mut self.link)?;
         self.meter.free(self.meter.current());
-        self.bufs = [None, None];
         let dims = (shape.batch, shape.n_kv_heads, cap, shape.head_dim);
-        for b in self.bufs.iter_mut() {
-            let x = if xcap > 0 {
-                Some(Tensor::zeros(
-                    (shape.batch, xcap, hidden),
-                    shape.dtype,
-                    &self.device,
-                )?)
-            } else {
-                None
-            };
-            *b = Some(DeviceBuf {
+        let new_buf = || -> Result<DeviceBuf> {
+            let x = (xcap > 0)
+                .then(|| Tensor::zeros((shape.batch, xcap, hidden), shape.dtype, &self.device))
+                .transpose()?;
+            Ok(DeviceBuf {
                 k: Tensor::zeros(dims, shape.dtype, &self.device)?,
                 v: Tensor::zeros(dims, shape.dtype, &self.device)?,
                 x,
-            });
-        }
+            })
+        };
+        let bufs = [new_buf()?, new_buf()?];
+        self.pingpong.install(&mut self.link, bufs, cap)?;
         self.meter.alloc(needed);
-        self.buf_cap = cap;
         self.buf_xcap = xcap;
         Ok(())
     }
 
-    fn buf(&self, i: usize) -> Result<DeviceBuf> {
-        self.bufs[i]
-            .clone()
-            .ok_or_else(|| KvError::Step("device buffers missing".into()))
-    }
-
-    fn submit(&mut self, jobs: Vec<CopyJob>, h2d: bool) -> Result<Option<Ticket>> {
-        if jobs.is_empty() {
-            return Ok(None);
-        }
-        let bytes: u64 = jobs.iter().map(CopyJob::bytes).sum();
-        if h2d {
-            self.stats.h2d_bytes += bytes;
-        } else {
-            self.stats.d2h_bytes += bytes;
-        }
-        Ok(Some(self.engine.submit(jobs)?))
-    }
-
     /// Queues X[start, start+l) and then K/V[start+l, start+hist) of `layer` into `buf`.
-    fn load(&mut self, layer: usize, buf: usize, split: Split) -> Result<Loaded> {
-        let Some(Some(host)) = self.layers.get(layer) else {
-            return Err(KvError::Step(format!(
-                "layer {layer} has no stored cache to load"
-            )));
-        };
-        let dev = self.buf(buf)?;
+    fn load(&mut self, layer: usize, buf: usize, split: Split) -> Result<Loaded<LayerKey>> {
+        let host = self.host.get(layer)?;
+        let dev = self.pingpong.buf(buf)?;
         let Split { start, hist, l } = split;
         let mut x_jobs = Vec::new();
         if l > 0 {
-            let (Some(hx), Some(dx)) = (&host.x, &dev.x) else {
-                return Err(KvError::Step(format!(
+            let hx = self.xs.get(layer).and_then(Option::as_ref);
+            let (Some(hx), Some(dx)) = (hx, &dev.x) else {
+                return Err(KvError::invariant(format!(
                     "layer {layer}: no stored inputs for {l} recomputed tokens"
                 )));
             };
             x_jobs.push(CopyJob {
-                src: hx.narrow(1, start, l)?,
+                src: hx.x.narrow(1, start, l)?,
                 dst: dx.clone(),
                 dim: 1,
                 offset: 0,
@@ -394,34 +302,21 @@ impl RecomputePolicy {
                 });
             }
         }
-        let x = self.submit(x_jobs, true)?;
-        let kv = self.submit(kv_jobs, true)?;
+        let x = self.link.submit(x_jobs, Direction::H2d)?;
+        let kv = self.link.submit(kv_jobs, Direction::H2d)?;
         Ok(Loaded {
-            layer,
+            key: (layer, split),
             buf,
-            split,
-            x,
-            kv,
+            tickets: [x, kv],
         })
     }
 
-    fn wait(&mut self, t: Option<Ticket>) -> Result<()> {
-        if let Some(t) = t {
-            self.stats.transfer_wait_s += self.engine.wait(t)?;
-        }
-        Ok(())
-    }
-
     /// The layer's history resident (or on its way) in a buffer: the prefetch if it matches.
-    fn take(&mut self, layer: usize, split: Split) -> Result<Loaded> {
-        if let Some(p) = self.prefetched.take() {
-            if (p.layer, p.split) == (layer, split) {
-                return Ok(p);
-            }
-            self.wait(p.x)?;
-            self.wait(p.kv)?;
+    fn take(&mut self, layer: usize, split: Split) -> Result<Loaded<LayerKey>> {
+        match self.pingpong.take(&(layer, split), &mut self.link)? {
+            Some(p) => Ok(p),
+            None => self.load(layer, 0, split),
         }
-        self.load(layer, 0, split)
     }
 
     /// Starts loading the next layer of the same step into the other buffer.
@@ -434,17 +329,15 @@ impl RecomputePolicy {
         buf: usize,
     ) -> Result<()> {
         let next = layer + 1;
-        let (Some(&len), Some(Some(spec))) = (self.lens.get(next), self.specs.get(next)) else {
+        let Some(spec) = self.host.ready(next, pos) else {
             return Ok(());
         };
-        if len != pos || self.layers.get(next).is_none_or(Option::is_none) {
-            return Ok(());
-        }
         let split = self.split_for(plan, spec, pos);
-        if split.hist + t > self.buf_cap || split.l > self.buf_xcap || split.hist == 0 {
+        if split.hist + t > self.pingpong.cap() || split.l > self.buf_xcap || split.hist == 0 {
             return Ok(());
         }
-        self.prefetched = Some(self.load(next, buf, split)?);
+        let loaded = self.load(next, buf, split)?;
+        self.pingpong.set_prefetched(loaded);
         Ok(())
     }
 }
@@ -457,46 +350,45 @@ impl KvPolicy for RecomputePolicy {
     fn prepare(&mut self, shape: &KvShape) -> Result<()> {
         if let Some(n) = self.forced {
             if n > shape.max_tokens {
-                return Err(Self::bad_option(format!(
-                    "--recompute-split {n} is beyond the sequence: at most {} tokens will be cached (prompt + new tokens); use a split in 0..={}",
-                    shape.max_tokens, shape.max_tokens
-                )));
+                return Err(KvError::InvalidOption {
+                    policy: "recompute".into(),
+                    option: PolicyOption::RecomputeSplit,
+                    message: format!(
+                        "`recompute_split` {n} is beyond the sequence: at most {} tokens will be cached (prompt + new tokens); use a split in 0..={}",
+                        shape.max_tokens, shape.max_tokens
+                    ),
+                });
             }
         }
         self.prepared_max = Some(shape.max_tokens);
-        self.shape = Some(shape.clone());
+        self.host.set_shape(shape);
         Ok(())
     }
 
     fn attend(&mut self, step: &AttnStep<'_>) -> Result<Tensor> {
-        let shape = self.shape_for(step)?;
+        let shape = self.host.shape_for(step)?;
         let plan = self.ensure_plan(step, &shape)?;
         let (layer, pos) = (step.layer, step.pos);
         let t = step.k.dim(2)?;
         let hidden = step.x.dim(2)?;
         let x_end = plan.x_limit.map_or(pos + t, |lim| lim.min(pos + t));
-        self.ensure_host(layer, &shape, hidden, pos + t, x_end)?;
-        if self.lens[layer] != pos {
-            return Err(KvError::Step(format!(
-                "layer {layer} holds {} tokens but the step starts at position {pos}; call reset() before a new sequence",
-                self.lens[layer]
-            )));
-        }
-        self.specs[layer] = Some(step.spec.clone());
+        self.host.begin(&mut self.link, step, &shape)?;
+        self.ensure_x(layer, &shape, x_end)?;
         let split = self.split_for(&plan, step.spec, pos);
         self.ensure_buffers(&shape, hidden, split.hist + t, split.l)?;
         let loaded = self.take(layer, split)?;
         self.prefetch_next(&plan, layer, pos, t, 1 - loaded.buf)?;
-        let dev = self.buf(loaded.buf)?;
+        let dev = self.pingpong.buf(loaded.buf)?;
+        let [x_ticket, kv_ticket] = loaded.tickets;
         let Split { start, hist, l } = split;
         // Regenerate K/V[0:l) into the buffer as soon as X is in, while K/V[l:s) may
         // still be in flight; then one attention over the whole range, as `full` runs it.
         if l > 0 {
-            self.wait(loaded.x)?;
+            self.link.wait(x_ticket)?;
             let x = dev
                 .x
                 .as_ref()
-                .ok_or_else(|| KvError::Step("device X buffer missing".into()))?
+                .ok_or_else(|| KvError::invariant("the device X buffer is missing"))?
                 .narrow(1, 0, l)?
                 .contiguous()?;
             step.regen.regen_into(&x, start, &dev.k, &dev.v, 0)?;
@@ -504,7 +396,7 @@ impl KvPolicy for RecomputePolicy {
             self.stats.recompute_tokens += l as u64 * b;
             self.stats.recompute_flops += l as u64 * b * step.regen.flops_per_token();
         }
-        self.wait(loaded.kv)?;
+        self.link.wait(kv_ticket)?;
         let k_new = step.k.contiguous()?;
         let v_new = step.v.contiguous()?;
         dev.k.slice_set(&k_new, 2, hist)?;
@@ -522,9 +414,7 @@ impl KvPolicy for RecomputePolicy {
             .note_scratch(part.scratch_bytes, shape.activation_bytes(t));
         let out = part.out.to_dtype(step.q.dtype())?;
         // New K/V (and X where it is kept) go back to the host tier behind the compute.
-        let host = self.layers[layer]
-            .as_ref()
-            .ok_or_else(|| KvError::Step("host layer missing".into()))?;
+        let host = self.host.get(layer)?;
         let mut jobs = Vec::with_capacity(3);
         for (src, dst) in [(&k_new, &host.k), (&v_new, &host.v)] {
             jobs.push(CopyJob {
@@ -534,44 +424,35 @@ impl KvPolicy for RecomputePolicy {
                 offset: pos,
             });
         }
-        if let (Some(hx), true) = (&host.x, x_end > pos) {
+        if let (Some(Some(hx)), true) = (self.xs.get(layer), x_end > pos) {
             jobs.push(CopyJob {
                 src: step.x.narrow(1, 0, x_end - pos)?.contiguous()?,
-                dst: hx.clone(),
+                dst: hx.x.clone(),
                 dim: 1,
                 offset: pos,
             });
         }
-        self.submit(jobs, false)?;
-        self.lens[layer] += t;
+        self.link.submit(jobs, Direction::D2h)?;
+        self.host.advance(layer, t);
         self.stats.split = l as u64;
         Ok(out)
     }
 
     fn seq_len(&self) -> usize {
-        self.lens.first().copied().unwrap_or(0)
+        self.host.seq_len()
     }
 
     fn reset(&mut self) {
-        let _ = self.engine.wait_all();
-        for h in self.layers.drain(..).flatten() {
-            for t in [Some(&h.k), Some(&h.v), h.x.as_ref()].into_iter().flatten() {
-                let _ = self.engine.host_release(t);
-            }
+        self.link.reset();
+        self.host.clear(&mut self.link);
+        for h in self.xs.drain(..).flatten() {
+            let _ = self.link.engine().host_release(&h.x);
         }
-        self.lens.clear();
-        self.specs.clear();
-        self.bufs = [None, None];
-        self.buf_cap = 0;
+        self.pingpong.clear();
         self.buf_xcap = 0;
-        self.prefetched = None;
         self.plan = None;
         self.meter.reset();
         self.stats = KvStats::default();
-        self.copy_base = self.engine.copy_seconds();
-        if let Some(s) = &mut self.shape {
-            s.n_layers = 0;
-        }
     }
 
     fn profile(&self) -> Option<&Profile> {
@@ -579,19 +460,12 @@ impl KvPolicy for RecomputePolicy {
     }
 
     fn stats(&self) -> KvStats {
-        KvStats {
-            device_kv_bytes: self.meter.current(),
-            device_kv_peak_bytes: self.meter.peak(),
-            host_kv_bytes: self
-                .layers
-                .iter()
-                .flatten()
-                .map(|h| bytes_of(&h.k) + bytes_of(&h.v) + h.x.as_ref().map_or(0, bytes_of))
-                .sum(),
-            host_pinned_bytes: self.engine.pinned_bytes(),
-            copy_s: self.engine.copy_seconds() - self.copy_base,
+        let x_bytes: u64 = self.xs.iter().flatten().map(|h| tensor_bytes(&h.x)).sum();
+        let stats = KvStats {
+            host_kv_bytes: self.host.bytes() + x_bytes,
             kv_tokens: self.seq_len() as u64,
             ..self.stats.clone()
-        }
+        };
+        self.link.report(report_device(&self.meter, stats))
     }
 }

@@ -52,7 +52,7 @@ fn scores(q: &Tensor, k: &Tensor, q_pos: usize, k_pos: usize, spec: &AttnSpec) -
     let (b, nh, t, d) = q.dims4()?;
     let (kb, nkv, s, kd) = k.dims4()?;
     if kb != b || kd != d || nkv == 0 || nh % nkv != 0 {
-        return Err(KvError::Step(format!(
+        return Err(KvError::Shape(format!(
             "queries {:?} do not fit keys {:?}",
             q.dims(),
             k.dims()

@@ -99,8 +99,8 @@ impl CpuTransferEngine {
     /// the batches of every engine queued before it; nothing runs inline).
     pub fn with_link(bytes_per_s: f64) -> Result<Self> {
         if !(bytes_per_s.is_finite() && bytes_per_s > 0.0) {
-            return Err(KvError::Step(format!(
-                "a simulated link needs a positive bandwidth, not {bytes_per_s}"
+            return Err(KvError::Unsupported(format!(
+                "a simulated link of {bytes_per_s} bytes/s: `link_bandwidth` must be positive"
             )));
         }
         Ok(Self::start(Some(bytes_per_s))?.with_inline_bytes(0))
@@ -131,7 +131,7 @@ impl CpuTransferEngine {
                     cv.notify_all();
                 }
             })
-            .map_err(|e| KvError::Step(format!("cannot start the transfer thread: {e}")))?;
+            .map_err(|e| KvError::Transfer(format!("cannot start the transfer thread: {e}")))?;
         Ok(Self {
             tx: Some(tx),
             state,
@@ -160,14 +160,14 @@ impl CpuTransferEngine {
         let (lock, cv) = &*self.state;
         let mut p = lock
             .lock()
-            .map_err(|_| KvError::Step("the transfer thread panicked".into()))?;
+            .map_err(|_| KvError::Transfer("the transfer thread panicked".into()))?;
         while p.done < id && p.error.is_none() {
             p = cv
                 .wait(p)
-                .map_err(|_| KvError::Step("the transfer thread panicked".into()))?;
+                .map_err(|_| KvError::Transfer("the transfer thread panicked".into()))?;
         }
         if let Some(e) = p.error.take() {
-            return Err(KvError::Step(format!("a transfer failed: {e}")));
+            return Err(KvError::Transfer(e));
         }
         Ok(start.elapsed().as_secs_f64())
     }
@@ -192,9 +192,9 @@ impl TransferEngine for CpuTransferEngine {
         let tx = self
             .tx
             .as_ref()
-            .ok_or_else(|| KvError::Step("the transfer engine is shut down".into()))?;
+            .ok_or_else(|| KvError::Transfer("the transfer engine is shut down".into()))?;
         tx.send((self.submitted, jobs))
-            .map_err(|_| KvError::Step("the transfer thread has stopped".into()))?;
+            .map_err(|_| KvError::Transfer("the transfer thread has stopped".into()))?;
         Ok(Ticket(self.submitted))
     }
 

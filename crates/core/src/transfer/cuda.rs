@@ -30,16 +30,16 @@ use candle_core::cuda::cudarc::driver::{sys, CudaEvent, CudaStream, DevicePtr};
 use candle_core::cuda::CudaStorageSlice;
 use candle_core::{CpuStorage, CudaDevice, DType, Device, Shape, Storage, Tensor, TensorId};
 
-use crate::error::{KvError, Result};
 use super::runs::{copy_runs, Run};
 use super::{CopyJob, Ticket, TransferEngine};
+use crate::error::{KvError, Result};
 
 /// Host buffers below this size stay pageable: registration works on whole pages, and small
 /// allocations may share a page with other data.
 pub const PIN_MIN_BYTES: u64 = 1 << 20;
 
 fn cuda_err(what: &str, e: impl std::fmt::Display) -> KvError {
-    KvError::Step(format!("CUDA {what} failed: {e}"))
+    KvError::Transfer(format!("CUDA {what} failed: {e}"))
 }
 
 fn check(what: &str, r: sys::CUresult) -> Result<()> {
@@ -176,7 +176,7 @@ impl CudaTransferEngine {
     /// between host and this device (the caller copies it synchronously instead).
     fn issue(&self, job: &CopyJob) -> Result<bool> {
         if job.src.dtype() != job.dst.dtype() {
-            return Err(KvError::Step(format!(
+            return Err(KvError::Unsupported(format!(
                 "a copy from {:?} into {:?} would convert; the tiers must share a dtype",
                 job.src.dtype(),
                 job.dst.dtype()
@@ -184,7 +184,7 @@ impl CudaTransferEngine {
         }
         let region = job.dst.narrow(job.dim, job.offset, job.src.dim(job.dim)?)?;
         if region.dims() != job.src.dims() {
-            return Err(KvError::Step(format!(
+            return Err(KvError::Shape(format!(
                 "a copy of {:?} does not fit {:?} at {} along dim {}",
                 job.src.dims(),
                 job.dst.dims(),

@@ -143,8 +143,9 @@ pub fn engine_for(
     link_bytes_per_s: Option<f64>,
 ) -> Result<Box<dyn TransferEngine>> {
     if !device.is_cpu() && link_bytes_per_s.is_some() {
-        return Err(KvError::Step(
-            "a simulated link is for CPU runs only; drop --link-bandwidth on a GPU".into(),
+        return Err(KvError::Unsupported(
+            "a simulated link (`link_bandwidth`) is for CPU runs only; leave it unset on a GPU"
+                .into(),
         ));
     }
     match (device, link_bytes_per_s) {
@@ -155,4 +156,3 @@ pub fn engine_for(
         _ => Ok(Box::new(SyncTransferEngine::default())),
     }
 }
-

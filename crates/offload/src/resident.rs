@@ -6,15 +6,13 @@
 //! and it streams from then on — the device never holds more than the budget.
 use candle_core::Tensor;
 
-use super::OffloadPolicy;
-use crate::attention::attend_partial;
-use crate::buffer::KvBuffer;
-use crate::error::{KvError, Result};
-use crate::policy::AttnStep;
+use kvpolicy_core::{attend_partial, AttnStep, Direction, KvBuffer, KvShape, Result};
+
+use crate::runtime::{write_back_jobs, OffloadPolicy};
 
 /// Which units stay on the device, and their buffers.
 #[derive(Debug, Default)]
-pub(super) struct Residency {
+pub(crate) struct Residency {
     /// Per unit (`layer · groups + group`), in first-run order: its device buffer while
     /// resident, `None` for a streamed (or demoted) unit.
     units: Vec<Option<KvBuffer>>,
@@ -86,7 +84,7 @@ impl OffloadPolicy {
     /// `auto`: attends resident `unit` in place, its new entries appended to its device
     /// buffer. `None` when the unit streams — also when it was resident but its growth (and
     /// a step's scratch, `reserve`) no longer fits the budget: it is demoted here.
-    pub(super) fn attend_resident(
+    pub(crate) fn attend_resident(
         &mut self,
         unit: usize,
         (q, kn, vn): (&Tensor, &Tensor, &Tensor),
@@ -115,24 +113,41 @@ impl OffloadPolicy {
 
     /// Takes resident `unit` (group `g` of `layer`, `gs` heads) off the device: its history
     /// is copied to the host tier (counted device→host) and it streams from now on.
-    pub(super) fn demote(&mut self, unit: usize, layer: usize, g: usize, gs: usize) -> Result<()> {
+    pub(crate) fn demote(&mut self, unit: usize, layer: usize, g: usize, gs: usize) -> Result<()> {
         let Some(buf) = self.residency.as_mut().and_then(|r| r.demote(unit)) else {
             return Ok(());
         };
         if !buf.is_empty() {
             let (k, v) = buf.view(0, buf.len())?;
-            let host = self
-                .layers
-                .get(layer)
-                .and_then(Option::as_ref)
-                .ok_or_else(|| {
-                    KvError::Step(format!("layer {layer} has no host storage to demote into"))
-                })?;
-            let jobs = super::write_back_jobs((&k, &v), host, g * gs, 0)?;
-            let ticket = self.submit(jobs, false)?;
-            self.stats.transfer_wait_s += self.engine.wait(ticket)?;
+            let jobs = write_back_jobs((&k, &v), self.host.get(layer)?, g * gs, 0)?;
+            let ticket = self.link.submit(jobs, Direction::D2h)?;
+            self.link.wait(ticket)?;
         }
         self.meter.free(buf.allocated_bytes());
+        Ok(())
+    }
+
+    /// `auto` growing its streaming buffers from `old` to `pingpong` bytes (at `group`
+    /// heads, `cap` tokens): resident units make room, the last-decided first, until the
+    /// buffers and a step's scratch fit the budget.
+    pub(crate) fn make_room(
+        &mut self,
+        shape: &KvShape,
+        old: u64,
+        pingpong: u64,
+        (group, cap): (usize, usize),
+    ) -> Result<()> {
+        let Some(budget) = self.meter.budget() else {
+            return Ok(());
+        };
+        let scratch = shape.step_scratch_bytes(group, cap, &self.device);
+        while self.meter.current() - old.min(self.meter.current()) + pingpong + scratch > budget {
+            let Some(unit) = self.residency.as_ref().and_then(Residency::last_resident) else {
+                break;
+            };
+            let groups = shape.n_kv_heads / self.group.max(1);
+            self.demote(unit, unit / groups, unit % groups, self.group)?;
+        }
         Ok(())
     }
 }

@@ -1,4 +1,10 @@
-//! `kvpolicy-headwise`: head-wise KV offload, after HeadInfer (Luo et al., ICML 2025).
+//! `kvpolicy-offload`: the offload runtime and its three policies — `layer` (layer-wise
+//! offload: FlexGen, HF's offloaded cache; the baseline), `headwise` (head-wise offload,
+//! after HeadInfer, Luo et al., ICML 2025) and `auto` (resident units under a device
+//! budget, the rest streamed head-wise).
+//!
+//! Files: `runtime` the ping-pong runtime on `kvpolicy-core`'s tiered toolkit, `plan` the
+//! head group and the resident count, `resident` `auto`'s resident units and demotion.
 //!
 //! ## What the paper does
 //!
@@ -23,12 +29,12 @@
 //!   first group) is prefetched by the transfer engine — a worker thread on CPU — while the
 //!   current one attends, and new entries go back behind it. A step's first unit is loaded
 //!   synchronously: the next step's new tokens are not known before it starts.
-//! * `--head-group N` fixes the group; `auto` picks the largest group (a divisor of the KV
+//! * `head_group` N fixes the group; `auto` picks the largest group (a divisor of the KV
 //!   heads) whose two buffers and a step's scratch (the unit's attention tiles, the chunk's
-//!   activations) fit `--device-kv-budget`, re-chosen as the context grows, and
+//!   activations) fit `device_kv_budget`, re-chosen as the context grows, and
 //!   without a budget follows the paper's thresholds: all heads below 500K tokens, half as
 //!   many for each doubling beyond.
-//! * Chunked prefill is the generation loop's `--prefill-chunk` (every policy gets it; 2,048
+//! * Chunked prefill is the generation loop's `prefill_chunk` (every policy gets it; 2,048
 //!   tokens by default); with a sliding window only the window's range is moved.
 //! * Each unit's attention runs the tiled kernel of `kvpolicy-core` (§3.3's requirement that
 //!   attention memory not grow with the context: scratch bounded by tiles, no `t × s`
@@ -52,21 +58,40 @@
 //! * The paper offloads only KV; the weights stay on the device here too.
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use kvpolicy_core::{Grouping, OffloadPolicy, PolicyOption, PolicyOptions, PolicyRegistry, Result};
+mod plan;
+mod resident;
+mod runtime;
+
+pub use plan::AUTO_ALL_HEADS_BELOW;
+pub use runtime::{Grouping, OffloadPolicy};
+
+use kvpolicy_core::{PolicyOption, PolicyOptions, PolicyRegistry, Result};
+
+/// Builds the `layer` policy: all KV on the host, two buffers of one layer each on the
+/// device, layer l+1 prefetched while layer l attends.
+pub fn layer_policy(opts: &PolicyOptions) -> Result<OffloadPolicy> {
+    OffloadPolicy::new("layer", Grouping::Layer, opts)
+}
 
 /// Builds the `headwise` policy with the options' head group and budget.
 pub fn headwise_policy(opts: &PolicyOptions) -> Result<OffloadPolicy> {
     OffloadPolicy::new("headwise", Grouping::Heads(opts.head_group), opts)
 }
 
-/// Builds the `auto` policy: as many (layer, head group) units as `--device-kv-budget`
+/// Builds the `auto` policy: as many (layer, head group) units as `device_kv_budget`
 /// holds stay resident on the device, the rest stream as `headwise` does.
 pub fn auto_policy(opts: &PolicyOptions) -> Result<OffloadPolicy> {
     OffloadPolicy::new("auto", Grouping::Resident, opts)
 }
 
-/// Registers `headwise` and `auto`.
+/// Registers `layer`, `headwise` and `auto`.
 pub fn register(reg: &mut PolicyRegistry) {
+    reg.register(
+        "layer",
+        "layer-wise offload: KV on the host, two layers' buffers on the device",
+        &[PolicyOption::DeviceKvBudget, PolicyOption::LinkBandwidth],
+        |o| Ok(Box::new(layer_policy(o)?)),
+    );
     reg.register(
         "auto",
         "the fastest exact placement under --device-kv-budget: resident (layer, head group) units on the device, the rest streamed head-wise",

@@ -1,27 +1,26 @@
 //! How an offload policy lays its units out on the device: the head group of a unit, and
 //! under `auto` how many units stay resident (HeadInfer §3.3's adaptive head grouping, and
 //! the resident/streamed split of the `auto` policy).
-use super::{Grouping, OffloadPolicy};
-use crate::error::{KvError, Result};
-use crate::policy::KvShape;
-use crate::registry::HeadGroup;
+use kvpolicy_core::{Advice, HeadGroup, KvError, KvShape, PolicyOption, Result};
+
+use crate::runtime::{Grouping, OffloadPolicy};
 
 /// Contexts below this keep all heads of a layer in one unit under `auto` without a budget;
 /// each doubling beyond halves the unit (HeadInfer §3.3's adaptive head grouping).
 pub const AUTO_ALL_HEADS_BELOW: usize = 500_000;
 
-pub(super) fn divisors_desc(n: usize) -> Vec<usize> {
+pub(crate) fn divisors_desc(n: usize) -> Vec<usize> {
     (1..=n).rev().filter(|d| n % d == 0).collect()
 }
 
 impl OffloadPolicy {
     /// Device bytes of the two buffers for `group` heads at capacity `cap`.
-    pub(super) fn buffers_bytes(shape: &KvShape, group: usize, cap: usize) -> u64 {
+    pub(crate) fn buffers_bytes(shape: &KvShape, group: usize, cap: usize) -> u64 {
         2 * shape.kv_bytes(group, cap)
     }
 
     /// The unit size for a context needing `cap` tokens of buffer.
-    pub(super) fn choose_group(
+    pub(crate) fn choose_group(
         &self,
         shape: &KvShape,
         cap: usize,
@@ -44,9 +43,13 @@ impl OffloadPolicy {
             needed: need(g),
             budget: budget.unwrap_or(0),
             in_use: 0,
-            hint: match self.grouping {
-                Grouping::Layer => "the budget is smaller than one layer's double buffer; raise --device-kv-budget, or use `--policy headwise`, which streams a group of KV heads at a time",
-                Grouping::Heads(_) | Grouping::Resident => "the budget is smaller than one head group's buffers; raise --device-kv-budget or use a smaller head group (--head-group N; headwise:N in kvbench's --policies)",
+            note: match self.grouping {
+                Grouping::Layer => "the budget is smaller than one layer's double buffer (`headwise` streams a group of KV heads at a time)",
+                Grouping::Heads(_) | Grouping::Resident => "the budget is smaller than one head group's buffers",
+            },
+            advice: match self.grouping {
+                Grouping::Layer => vec![Advice::Raise(PolicyOption::DeviceKvBudget), Advice::UsePolicy("headwise")],
+                Grouping::Heads(_) | Grouping::Resident => vec![Advice::Raise(PolicyOption::DeviceKvBudget), Advice::Lower(PolicyOption::HeadGroup)],
             },
         }
         };
@@ -59,10 +62,14 @@ impl OffloadPolicy {
                         .rev()
                         .map(usize::to_string)
                         .collect();
-                    return Err(self.bad_option(format!(
-                        "a head group of {n} does not divide the model's {nkv} KV heads; use one of {} or auto (--head-group N; headwise:N in kvbench's --policies)",
-                        ok.join(", ")
-                    )));
+                    return Err(KvError::InvalidOption {
+                        policy: self.name.to_string(),
+                        option: PolicyOption::HeadGroup,
+                        message: format!(
+                            "a head group of {n} does not divide the model's {nkv} KV heads; use one of {} or auto",
+                            ok.join(", ")
+                        ),
+                    });
                 }
                 n
             }
@@ -94,7 +101,7 @@ impl OffloadPolicy {
     /// Under `auto`, how many units may stay resident on the device: what the budget leaves
     /// after the two streaming buffers and a step's scratch, in units of `group` KV heads
     /// at capacity `cap` (the capacity the run will reach, when `prepare` said it).
-    pub(super) fn resident_target(&self, shape: &KvShape, group: usize, cap: usize) -> usize {
+    pub(crate) fn resident_target(&self, shape: &KvShape, group: usize, cap: usize) -> usize {
         let Some(budget) = self.meter.budget() else {
             return usize::MAX;
         };
