@@ -381,3 +381,48 @@ fn auto_budget_variants_sweep_and_chart() -> Result<()> {
     );
     Ok(())
 }
+
+#[test]
+fn a_downstream_policy_runs_by_name() -> Result<()> {
+    // `sinks` comes from examples/custom-policy, a crate on kvpolicy's public API; the
+    // runner and kvbench build it by name like the built-in ones.
+    let dir = tempfile::tempdir()?;
+    let cfg = dir.path().join("config.json");
+    std::fs::write(&cfg, TINY)?;
+    let o = kvbench(&[
+        "--quick",
+        "--random-weights",
+        "--config",
+        &cfg.to_string_lossy(),
+        "--cpu",
+        "--policies",
+        "full,sinks",
+    ])?;
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.lines().any(|l| l.contains("sinks")), "{out}");
+    // Nothing is evicted below 1,024 tokens: the same tokens as `full`.
+    let g = common::fixture("llama_gqa");
+    let run = |policy: &str| -> Result<String> {
+        let o = common::cli::llama(&[
+            "--model-dir",
+            &g.to_string_lossy(),
+            "--prompt-ids",
+            "1,2,3,4",
+            "--max-new-tokens",
+            "6",
+            "--temperature",
+            "0",
+            "--policy",
+            policy,
+        ])?;
+        anyhow::ensure!(
+            o.status.success(),
+            "{policy}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        Ok(String::from_utf8_lossy(&o.stdout).into_owned())
+    };
+    assert_eq!(run("sinks")?, run("full")?);
+    Ok(())
+}

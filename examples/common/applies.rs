@@ -9,7 +9,7 @@ use kvpolicy::{ModelInfo, PolicyOption};
 /// each with the message to print. An unknown policy gives none (building it fails later
 /// with the list of names).
 pub fn unused_flags(matches: &ArgMatches, policy: &str) -> Vec<String> {
-    let reg = kvpolicy::registry();
+    let reg = super::registry::registry();
     let Ok(reads) = reg.reads(policy) else {
         return Vec::new();
     };

@@ -10,21 +10,20 @@ mod applies;
 mod atomic;
 mod batch;
 mod errors;
+mod registry;
 mod threads;
 use atomic::Staged;
 use candle_core::{DType, Device};
 use clap::{CommandFactory, FromArgMatches, Parser};
 use kvpolicy::models::{activation_dtype, generate, load, resolve, ModelSpec, TextTokenizer};
-use kvpolicy::{
-    build_policy, build_policy_batched, GenerateConfig, HeadGroup, KvStats, PolicyOptions, Profile,
-};
+use kvpolicy::{GenerateConfig, HeadGroup, KvStats, PolicyOptions, Profile};
 use serde::Serialize;
 
 /// Flags shared by every example.
 #[derive(Parser, Debug)]
 #[command(about = "Generate text under a KV-cache policy", long_about = None)]
 pub struct Args {
-    /// KV policy: full (all on device), layer (layer-wise offload), headwise (head-wise offload), recompute (partial recompute, KVPR), hybrid (KV and activation blocks, HybridServe), auto (resident units under --device-kv-budget, the rest streamed); an unknown name lists the valid ones.
+    /// KV policy: full (all on device), layer (layer-wise offload), headwise (head-wise offload), recompute (partial recompute, KVPR), hybrid (KV and activation blocks, HybridServe), auto (resident units under --device-kv-budget, the rest streamed), sinks (APPROXIMATE: attention sinks + recent window, from the downstream crate examples/custom-policy); an unknown name lists the valid ones.
     #[arg(long, default_value = "full")]
     pub policy: String,
     /// Prompt text (tokenized with the model's tokenizer).
@@ -250,9 +249,9 @@ fn run(args: &Args, example: &str, archs: &[&str], default: Option<ModelSpec>) -
         ..PolicyOptions::default()
     };
     let mut policy = if args.prompts_file.is_some() {
-        build_policy_batched(&args.policy, &opts)?
+        registry::registry().build_batched(&args.policy, &opts)?
     } else {
-        build_policy(&args.policy, &opts)?
+        registry::registry().build(&args.policy, &opts)?
     };
     // Output paths that cannot be written fail before any work.
     for (path, flag) in [
@@ -390,7 +389,7 @@ fn run(args: &Args, example: &str, archs: &[&str], default: Option<ModelSpec>) -
 /// Prints a warning when `--link-bandwidth` would make a decode step of a prompt of
 /// `longest` tokens take minutes under a policy that reads it.
 fn warn_slow_link(args: &Args, info: &kvpolicy::ModelInfo, longest: usize) {
-    let reads = kvpolicy::registry().reads(&args.policy).unwrap_or(&[]);
+    let reads = registry::registry().reads(&args.policy).unwrap_or(&[]);
     if let (Some(bandwidth), true) = (
         args.link_bandwidth,
         reads.contains(&kvpolicy::PolicyOption::LinkBandwidth),

@@ -18,6 +18,8 @@ mod bandwidth;
 mod errors;
 mod llamacpp;
 mod plot;
+#[path = "../common/registry.rs"]
+mod registry;
 mod report;
 mod stock;
 mod sweep;

@@ -6,7 +6,7 @@ use anyhow::{Context, Result};
 use candle_core::{Device, Tensor};
 use kvpolicy::models::generate::kv_shape;
 use kvpolicy::models::prefill;
-use kvpolicy::{build_policy, CausalLm, HeadGroup, LogitsMode, PolicyOptions, Profile};
+use kvpolicy::{CausalLm, HeadGroup, LogitsMode, PolicyOptions, Profile};
 
 /// A policy with its options, as named on the command line (`headwise:1`, `recompute:64`).
 #[derive(Clone, Debug)]
@@ -44,7 +44,7 @@ impl Variant {
             ),
         }
         // Fail on an unknown name before any model work.
-        build_policy(policy, &opts)?;
+        crate::registry::registry().build(policy, &opts)?;
         Ok(Self {
             label: label.to_string(),
             policy: policy.to_string(),
@@ -124,7 +124,7 @@ pub fn measure(
     let mut rates = Vec::new();
     let mut last = None;
     for _ in 0..repeats.max(1) {
-        let mut p = build_policy(&v.policy, &v.opts)?;
+        let mut p = crate::registry::registry().build(&v.policy, &v.opts)?;
         // As `generate` does: the policy plans for the run's length (`auto` sizes its
         // resident units for it).
         p.prepare(&kv_shape(model.info(), 1, context + steps, chunk))?;

@@ -8,7 +8,8 @@
 //! How a policy plugs in: implement [`KvPolicy`] — `attend` receives each layer's queries
 //! and new K/V ([`AttnStep`]) and returns the attention output; `seq_len`, `reset` and
 //! `stats` report and clear what it keeps — then [`register`] it next to the built-in
-//! policies in a [`PolicyRegistry`] and build it by name like any other. A model of one's
+//! policies in a [`PolicyRegistry`] and build it by name like any other (the workspace's
+//! runner and kvbench do: `--policy sinks`, `--policies full,sinks`). A model of one's
 //! own calls `policy.attend(&AttnStep { .. })` from its attention layer the same way
 //! kvpolicy's models do (see `kvpolicy::models::attention`).
 //!
