@@ -83,3 +83,78 @@ fn streamed_units_move_exactly_their_history_and_logits_equal_full() -> Result<(
     assert_eq!(st.resident_units, info.n_layers as u64);
     Ok(())
 }
+
+#[test]
+fn windowed_layers_are_resident_first_in_window_sized_buffers() -> Result<()> {
+    // Gemma 3 fixture: layers sliding, sliding, full, sliding (window 8), 2 KV heads.
+    let name = "gemma3";
+    let loaded = common::load_fixture(name)?;
+    let model = loaded.model.as_ref();
+    let info = model.info().clone();
+    let (prompt, decode) = common::fixture_ids(name)?;
+    let (total, chunk, grow) = (prompt.len() + decode.len(), 4, 4);
+    let shape = kv_shape(&info, 1, total, chunk);
+    let windowed: Vec<usize> = shape.windows.iter().filter_map(|w| *w).collect();
+    let global = (info.n_layers - windowed.len()) as u64;
+    assert!(!windowed.is_empty() && global > 0, "{:?}", shape.windows);
+    let nkv = info.n_kv_heads;
+    let cap = total.div_ceil(grow) * grow;
+    let unit = shape.kv_bytes(nkv, cap);
+    // A windowed unit holds its window and one step, not the context.
+    let window_units: u64 = windowed
+        .iter()
+        .map(|w| shape.kv_bytes(nkv, ((w + chunk).div_ceil(grow) * grow).min(cap)))
+        .sum();
+    assert!(window_units < windowed.len() as u64 * unit);
+    let streaming = 2 * unit + shape.step_scratch_bytes(nkv, cap, &Device::Cpu);
+    let per_token_layer = (nkv * info.head_dim * 2 * 4) as u64;
+    let want = common::teacher_forced_logits(
+        model,
+        build_policy("full", &PolicyOptions::default())?.as_mut(),
+        &prompt,
+        &decode,
+        chunk,
+    )?;
+    // Room for every windowed unit, not for a global one: the windowed layers are resident
+    // (taken in layer order, the first global layer would have used that room) and only the
+    // global layers' history moves.
+    for (budget, streamed) in [
+        (streaming + window_units, global),
+        (streaming + window_units + global * unit, 0),
+    ] {
+        let opts = PolicyOptions {
+            grow_tokens: grow,
+            device_kv_budget: Some(budget),
+            ..PolicyOptions::default()
+        };
+        let mut p = build_policy("auto", &opts)?;
+        p.prepare(&shape)?;
+        prefill(model, p.as_mut(), &prompt, chunk, false)?;
+        for (pos, &tok) in (prompt.len()..).zip(decode.iter()) {
+            let before = p.stats();
+            let ids = Tensor::new(&[tok], &Device::Cpu)?.unsqueeze(0)?;
+            model.forward(&ids, pos, p.as_mut(), LogitsMode::Last)?;
+            let after = p.stats();
+            assert_eq!(
+                (after.resident_units, after.streamed_units, after.demotions),
+                (info.n_layers as u64 - streamed, streamed, 0),
+                "budget {budget}: units"
+            );
+            assert_eq!(
+                after.h2d_bytes - before.h2d_bytes,
+                streamed * pos as u64 * per_token_layer,
+                "budget {budget} at {pos}: h2d"
+            );
+            assert_eq!(
+                after.d2h_bytes - before.d2h_bytes,
+                streamed * per_token_layer
+            );
+            assert!(after.device_kv_peak_bytes <= budget, "{after:?}");
+        }
+        let mut p = build_policy("auto", &opts)?;
+        let got = common::teacher_forced_logits(model, p.as_mut(), &prompt, &decode, chunk)?;
+        let d = common::max_abs_diff(&got, &want)?;
+        assert!(d <= 1e-5, "budget {budget}: logits differ from full by {d}");
+    }
+    Ok(())
+}

@@ -146,6 +146,7 @@ pub fn kv_shape(info: &ModelInfo, batch: usize, max_tokens: usize, step_tokens: 
         max_tokens,
         step_tokens,
         activation_bytes_per_token: info.activation_bytes_per_token(),
+        windows: info.windows.clone(),
     }
 }
 

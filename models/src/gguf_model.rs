@@ -367,6 +367,7 @@ pub fn from_gguf(g: &GgufFile, device: &Device) -> Result<Decoder> {
             .meta_u32_opt("tokenizer.ggml.eos_token_id")
             .into_iter()
             .collect(),
+        windows: rules.windows.clone(),
     };
     Ok(Decoder {
         embed,

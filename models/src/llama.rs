@@ -218,6 +218,9 @@ pub fn from_varbuilder(
         device: vb.device().clone(),
         bos: TokenIds::first_of(&cfg.bos_token_id),
         eos: TokenIds::all_of(&cfg.eos_token_id),
+        windows: (0..cfg.num_hidden_layers)
+            .map(|i| recipe.windows.get(i).copied().flatten())
+            .collect(),
     };
     Ok(Decoder {
         embed: Embedding::Dense(embed),

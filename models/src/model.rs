@@ -45,6 +45,8 @@ pub struct ModelInfo {
     pub bos: Option<u32>,
     /// End-of-sequence tokens.
     pub eos: Vec<u32>,
+    /// Per layer, its sliding attention window in tokens (`None`: global attention).
+    pub windows: Vec<Option<usize>>,
 }
 
 impl ModelInfo {

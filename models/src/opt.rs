@@ -111,6 +111,7 @@ pub fn from_varbuilder(
         device: vb.device().clone(),
         bos: TokenIds::first_of(&cfg.bos_token_id),
         eos: TokenIds::all_of(&cfg.eos_token_id),
+        windows: vec![None; cfg.num_hidden_layers],
     };
     Ok(Decoder {
         embed: Embedding::Dense(embed),

@@ -189,6 +189,32 @@ impl KvBuffer {
         }
     }
 
+    /// Drops the first `n` stored tokens, moving the rest to the front in place (the
+    /// capacity stays): how a sliding-window layer's buffer keeps only what later queries
+    /// can see. The moved tokens pass through one temporary copy.
+    pub fn drop_front(&mut self, n: usize) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let keep = self.len.checked_sub(n).ok_or_else(|| {
+            KvError::Shape(format!("cannot drop {n} of {} stored tokens", self.len))
+        })?;
+        if let (Some(k), Some(v)) = (&self.k, &self.v) {
+            for t in [k, v] {
+                // A fresh contiguous copy: slice_set takes neither a strided nor an aliased source.
+                let rest = t.narrow(2, n, keep)?;
+                let rest = if rest.is_contiguous() {
+                    rest.copy()?
+                } else {
+                    rest.contiguous()?
+                };
+                t.slice_set(&rest, 2, 0)?;
+            }
+        }
+        self.len = keep;
+        Ok(())
+    }
+
     /// Drops everything stored and frees the buffers.
     pub fn clear(&mut self) {
         self.k = None;
@@ -201,6 +227,27 @@ impl KvBuffer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn drop_front_keeps_the_tail_in_place() -> Result<()> {
+        let dev = Device::Cpu;
+        let mut b = KvBuffer::new(8);
+        let k = Tensor::arange(0f32, 6., &dev)?.reshape((1, 1, 6, 1))?;
+        b.append(&k, &(&k * 2.)?)?;
+        let cap = b.capacity();
+        b.drop_front(4)?;
+        assert_eq!((b.len(), b.capacity()), (2, cap));
+        let (k2, v2) = b.view(0, 2)?;
+        assert_eq!(k2.flatten_all()?.to_vec1::<f32>()?, [4., 5.]);
+        assert_eq!(v2.flatten_all()?.to_vec1::<f32>()?, [8., 10.]);
+        b.append(&k.narrow(2, 0, 1)?, &k.narrow(2, 0, 1)?)?;
+        assert_eq!(
+            b.view(0, 3)?.0.flatten_all()?.to_vec1::<f32>()?,
+            [4., 5., 0.]
+        );
+        assert!(b.drop_front(4).is_err());
+        Ok(())
+    }
 
     #[test]
     fn grows_in_chunks_and_keeps_contents() -> Result<()> {

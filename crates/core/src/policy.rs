@@ -106,6 +106,9 @@ pub struct KvShape {
     /// Device bytes of the model's activations per token of a step (the tensors one layer
     /// holds at once besides the KV and attention scratch; 0 when unknown).
     pub activation_bytes_per_token: u64,
+    /// Per layer, its sliding window in tokens (`None`: global attention); empty when not
+    /// known (a shape read off a step).
+    pub windows: Vec<Option<usize>>,
 }
 
 impl KvShape {
@@ -141,6 +144,7 @@ impl KvShape {
                 max_tokens: step.pos + t,
                 step_tokens: t,
                 activation_bytes_per_token: 0,
+                windows: Vec::new(),
             },
         })
     }

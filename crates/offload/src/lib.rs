@@ -43,10 +43,16 @@
 //! * `auto` (after llama.cpp#12663's ask for a partial split): the same machinery, but as
 //!   many units as the budget holds — after the two streaming buffers and a step's scratch,
 //!   at the capacity the run will reach — stay resident on the device in growing buffers
-//!   and are attended in place; only the others move. Units are decided in the order they
-//!   first run; a resident unit whose growth no longer fits is demoted to the host once
+//!   and are attended in place; only the others move. Sliding-window layers' units come
+//!   first: their resident buffers hold the window and one step, not the context (Gemma
+//!   2/3 keep most layers resident for the price of a few global ones); the others are
+//!   decided in the order they first run, while the budget's bytes last. A resident unit
+//!   whose growth no longer fits is demoted to the host once, the last-decided first
 //!   (counted in `demotions`), so the device never holds more than the budget. Without a
-//!   budget every unit is resident and nothing moves (`full`'s placement).
+//!   budget every unit is resident and nothing moves (`full`'s placement, with windowed
+//!   layers in window-sized buffers).
+//! * Left for later: KVPR's partial recompute for the streamed units of MHA layers (the
+//!   `recompute` policy does it for whole layers).
 //!
 //! ## Differences, and why
 //!

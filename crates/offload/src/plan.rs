@@ -98,16 +98,13 @@ impl OffloadPolicy {
         Ok(group)
     }
 
-    /// Under `auto`, how many units may stay resident on the device: what the budget leaves
-    /// after the two streaming buffers and a step's scratch, in units of `group` KV heads
-    /// at capacity `cap` (the capacity the run will reach, when `prepare` said it).
-    pub(crate) fn resident_target(&self, shape: &KvShape, group: usize, cap: usize) -> usize {
-        let Some(budget) = self.meter.budget() else {
-            return usize::MAX;
-        };
+    /// Under `auto`, the bytes resident units may take: what the budget leaves after the two
+    /// streaming buffers of `group` KV heads and a step's scratch at capacity `cap` (the
+    /// capacity the run will reach, when `prepare` said it); `None` without a budget.
+    pub(crate) fn resident_bytes(&self, shape: &KvShape, group: usize, cap: usize) -> Option<u64> {
+        let budget = self.meter.budget()?;
         let streaming = Self::buffers_bytes(shape, group, cap)
             + shape.step_scratch_bytes(group, cap, &self.device);
-        let unit = shape.kv_bytes(group, cap).max(1);
-        (budget.saturating_sub(streaming) / unit) as usize
+        Some(budget.saturating_sub(streaming))
     }
 }

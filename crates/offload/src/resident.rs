@@ -1,54 +1,135 @@
 //! `auto`'s resident units: the (layer, head group) units that stay on the device, each in a
 //! growing [`KvBuffer`] attended in place, while the others stream through the ping-pong
-//! buffers. Units are decided in the order they first run (layer 0 group 0, layer 0 group
-//! 1, …): resident while the budget's count allows, streamed after. A resident unit whose
-//! growth no longer fits is demoted once: its history is copied to the host tier (counted)
-//! and it streams from then on — the device never holds more than the budget.
+//! buffers. A sliding-window layer's units are planned first, at the run's first step:
+//! their buffers hold the window and one step, not the context (what no later query sees
+//! is dropped before a buffer would grow), so they are the cheapest to keep. The other
+//! units are decided in the order they first run (layer 0 group 0, layer 0 group 1, …):
+//! resident while the budget's bytes allow, streamed after. A resident unit whose growth no
+//! longer fits is demoted once — the last-decided first: its history is copied to the host
+//! tier (counted) and it streams from then on — so the device never holds more than the
+//! budget.
+use std::collections::HashMap;
+
 use candle_core::Tensor;
 
-use kvpolicy_core::{attend_partial, AttnStep, Direction, KvBuffer, KvShape, Result};
+use kvpolicy_core::{attend_partial, round_up, AttnStep, Direction, KvBuffer, KvShape, Result};
 
 use crate::runtime::{write_back_jobs, OffloadPolicy};
+
+/// One resident unit's device K/V: tokens `base..base + buf.len()`.
+#[derive(Debug)]
+pub(crate) struct ResidentKv {
+    buf: KvBuffer,
+    base: usize,
+}
 
 /// Which units stay on the device, and their buffers.
 #[derive(Debug, Default)]
 pub(crate) struct Residency {
     /// Per unit (`layer · groups + group`), in first-run order: its device buffer while
     /// resident, `None` for a streamed (or demoted) unit.
-    units: Vec<Option<KvBuffer>>,
-    /// How many units may be resident (from the budget; `usize::MAX` without one).
-    pub target: usize,
-    /// The capacity the plan sized a unit for: a resident unit allocates it at once (and
-    /// grows by as much beyond it), so within the plan it never grows, and a growth copy
+    units: Vec<Option<ResidentKv>>,
+    /// Whether the run's first step has planned.
+    planned: bool,
+    /// Bytes left for units not decided yet (`None`: no budget, every unit resident).
+    remaining: Option<u64>,
+    /// Bytes of a global unit's buffer at the planned capacity.
+    unit_bytes: u64,
+    /// The capacity the plan sized a global unit for: a resident unit allocates it at once
+    /// (and grows by as much beyond it), so within the plan it never grows, and a growth copy
     /// never needs old and new buffers at once.
     pub plan_cap: usize,
+    /// Windowed units decided by the plan: their buffer's tokens, or `None` (streamed).
+    preset: HashMap<usize, Option<usize>>,
+    /// Resident units in the order they were decided (demotion takes the last).
+    order: Vec<usize>,
     /// Units demoted to the host since the last reset.
     pub demotions: u64,
 }
 
 impl Residency {
-    /// Decides `unit` on its first run (resident while fewer than `target` are); a unit
-    /// already decided keeps its decision.
-    pub fn decide(&mut self, unit: usize, grow_tokens: usize) {
-        let chunk = self.plan_cap.max(grow_tokens);
-        while self.units.len() <= unit {
-            let resident = self.resident() < self.target;
-            self.units.push(resident.then(|| KvBuffer::new(chunk)));
+    /// Plans the run at its first step with `avail` bytes for resident units (`None`: no
+    /// budget) of `group` KV heads: a global unit holds `plan_cap` tokens, a windowed
+    /// layer's unit its window and one step (rounded up to `grow` tokens). Windowed units
+    /// are decided here, first; the others when they first run, while bytes remain.
+    pub fn plan(
+        &mut self,
+        shape: &KvShape,
+        (group, grow): (usize, usize),
+        plan_cap: usize,
+        avail: Option<u64>,
+    ) {
+        self.clear();
+        self.planned = true;
+        self.plan_cap = plan_cap;
+        self.unit_bytes = shape.kv_bytes(group, plan_cap).max(1);
+        self.remaining = avail;
+        let groups = shape.n_kv_heads / group.max(1);
+        for (layer, w) in shape.windows.iter().enumerate() {
+            let Some(w) = *w else { continue };
+            let cap = round_up(w + shape.largest_step(), grow).min(plan_cap.max(grow));
+            let bytes = shape.kv_bytes(group, cap);
+            for unit in layer * groups..(layer + 1) * groups {
+                let fits = match &mut self.remaining {
+                    None => true,
+                    Some(r) if bytes <= *r => {
+                        *r -= bytes;
+                        true
+                    }
+                    Some(_) => false,
+                };
+                if fits {
+                    self.order.push(unit);
+                }
+                self.preset.insert(unit, fits.then_some(cap));
+            }
         }
     }
 
-    /// Whether `unit` is decided and resident.
-    pub fn is_resident(&self, unit: usize) -> bool {
-        self.units.get(unit).is_some_and(Option::is_some)
+    /// Whether the plan keeps every unit resident (no budget): nothing ever streams.
+    pub fn unbounded(&self) -> bool {
+        self.planned && self.remaining.is_none()
     }
 
-    /// `unit`'s buffer, if resident.
-    pub fn buffer(&mut self, unit: usize) -> Option<&mut KvBuffer> {
-        self.units.get_mut(unit).and_then(Option::as_mut)
+    /// Decides `unit` on its first run (a windowed unit as planned; another resident while
+    /// the bytes left hold one); a unit already decided keeps its decision.
+    pub fn decide(&mut self, unit: usize, grow_tokens: usize) {
+        while self.units.len() <= unit {
+            let u = self.units.len();
+            let tokens = match self.preset.get(&u) {
+                Some(planned) => *planned,
+                None => {
+                    let fits = match &mut self.remaining {
+                        None => true,
+                        Some(r) if self.unit_bytes <= *r => {
+                            *r -= self.unit_bytes;
+                            true
+                        }
+                        Some(_) => false,
+                    };
+                    if fits {
+                        self.order.push(u);
+                    }
+                    fits.then_some(self.plan_cap.max(grow_tokens))
+                }
+            };
+            self.units.push(tokens.map(|t| ResidentKv {
+                buf: KvBuffer::new(t),
+                base: 0,
+            }));
+        }
+    }
+
+    /// Whether `unit` is decided (or planned) and resident.
+    pub fn is_resident(&self, unit: usize) -> bool {
+        match self.units.get(unit) {
+            Some(u) => u.is_some(),
+            None => self.preset.get(&unit).is_some_and(Option::is_some),
+        }
     }
 
     /// Takes `unit` off the device for good, returning its buffer (counted as a demotion).
-    pub fn demote(&mut self, unit: usize) -> Option<KvBuffer> {
+    fn demote(&mut self, unit: usize) -> Option<ResidentKv> {
         let buf = self.units.get_mut(unit).and_then(Option::take);
         if buf.is_some() {
             self.demotions += 1;
@@ -58,7 +139,11 @@ impl Residency {
 
     /// The last-decided unit still resident.
     pub fn last_resident(&self) -> Option<usize> {
-        self.units.iter().rposition(Option::is_some)
+        self.order
+            .iter()
+            .rev()
+            .copied()
+            .find(|&u| self.units.get(u).is_some_and(Option::is_some))
     }
 
     /// Units resident now.
@@ -71,12 +156,9 @@ impl Residency {
         self.units.len() - self.resident()
     }
 
-    /// Forgets every unit (a new sequence); the target is re-planned at the next step.
+    /// Forgets every unit and the plan (a new sequence plans again at its first step).
     pub fn clear(&mut self) {
-        self.units.clear();
-        self.demotions = 0;
-        self.target = 0;
-        self.plan_cap = 0;
+        *self = Self::default();
     }
 }
 
@@ -93,9 +175,21 @@ impl OffloadPolicy {
         act: u64,
     ) -> Result<Option<Tensor>> {
         let (layer, pos, t) = (step.layer, step.pos, kn.dim(2)?);
-        let Some(buf) = self.residency.as_mut().and_then(|r| r.buffer(unit)) else {
+        let Some(res) = self
+            .residency
+            .as_mut()
+            .and_then(|r| r.units.get_mut(unit))
+            .and_then(Option::as_mut)
+        else {
             return Ok(None);
         };
+        let start = step.spec.window_start(pos);
+        if res.buf.len() + t > res.buf.capacity() && start > res.base {
+            // No later query sees the tokens before the window: drop them, not grow.
+            res.buf.drop_front(start - res.base)?;
+            res.base = start;
+        }
+        let buf = &mut res.buf;
         let grow = buf.growth_bytes(kn)?;
         if grow > 0 && !self.meter.fits(grow + reserve) {
             let gs = kn.dim(1)?;
@@ -104,8 +198,7 @@ impl OffloadPolicy {
             return Ok(None);
         }
         buf.append_metered(kn, vn, &mut self.meter)?;
-        let start = step.spec.window_start(pos);
-        let (k, v) = buf.view(start, pos + t - start)?;
+        let (k, v) = buf.view(start - res.base, pos + t - start)?;
         let part = attend_partial(q, &k, &v, pos, start, step.spec)?;
         self.stats.note_scratch(part.scratch_bytes, act);
         Ok(Some(part.out.to_dtype(q.dtype())?))
@@ -114,12 +207,14 @@ impl OffloadPolicy {
     /// Takes resident `unit` (group `g` of `layer`, `gs` heads) off the device: its history
     /// is copied to the host tier (counted device→host) and it streams from now on.
     pub(crate) fn demote(&mut self, unit: usize, layer: usize, g: usize, gs: usize) -> Result<()> {
-        let Some(buf) = self.residency.as_mut().and_then(|r| r.demote(unit)) else {
+        let Some(ResidentKv { buf, base }) = self.residency.as_mut().and_then(|r| r.demote(unit))
+        else {
             return Ok(());
         };
         if !buf.is_empty() {
+            // Tokens before `base` were dropped from a window: no query reads them again.
             let (k, v) = buf.view(0, buf.len())?;
-            let jobs = write_back_jobs((&k, &v), self.host.get(layer)?, g * gs, 0)?;
+            let jobs = write_back_jobs((&k, &v), self.host.get(layer)?, g * gs, base)?;
             let ticket = self.link.submit(jobs, Direction::D2h)?;
             self.link.wait(ticket)?;
         }

@@ -133,17 +133,12 @@ impl OffloadPolicy {
         if self.group == 0 {
             // The run's first step: plan the resident units for the capacity it will reach.
             let plan_cap = self.capacity_for(shape.max_tokens.max(tokens));
-            let target = self.resident_target(shape, group, plan_cap);
+            let avail = self.resident_bytes(shape, group, plan_cap);
             if let Some(r) = self.residency.as_mut() {
-                r.target = target;
-                r.plan_cap = plan_cap;
+                r.plan(shape, (group, self.grow_tokens), plan_cap, avail);
             }
         }
-        if self
-            .residency
-            .as_ref()
-            .is_some_and(|r| r.target == usize::MAX)
-        {
+        if self.residency.as_ref().is_some_and(Residency::unbounded) {
             // No budget: every unit stays resident and nothing ever streams.
             self.group = group;
             return Ok(());
