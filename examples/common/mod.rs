@@ -357,6 +357,23 @@ fn run(args: &Args, example: &str, archs: &[&str], default: Option<ModelSpec>) -
         stats.recompute_tokens,
         stats.split,
     );
+    let tokens = (gen.prefill_tokens + gen.decode_tokens).max(1) as u64;
+    let mut moved = format!(
+        "moved {} host→device ({} per token), {} device→host",
+        kvpolicy::core::format_bytes(stats.h2d_bytes),
+        kvpolicy::core::format_bytes(stats.h2d_bytes / tokens),
+        kvpolicy::core::format_bytes(stats.d2h_bytes),
+    );
+    if stats.resident_units + stats.streamed_units > 0 {
+        moved += &format!(
+            "; resident units {} of {} ({:.0}%), {} demoted",
+            stats.resident_units,
+            stats.resident_units + stats.streamed_units,
+            100.0 * stats.resident_fraction(),
+            stats.demotions
+        );
+    }
+    let _ = writeln!(std::io::stderr(), "{moved}");
     // Every output is written before any is put in place: one failing leaves none.
     let mut staged = Staged::new();
     if let Some(path) = &args.ids_out {

@@ -61,6 +61,17 @@ pub struct KvStats {
 }
 
 impl KvStats {
+    /// Resident units over all decided units (`auto`; 1 when nothing streams, 0 before any
+    /// unit is decided).
+    pub fn resident_fraction(&self) -> f64 {
+        let all = self.resident_units + self.streamed_units;
+        if all == 0 {
+            0.0
+        } else {
+            self.resident_units as f64 / all as f64
+        }
+    }
+
     /// Records one attention call's scratch and the step's activation bytes.
     pub fn note_scratch(&mut self, attention: u64, activations: u64) {
         self.attn_scratch_peak_bytes = self.attn_scratch_peak_bytes.max(attention);
