@@ -2,7 +2,7 @@
 //! stops with exit code 130 and leaves no temporary and no output behind. The child is
 //! held at a known point of its final write — its `--stats-out` is a FIFO nobody reads, so
 //! putting the outputs in place blocks while `--ids-out`'s temporary exists — and the signal
-//! arrives there.
+//! arrives there. With a disk tier, its files (alive until the run ends) go too.
 mod common;
 
 use std::os::unix::fs::FileTypeExt;
@@ -24,10 +24,27 @@ fn temporaries(dir: &Path) -> Result<Vec<String>> {
     Ok(v)
 }
 
-fn interrupted_while_writing(signal: &str) -> Result<()> {
+/// Files in `dir`.
+fn files(dir: &Path) -> Result<usize> {
+    Ok(std::fs::read_dir(dir)?.count())
+}
+
+fn interrupted_while_writing(signal: &str, disk: bool) -> Result<()> {
     let dir = tempfile::tempdir()?;
     let tmp = dir.path().join("tmp");
     std::fs::create_dir(&tmp)?;
+    let disk_dir = dir.path().join("disk");
+    std::fs::create_dir(&disk_dir)?;
+    let disk_args: Vec<String> = if disk {
+        vec![
+            "--policy".into(),
+            "headwise".into(),
+            "--disk-dir".into(),
+            disk_dir.to_string_lossy().into_owned(),
+        ]
+    } else {
+        Vec::new()
+    };
     let fifo = dir.path().join("stats.fifo");
     ensure!(
         Command::new("mkfifo").arg(&fifo).status()?.success(),
@@ -40,6 +57,7 @@ fn interrupted_while_writing(signal: &str) -> Result<()> {
             &common::fixture("llama_gqa").to_string_lossy(),
         ])
         .args(["--prompt-ids", "1,2,3", "--max-new-tokens", "2"])
+        .args(&disk_args)
         .arg("--ids-out")
         .arg(&ids)
         .arg("--stats-out")
@@ -62,6 +80,13 @@ fn interrupted_while_writing(signal: &str) -> Result<()> {
         std::thread::sleep(Duration::from_millis(10));
     }
     std::thread::sleep(Duration::from_millis(50));
+    if disk {
+        // The policy is alive while the outputs are written: its layers' files exist.
+        ensure!(
+            files(&disk_dir)? > 0,
+            "no disk-tier file while the run holds its cache"
+        );
+    }
     let sent = Command::new("kill")
         .args([signal, &child.id().to_string()])
         .status()?;
@@ -83,15 +108,25 @@ fn interrupted_while_writing(signal: &str) -> Result<()> {
         "{signal}: --ids-out was put in place by an interrupted run"
     );
     assert!(std::fs::symlink_metadata(&fifo)?.file_type().is_fifo());
+    assert_eq!(
+        files(&disk_dir)?,
+        0,
+        "{signal}: disk-tier files left behind"
+    );
     Ok(())
 }
 
 #[test]
 fn sigint_while_writing_leaves_nothing_behind() -> Result<()> {
-    interrupted_while_writing("-INT")
+    interrupted_while_writing("-INT", false)
 }
 
 #[test]
 fn sigterm_while_writing_leaves_nothing_behind() -> Result<()> {
-    interrupted_while_writing("-TERM")
+    interrupted_while_writing("-TERM", false)
+}
+
+#[test]
+fn sigint_removes_the_disk_tiers_files() -> Result<()> {
+    interrupted_while_writing("-INT", true)
 }

@@ -23,9 +23,11 @@ static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::ne
 /// Temporaries being written now.
 static TEMPS: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
 
-/// Removes the temporaries on SIGINT/SIGTERM, then exits with 130. Call once at start-up.
+/// Removes the temporaries and the disk tier's files on SIGINT/SIGTERM, then exits with 130. Call
+/// once at start-up.
 pub fn on_signals() {
     let _ = ctrlc::set_handler(|| {
+        kvpolicy::core::tiered::remove_disk_files();
         if let Ok(temps) = TEMPS.lock() {
             for t in temps.iter() {
                 let _ = std::fs::remove_file(t);

@@ -83,6 +83,12 @@ pub struct Args {
     /// Device-tier byte budget for KV buffers, e.g. 64MiB or 2GB (default: unlimited).
     #[arg(long, value_parser = parse_budget)]
     pub device_kv_budget: Option<u64>,
+    /// Host-memory byte budget for KV (layer, headwise, auto): layers past it go to files under --disk-dir.
+    #[arg(long, value_parser = parse_budget, requires = "disk_dir")]
+    pub host_kv_budget: Option<u64>,
+    /// Directory for the disk tier's files (one per layer; removed at the end, on error and on Ctrl-C); without --host-kv-budget every layer's KV is on disk.
+    #[arg(long, value_name = "DIR")]
+    pub disk_dir: Option<PathBuf>,
     /// Cost profile for `recompute` (JSON: h2d_bytes_per_s, recompute_tokens_per_s); default: measured at the first step.
     #[arg(long, value_name = "FILE")]
     pub profile: Option<PathBuf>,
@@ -246,6 +252,8 @@ fn run(args: &Args, example: &str, archs: &[&str], default: Option<ModelSpec>) -
         link_bandwidth: args.link_bandwidth.map(|b| b as f64),
         block_size: args.block_size,
         kv_act_ratio: args.kv_act_ratio,
+        host_kv_budget: args.host_kv_budget,
+        disk_dir: args.disk_dir.clone(),
         ..PolicyOptions::default()
     };
     let mut policy = if args.prompts_file.is_some() {
@@ -371,6 +379,15 @@ fn run(args: &Args, example: &str, archs: &[&str], default: Option<ModelSpec>) -
             stats.resident_units + stats.streamed_units,
             100.0 * stats.resident_fraction(),
             stats.demotions
+        );
+    }
+    if stats.disk_kv_bytes > 0 {
+        moved += &format!(
+            "; disk tier {} (read {}, wrote {}, {:.2}s)",
+            kvpolicy::core::format_bytes(stats.disk_kv_bytes),
+            kvpolicy::core::format_bytes(stats.disk_read_bytes),
+            kvpolicy::core::format_bytes(stats.disk_write_bytes),
+            stats.disk_wait_s
         );
     }
     let _ = writeln!(std::io::stderr(), "{moved}");

@@ -97,6 +97,12 @@ struct Args {
     /// Cost profile for `recompute` (JSON); default: measured at the first step.
     #[arg(long)]
     profile: Option<PathBuf>,
+    /// Host-memory byte budget for KV (layer, headwise, auto): layers past it go to files under --disk-dir.
+    #[arg(long, value_parser = parse_size, requires = "disk_dir")]
+    host_kv_budget: Option<u64>,
+    /// Directory for the disk tier's files (removed after each run); without --host-kv-budget every layer's KV is on disk.
+    #[arg(long, value_name = "DIR")]
+    disk_dir: Option<PathBuf>,
     /// Also time llama.cpp on the same GGUF, ids, threads, chunk and steps, with this Python
     /// (llama-cpp-python 0.3.36 installed; `scripts/llamacpp_bench.py`): a `llama.cpp` row.
     #[arg(long, value_name = "PYTHON")]
@@ -154,6 +160,8 @@ fn run(mut args: Args) -> Result<()> {
         device: dev.clone(),
         link_bandwidth: args.link_bandwidth.map(|b| b as f64),
         profile: args.profile.as_deref().map(Profile::load).transpose()?,
+        host_kv_budget: args.host_kv_budget,
+        disk_dir: args.disk_dir.clone(),
         ..PolicyOptions::default()
     };
     let variants: Vec<Variant> = args

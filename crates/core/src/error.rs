@@ -114,6 +114,14 @@ pub enum KvError {
     /// A policy's own bookkeeping broke: a bug in the policy.
     #[error("internal error in the KV policy ({0}); this is a bug, please report it")]
     Invariant(String),
+    /// The disk tier could not create, grow, write or read a file, or found one damaged.
+    #[error("disk tier: {what}: {source}")]
+    Disk {
+        /// What was being done, and to which file.
+        what: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
     /// A cost profile (a `profile` file) that cannot be used.
     #[error("cannot use the profile {origin}: {reason}; write JSON such as {{\"h2d_bytes_per_s\": 2.5e10, \"recompute_tokens_per_s\": 1.0e6}}")]
     BadProfile {

@@ -55,6 +55,11 @@ pub struct PolicyOptions {
     /// Share of blocks stored as K/V rather than activations, forced (`hybrid`): 1 = all
     /// KV, 0 = all activations; `None` = balanced from the profile.
     pub kv_act_ratio: Option<f64>,
+    /// Host bytes of K/V kept in RAM before layers go to the disk tier (`disk_dir`);
+    /// `None` with a `disk_dir`: every layer on disk.
+    pub host_kv_budget: Option<u64>,
+    /// Directory of the disk tier's files; `None` = no disk tier.
+    pub disk_dir: Option<std::path::PathBuf>,
 }
 
 impl Default for PolicyOptions {
@@ -69,6 +74,36 @@ impl Default for PolicyOptions {
             link_bandwidth: None,
             block_size: 16,
             kv_act_ratio: None,
+            host_kv_budget: None,
+            disk_dir: None,
+        }
+    }
+}
+
+impl PolicyOptions {
+    /// The disk tier the options ask for: `disk_dir` (an existing directory) with
+    /// `host_kv_budget` bytes of RAM first (0 without one); `None` without `disk_dir`. A
+    /// host budget without a directory is an error naming `policy`.
+    pub fn disk_tier(&self, policy: &str) -> Result<Option<crate::tiered::DiskTier>> {
+        let bad = |option, message: String| KvError::InvalidOption {
+            policy: policy.to_string(),
+            option,
+            message,
+        };
+        match (&self.disk_dir, self.host_kv_budget) {
+            (None, None) => Ok(None),
+            (None, Some(b)) => Err(bad(
+                PolicyOption::HostKvBudget,
+                format!("`host_kv_budget` {b} needs a `disk_dir` for the layers past it"),
+            )),
+            (Some(dir), _) if !dir.is_dir() => Err(bad(
+                PolicyOption::DiskDir,
+                format!("`disk_dir` {} is not an existing directory", dir.display()),
+            )),
+            (Some(dir), budget) => Ok(Some(crate::tiered::DiskTier {
+                dir: dir.clone(),
+                host_budget: budget.unwrap_or(0),
+            })),
         }
     }
 }
@@ -92,11 +127,15 @@ pub enum PolicyOption {
     BlockSize,
     /// `kv_act_ratio`.
     KvActRatio,
+    /// `host_kv_budget`.
+    HostKvBudget,
+    /// `disk_dir`.
+    DiskDir,
 }
 
 impl PolicyOption {
     /// Every option.
-    pub const ALL: [Self; 7] = [
+    pub const ALL: [Self; 9] = [
         Self::DeviceKvBudget,
         Self::HeadGroup,
         Self::Profile,
@@ -104,6 +143,8 @@ impl PolicyOption {
         Self::LinkBandwidth,
         Self::BlockSize,
         Self::KvActRatio,
+        Self::HostKvBudget,
+        Self::DiskDir,
     ];
 
     /// Its field in [`PolicyOptions`], e.g. `head_group` (how library messages name it).
@@ -116,6 +157,8 @@ impl PolicyOption {
             Self::LinkBandwidth => "link_bandwidth",
             Self::BlockSize => "block_size",
             Self::KvActRatio => "kv_act_ratio",
+            Self::HostKvBudget => "host_kv_budget",
+            Self::DiskDir => "disk_dir",
         }
     }
 
@@ -129,6 +172,8 @@ impl PolicyOption {
             Self::LinkBandwidth => "--link-bandwidth",
             Self::BlockSize => "--block-size",
             Self::KvActRatio => "--kv-act-ratio",
+            Self::HostKvBudget => "--host-kv-budget",
+            Self::DiskDir => "--disk-dir",
         }
     }
 }

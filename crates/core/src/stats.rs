@@ -58,6 +58,14 @@ pub struct KvStats {
     pub streamed_units: u64,
     /// Resident units moved to the host because they no longer fit (`auto`; once each).
     pub demotions: u64,
+    /// Bytes of the disk tier's files (K/V past the host budget).
+    pub disk_kv_bytes: u64,
+    /// Bytes read from the disk tier.
+    pub disk_read_bytes: u64,
+    /// Bytes written to the disk tier.
+    pub disk_write_bytes: u64,
+    /// Seconds the compute thread spent on disk reads and writes.
+    pub disk_wait_s: f64,
 }
 
 impl KvStats {

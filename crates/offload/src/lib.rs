@@ -95,13 +95,23 @@ pub fn register(reg: &mut PolicyRegistry) {
     reg.register(
         "layer",
         "layer-wise offload: KV on the host, two layers' buffers on the device",
-        &[PolicyOption::DeviceKvBudget, PolicyOption::LinkBandwidth],
+        &[
+            PolicyOption::DeviceKvBudget,
+            PolicyOption::LinkBandwidth,
+            PolicyOption::HostKvBudget,
+            PolicyOption::DiskDir,
+        ],
         |o| Ok(Box::new(layer_policy(o)?)),
     );
     reg.register(
         "auto",
         "the fastest exact placement under --device-kv-budget: resident (layer, head group) units on the device, the rest streamed head-wise",
-        &[PolicyOption::DeviceKvBudget, PolicyOption::LinkBandwidth],
+        &[
+            PolicyOption::DeviceKvBudget,
+            PolicyOption::LinkBandwidth,
+            PolicyOption::HostKvBudget,
+            PolicyOption::DiskDir,
+        ],
         |o| Ok(Box::new(auto_policy(o)?)),
     );
     reg.register(
@@ -111,6 +121,8 @@ pub fn register(reg: &mut PolicyRegistry) {
             PolicyOption::DeviceKvBudget,
             PolicyOption::HeadGroup,
             PolicyOption::LinkBandwidth,
+            PolicyOption::HostKvBudget,
+            PolicyOption::DiskDir,
         ],
         |o| Ok(Box::new(headwise_policy(o)?)),
     );

@@ -12,9 +12,9 @@ use std::collections::HashMap;
 
 use candle_core::Tensor;
 
-use kvpolicy_core::{attend_partial, round_up, AttnStep, Direction, KvBuffer, KvShape, Result};
+use kvpolicy_core::{attend_partial, round_up, AttnStep, KvBuffer, KvShape, Result};
 
-use crate::runtime::{write_back_jobs, OffloadPolicy};
+use crate::runtime::OffloadPolicy;
 
 /// One resident unit's device K/V: tokens `base..base + buf.len()`.
 #[derive(Debug)]
@@ -214,9 +214,9 @@ impl OffloadPolicy {
         if !buf.is_empty() {
             // Tokens before `base` were dropped from a window: no query reads them again.
             let (k, v) = buf.view(0, buf.len())?;
-            let jobs = write_back_jobs((&k, &v), self.host.get(layer)?, g * gs, base)?;
-            let ticket = self.link.submit(jobs, Direction::D2h)?;
-            self.link.wait(ticket)?;
+            self.host
+                .write(&mut self.link, layer, (&k, &v), g * gs, base)?;
+            self.link.wait_all()?;
         }
         self.meter.free(buf.allocated_bytes());
         Ok(())

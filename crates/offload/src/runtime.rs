@@ -16,7 +16,7 @@
 use candle_core::{Device, Tensor};
 use kvpolicy_core::{
     attend_partial, report_device, round_up, AttnStep, CopyJob, DeviceMeter, Direction, HeadGroup,
-    HostKv, HostLayers, KvPolicy, KvShape, KvStats, Link, Loaded, PingPong, PolicyOptions, Result,
+    HostLayers, KvPolicy, KvShape, KvStats, Link, Loaded, PingPong, PolicyOptions, Result,
     TransferEngine,
 };
 
@@ -64,31 +64,6 @@ impl std::fmt::Debug for OffloadPolicy {
     }
 }
 
-/// Copy jobs writing a unit's K/V `(b, heads, t, d)` into the host layer's heads from
-/// `first_head` on, at token `offset`.
-pub(crate) fn write_back_jobs(
-    (k, v): (&Tensor, &Tensor),
-    host: &HostKv,
-    first_head: usize,
-    offset: usize,
-) -> Result<Vec<CopyJob>> {
-    let (batch, heads) = (k.dim(0)?, k.dim(1)?);
-    let mut jobs = Vec::with_capacity(2 * batch * heads);
-    for bi in 0..batch {
-        for j in 0..heads {
-            for (src, dst) in [(k, &host.k), (v, &host.v)] {
-                jobs.push(CopyJob {
-                    src: src.narrow(0, bi, 1)?.narrow(1, j, 1)?,
-                    dst: dst.narrow(0, bi, 1)?.narrow(1, first_head + j, 1)?,
-                    dim: 2,
-                    offset,
-                });
-            }
-        }
-    }
-    Ok(jobs)
-}
-
 impl OffloadPolicy {
     /// An offload policy registered as `name`, host tier in CPU memory.
     pub fn new(name: &'static str, grouping: Grouping, opts: &PolicyOptions) -> Result<Self> {
@@ -98,7 +73,7 @@ impl OffloadPolicy {
             grow_tokens: opts.grow_tokens.max(1),
             device: opts.device.clone(),
             link: Link::for_device(&opts.device, opts.link_bandwidth)?,
-            host: HostLayers::new(opts.grow_tokens),
+            host: HostLayers::new(opts.grow_tokens, opts.disk_tier(name)?),
             group: 0,
             pingpong: PingPong::default(),
             residency: (grouping == Grouping::Resident).then(Residency::default),
@@ -168,21 +143,23 @@ impl OffloadPolicy {
         Ok(())
     }
 
-    /// Copy jobs bringing tokens `start..start+len` of head group `group` into buffer `buf`.
-    fn load_jobs(&self, (layer, group, start, len): UnitKey, buf: usize) -> Result<Vec<CopyJob>> {
-        let host = self.host.get(layer)?;
+    /// Copy jobs bringing tokens `start..start+len` of head group `group` into buffer `buf`
+    /// (from host memory, or read from the disk tier first).
+    fn load_jobs(
+        &mut self,
+        (layer, group, start, len): UnitKey,
+        buf: usize,
+    ) -> Result<Vec<CopyJob>> {
+        let gs = self.group;
+        let (hk, hv) = self.host.history(layer, (group * gs, gs), start, len)?;
         let (kb, vb) = self.pingpong.buf(buf)?;
         let batch = kb.dim(0)?;
-        let mut jobs = Vec::with_capacity(2 * batch * self.group);
+        let mut jobs = Vec::with_capacity(2 * batch * gs);
         for bi in 0..batch {
-            for j in 0..self.group {
-                let h = group * self.group + j;
-                for (src, dst) in [(&host.k, &kb), (&host.v, &vb)] {
+            for j in 0..gs {
+                for (src, dst) in [(&hk, &kb), (&hv, &vb)] {
                     jobs.push(CopyJob {
-                        src: src
-                            .narrow(0, bi, 1)?
-                            .narrow(1, h, 1)?
-                            .narrow(2, start, len)?,
+                        src: src.narrow(0, bi, 1)?.narrow(1, j, 1)?,
                         dst: dst.narrow(0, bi, 1)?.narrow(1, j, 1)?,
                         dim: 2,
                         offset: 0,
@@ -307,8 +284,8 @@ impl KvPolicy for OffloadPolicy {
             self.stats.note_scratch(part.scratch_bytes, act);
             outs.push(part.out.to_dtype(q.dtype())?);
             // Write the unit's new entries back to the host tier behind the compute.
-            let jobs = write_back_jobs((&kn, &vn), self.host.get(layer)?, g * gs, pos)?;
-            self.link.submit(jobs, Direction::D2h)?;
+            self.host
+                .write(&mut self.link, layer, (&kn, &vn), g * gs, pos)?;
         }
         self.host.advance(layer, t);
         Ok(if outs.len() == 1 {
@@ -337,13 +314,13 @@ impl KvPolicy for OffloadPolicy {
     fn stats(&self) -> KvStats {
         let r = self.residency.as_ref();
         let stats = KvStats {
-            host_kv_bytes: self.host.bytes(),
             kv_tokens: self.seq_len() as u64,
             resident_units: r.map_or(0, |r| r.resident() as u64),
             streamed_units: r.map_or(0, |r| r.streamed() as u64),
             demotions: r.map_or(0, |r| r.demotions),
             ..self.stats.clone()
         };
-        self.link.report(report_device(&self.meter, stats))
+        self.link
+            .report(report_device(&self.meter, self.host.report(stats)))
     }
 }

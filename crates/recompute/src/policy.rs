@@ -12,8 +12,8 @@
 use candle_core::{Device, Tensor};
 use kvpolicy_core::{
     attend_partial, grown_host, report_device, round_up, tensor_bytes, Advice, AttnSpec, AttnStep,
-    CopyJob, DeviceMeter, Direction, HostLayers, KvError, KvPolicy, KvShape, KvStats, Link, Loaded,
-    PingPong, PolicyOption, PolicyOptions, Probe, Profile, Result, TransferEngine,
+    CopyJob, DeviceMeter, Direction, HostKv, HostLayers, KvError, KvPolicy, KvShape, KvStats, Link,
+    Loaded, PingPong, PolicyOption, PolicyOptions, Probe, Profile, Result, TransferEngine,
 };
 
 use crate::scheduler::SplitCosts;
@@ -102,7 +102,7 @@ impl RecomputePolicy {
             link_bandwidth: opts.link_bandwidth,
             prepared_max: None,
             plan: None,
-            host: HostLayers::new(opts.grow_tokens),
+            host: HostLayers::new(opts.grow_tokens, None),
             xs: Vec::new(),
             pingpong: PingPong::default(),
             buf_xcap: 0,
@@ -271,9 +271,16 @@ impl RecomputePolicy {
         Ok(())
     }
 
+    /// `layer`'s host K/V (this policy keeps its host tier in RAM).
+    fn ram(&self, layer: usize) -> Result<&HostKv> {
+        self.host
+            .ram(layer)
+            .ok_or_else(|| KvError::invariant(format!("layer {layer} has no host storage")))
+    }
+
     /// Queues X[start, start+l) and then K/V[start+l, start+hist) of `layer` into `buf`.
     fn load(&mut self, layer: usize, buf: usize, split: Split) -> Result<Loaded<LayerKey>> {
-        let host = self.host.get(layer)?;
+        let host = self.ram(layer)?;
         let dev = self.pingpong.buf(buf)?;
         let Split { start, hist, l } = split;
         let mut x_jobs = Vec::new();
@@ -414,7 +421,7 @@ impl KvPolicy for RecomputePolicy {
             .note_scratch(part.scratch_bytes, shape.activation_bytes(t));
         let out = part.out.to_dtype(step.q.dtype())?;
         // New K/V (and X where it is kept) go back to the host tier behind the compute.
-        let host = self.host.get(layer)?;
+        let host = self.ram(layer)?;
         let mut jobs = Vec::with_capacity(3);
         for (src, dst) in [(&k_new, &host.k), (&v_new, &host.v)] {
             jobs.push(CopyJob {
@@ -461,10 +468,13 @@ impl KvPolicy for RecomputePolicy {
 
     fn stats(&self) -> KvStats {
         let x_bytes: u64 = self.xs.iter().flatten().map(|h| tensor_bytes(&h.x)).sum();
-        let stats = KvStats {
-            host_kv_bytes: self.host.bytes() + x_bytes,
+        let stats = self.host.report(KvStats {
             kv_tokens: self.seq_len() as u64,
             ..self.stats.clone()
+        });
+        let stats = KvStats {
+            host_kv_bytes: stats.host_kv_bytes + x_bytes,
+            ..stats
         };
         self.link.report(report_device(&self.meter, stats))
     }

@@ -1,0 +1,394 @@
+//! The disk tier: one layer's K/V in one file, for contexts whose KV exceeds host memory
+//! (FlexGen's `--offload-dir`; HeadInfer §6 names disk offload as the next step).
+//!
+//! The file is laid out in chunks of `chunk` tokens; a chunk holds one block per (K or V,
+//! sequence, KV head) of `chunk × head_dim` elements behind an 8-byte header, so a head's
+//! token range is one `pread` per chunk it spans (plain positioned reads: the page cache
+//! serves re-reads, and a head's range is large and sequential). The file grows a chunk at a
+//! time and the chunk is written out, not left sparse, so a full disk fails at growth — the
+//! store then stays as it was, usable at its previous length. Each block records the range
+//! of tokens written to it, in memory and in its on-disk header; reading a token outside it,
+//! or a block whose header disagrees, is an error: nothing unwritten is read back.
+//! The file is removed when the store is dropped (a reset, the end of a run, an unwinding
+//! error; the examples drop every policy on SIGINT before exiting).
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::error::{KvError, Result};
+
+/// Bytes of a block header: magic, first and end of the tokens written (u32 each).
+const HEADER: u64 = 12;
+/// "KVD1", little-endian.
+const MAGIC: u32 = 0x3144_564b;
+
+/// The files of every live store of the process (removed by [`remove_disk_files`]).
+static LIVE: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+
+/// Removes every disk-tier file of the process: for a signal handler that exits without
+/// unwinding (the stores' own `Drop` removes them otherwise).
+pub fn remove_disk_files() {
+    if let Ok(live) = LIVE.lock() {
+        for p in live.iter() {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+/// One layer's K/V in a file (see the module docs).
+#[derive(Debug)]
+pub struct DiskKv {
+    path: PathBuf,
+    file: File,
+    batch: usize,
+    heads: usize,
+    head_dim: usize,
+    dtype: DType,
+    chunk: usize,
+    chunks: usize,
+    /// The tokens written to each block (index [`DiskKv::block`]), as a range within it.
+    written: Vec<(u32, u32)>,
+}
+
+fn disk_err(what: &str, path: &Path, e: std::io::Error) -> KvError {
+    KvError::Disk {
+        what: format!("{what} {}", path.display()),
+        source: e,
+    }
+}
+
+/// A tensor's elements as bytes in the machine's order, in logical order (what
+/// [`Tensor::from_raw_buffer`] reads back).
+pub fn raw_bytes(t: &Tensor) -> Result<Vec<u8>> {
+    let t = t.flatten_all()?;
+    Ok(match t.dtype() {
+        DType::F32 => t
+            .to_vec1::<f32>()?
+            .iter()
+            .flat_map(|x| x.to_ne_bytes())
+            .collect(),
+        DType::F16 => t
+            .to_vec1::<half::f16>()?
+            .iter()
+            .flat_map(|x| x.to_ne_bytes())
+            .collect(),
+        DType::BF16 => t
+            .to_vec1::<half::bf16>()?
+            .iter()
+            .flat_map(|x| x.to_ne_bytes())
+            .collect(),
+        other => {
+            return Err(KvError::Unsupported(format!(
+                "K/V of dtype {other:?} on the disk tier (f32, f16 and bf16 are)"
+            )))
+        }
+    })
+}
+
+impl DiskKv {
+    /// A new, empty store for `(batch, heads, ·, head_dim)` K/V of `dtype` in a file under
+    /// `dir` named after `name`, growing `chunk` tokens at a time.
+    pub fn create(
+        dir: &Path,
+        name: &str,
+        (batch, heads, head_dim): (usize, usize, usize),
+        dtype: DType,
+        chunk: usize,
+    ) -> Result<Self> {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let path = dir.join(format!("kvpolicy-{}-{n}-{name}.kv", std::process::id()));
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .map_err(|e| disk_err("cannot create", &path, e))?;
+        if let Ok(mut live) = LIVE.lock() {
+            live.push(path.clone());
+        }
+        Ok(Self {
+            path,
+            file,
+            batch,
+            heads,
+            head_dim,
+            dtype,
+            chunk: chunk.max(1),
+            chunks: 0,
+            written: Vec::new(),
+        })
+    }
+
+    /// The file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Tokens the file holds room for.
+    pub fn capacity(&self) -> usize {
+        self.chunks * self.chunk
+    }
+
+    fn row_bytes(&self) -> usize {
+        self.head_dim * self.dtype.size_in_bytes()
+    }
+
+    fn block_bytes(&self) -> u64 {
+        HEADER + (self.chunk * self.row_bytes()) as u64
+    }
+
+    fn blocks_per_chunk(&self) -> usize {
+        2 * self.batch * self.heads
+    }
+
+    /// Bytes of the file.
+    pub fn bytes(&self) -> u64 {
+        self.chunks as u64 * self.blocks_per_chunk() as u64 * self.block_bytes()
+    }
+
+    /// The index of block (chunk `c`, K or V `kv`, sequence `b`, head `h`).
+    fn block(&self, c: usize, kv: usize, b: usize, h: usize) -> usize {
+        ((c * 2 + kv) * self.batch + b) * self.heads + h
+    }
+
+    /// Grows the file to hold `tokens`, a chunk at a time, each written out. A failure
+    /// (a full disk) truncates the file back: the store stays as it was.
+    pub fn ensure(&mut self, tokens: usize) -> Result<()> {
+        while self.capacity() < tokens {
+            let at = self.bytes();
+            let blocks = self.blocks_per_chunk();
+            let mut chunk = vec![0u8; blocks * self.block_bytes() as usize];
+            for i in 0..blocks {
+                let o = i * self.block_bytes() as usize;
+                chunk[o..o + 4].copy_from_slice(&MAGIC.to_le_bytes());
+            }
+            if let Err(e) = self.file.write_all_at(&chunk, at) {
+                let _ = self.file.set_len(at);
+                return Err(disk_err(
+                    &format!("cannot grow to {} tokens:", self.capacity() + self.chunk),
+                    &self.path,
+                    e,
+                ));
+            }
+            self.chunks += 1;
+            self.written.extend(std::iter::repeat_n((0, 0), blocks));
+        }
+        Ok(())
+    }
+
+    /// Writes `k`, `v` `(batch, g, t, head_dim)` (CPU) into heads `first_head..` at token
+    /// `offset`. A block's written tokens stay one range: a write must touch or overlap it.
+    /// Returns the bytes written.
+    pub fn write(
+        &mut self,
+        k: &Tensor,
+        v: &Tensor,
+        first_head: usize,
+        offset: usize,
+    ) -> Result<u64> {
+        let (batch, g, t, _) = k.dims4()?;
+        self.ensure(offset + t)?;
+        let row = self.row_bytes();
+        let mut total = 0u64;
+        for (kv, src) in [k, v].into_iter().enumerate() {
+            for b in 0..batch {
+                for j in 0..g {
+                    let data = raw_bytes(&src.narrow(0, b, 1)?.narrow(1, j, 1)?)?;
+                    let mut p = offset;
+                    while p < offset + t {
+                        let (c, within) = (p / self.chunk, p % self.chunk);
+                        let n = (self.chunk - within).min(offset + t - p);
+                        let idx = self.block(c, kv, b, first_head + j);
+                        let (lo, hi) = self.written[idx];
+                        let (lo, hi) = (lo as usize, hi as usize);
+                        let now = if lo == hi {
+                            (within, within + n)
+                        } else if within <= hi && within + n >= lo {
+                            (lo.min(within), hi.max(within + n))
+                        } else {
+                            return Err(KvError::invariant(format!(
+                                "a disk write of tokens {p}..{} would leave a gap next to the written {}..{}",
+                                p + n,
+                                c * self.chunk + lo,
+                                c * self.chunk + hi
+                            )));
+                        };
+                        let at = idx as u64 * self.block_bytes();
+                        let bytes = &data[(p - offset) * row..(p - offset + n) * row];
+                        let io = |e| disk_err("cannot write", &self.path, e);
+                        self.file
+                            .write_all_at(bytes, at + HEADER + (within * row) as u64)
+                            .map_err(io)?;
+                        let mut header = MAGIC.to_le_bytes().to_vec();
+                        header.extend((now.0 as u32).to_le_bytes());
+                        header.extend((now.1 as u32).to_le_bytes());
+                        self.file.write_all_at(&header, at).map_err(io)?;
+                        self.written[idx] = (now.0 as u32, now.1 as u32);
+                        total += bytes.len() as u64;
+                        p += n;
+                    }
+                }
+            }
+        }
+        Ok(total)
+    }
+
+    /// Tokens `start..start + len` of heads `first_head..first_head + g` as `(batch, g, len,
+    /// head_dim)` K and V on the CPU. Fails on any token not written.
+    pub fn read(
+        &self,
+        (first_head, g): (usize, usize),
+        start: usize,
+        len: usize,
+    ) -> Result<(Tensor, Tensor)> {
+        let row = self.row_bytes();
+        let mut out = Vec::with_capacity(2);
+        for kv in 0..2 {
+            let mut buf = vec![0u8; self.batch * g * len * row];
+            for b in 0..self.batch {
+                for j in 0..g {
+                    let base = (b * g + j) * len * row;
+                    let mut p = start;
+                    while p < start + len {
+                        let (c, within) = (p / self.chunk, p % self.chunk);
+                        let n = (self.chunk - within).min(start + len - p);
+                        let idx = self.block(c, kv, b, first_head + j);
+                        let at = idx as u64 * self.block_bytes();
+                        let io = |e| disk_err("cannot read", &self.path, e);
+                        let mut header = [0u8; HEADER as usize];
+                        self.file.read_exact_at(&mut header, at).map_err(io)?;
+                        let word = |i: usize| {
+                            u32::from_le_bytes([
+                                header[i],
+                                header[i + 1],
+                                header[i + 2],
+                                header[i + 3],
+                            ])
+                        };
+                        let on_disk = (word(4), word(8));
+                        let known = self.written.get(idx).copied().unwrap_or((0, 0));
+                        let covered =
+                            (known.0 as usize) <= within && within + n <= known.1 as usize;
+                        if word(0) != MAGIC || on_disk != known || !covered {
+                            return Err(KvError::Disk {
+                                what: format!(
+                                    "{}: block {idx} records tokens {:?} (magic {:#x}), this store wrote {known:?}, and {}..{} were asked for",
+                                    self.path.display(),
+                                    on_disk,
+                                    word(0),
+                                    within,
+                                    within + n
+                                ),
+                                source: std::io::Error::from(std::io::ErrorKind::InvalidData),
+                            });
+                        }
+                        let o = base + (p - start) * row;
+                        self.file
+                            .read_exact_at(
+                                &mut buf[o..o + n * row],
+                                at + HEADER + (within * row) as u64,
+                            )
+                            .map_err(io)?;
+                        p += n;
+                    }
+                }
+            }
+            out.push(Tensor::from_raw_buffer(
+                &buf,
+                self.dtype,
+                &[self.batch, g, len, self.head_dim],
+                &Device::Cpu,
+            )?);
+        }
+        let v = out.pop().ok_or_else(|| KvError::invariant("no V read"))?;
+        let k = out.pop().ok_or_else(|| KvError::invariant("no K read"))?;
+        Ok((k, v))
+    }
+}
+
+impl Drop for DiskKv {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+        if let Ok(mut live) = LIVE.lock() {
+            live.retain(|p| p != &self.path);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn store(dir: &Path) -> Result<DiskKv> {
+        DiskKv::create(dir, "t", (1, 2, 3), DType::F32, 4)
+    }
+
+    fn kv(t: usize, base: f32) -> Result<(Tensor, Tensor)> {
+        let k =
+            Tensor::arange(base, base + (2 * t * 3) as f32, &Device::Cpu)?.reshape((1, 2, t, 3))?;
+        let v = (&k * -1.0)?;
+        Ok((k, v))
+    }
+
+    #[test]
+    fn writes_read_back_across_chunks_and_the_file_goes_with_the_store() -> Result<()> {
+        let dir = tempfile::tempdir().map_err(|e| KvError::invariant(e.to_string()))?;
+        let mut d = store(dir.path())?;
+        let (k, v) = kv(6, 0.0)?;
+        d.write(&k, &v, 0, 0)?;
+        let (k2, v2) = kv(3, 100.0)?;
+        d.write(&k2.narrow(1, 1, 1)?, &v2.narrow(1, 1, 1)?, 1, 6)?;
+        assert_eq!(d.capacity(), 12);
+        let (rk, rv) = d.read((0, 2), 0, 6)?;
+        assert_eq!(
+            rk.flatten_all()?.to_vec1::<f32>()?,
+            k.flatten_all()?.to_vec1::<f32>()?
+        );
+        assert_eq!(
+            rv.flatten_all()?.to_vec1::<f32>()?,
+            v.flatten_all()?.to_vec1::<f32>()?
+        );
+        let (rk, _) = d.read((1, 1), 5, 4)?;
+        let want: Vec<f32> = k
+            .narrow(1, 1, 1)?
+            .narrow(2, 5, 1)?
+            .flatten_all()?
+            .to_vec1::<f32>()?
+            .into_iter()
+            .chain(k2.narrow(1, 1, 1)?.flatten_all()?.to_vec1::<f32>()?)
+            .collect();
+        assert_eq!(rk.flatten_all()?.to_vec1::<f32>()?, want);
+        let path = d.path().to_path_buf();
+        assert!(path.is_file());
+        drop(d);
+        assert!(!path.exists());
+        Ok(())
+    }
+
+    #[test]
+    fn nothing_unwritten_or_damaged_is_read_back() -> Result<()> {
+        let dir = tempfile::tempdir().map_err(|e| KvError::invariant(e.to_string()))?;
+        let mut d = store(dir.path())?;
+        let (k, v) = kv(5, 0.0)?;
+        d.write(&k, &v, 0, 0)?;
+        // Head 0 holds 5 tokens: the 6th was never written.
+        assert!(matches!(d.read((0, 1), 0, 6), Err(KvError::Disk { .. })));
+        // A write that would leave a gap is refused.
+        assert!(d
+            .write(&k.narrow(2, 0, 1)?, &v.narrow(2, 0, 1)?, 0, 7)
+            .is_err());
+        // A damaged header (here: the first block's token range) is caught on read.
+        d.file
+            .write_all_at(&[9, 0, 0, 0], 4)
+            .map_err(|e| KvError::invariant(e.to_string()))?;
+        assert!(matches!(d.read((0, 1), 0, 2), Err(KvError::Disk { .. })));
+        // Other blocks are intact.
+        assert!(d.read((1, 1), 0, 5).is_ok());
+        Ok(())
+    }
+}

@@ -1,0 +1,375 @@
+//! The host tier: every layer's K/V in `(b, kv_heads, cap, head_dim)` buffers that grow in
+//! large chunks through the transfer engine (so the CUDA one page-locks them), with the
+//! tokens each layer holds and the attention spec it last ran with (HeadInfer §3.2: "the
+//! full KV cache lives in CPU memory"). With a [`DiskTier`], a layer whose growth would take
+//! the host tier past its budget moves to a file instead ([`DiskKv`]): reads and writes of
+//! that layer go to disk, the rest stays in RAM.
+use std::path::PathBuf;
+use std::time::Instant;
+
+use candle_core::Tensor;
+
+use super::disk::DiskKv;
+use super::link::{Direction, Link};
+use crate::attention::AttnSpec;
+use crate::buffer::round_up;
+use crate::error::{KvError, Result};
+use crate::policy::{AttnStep, KvShape};
+use crate::stats::KvStats;
+use crate::transfer::{grown_host, CopyJob};
+
+/// One layer's K/V on the host tier: `(b, kv_heads, cap, head_dim)` each.
+#[derive(Debug)]
+pub struct HostKv {
+    /// Keys.
+    pub k: Tensor,
+    /// Values.
+    pub v: Tensor,
+    /// Tokens the buffers hold room for.
+    pub cap: usize,
+}
+
+/// Where one layer's host-tier K/V lives.
+#[derive(Debug)]
+pub enum HostStore {
+    /// In host memory.
+    Ram(HostKv),
+    /// In a file of the disk tier.
+    Disk(DiskKv),
+}
+
+/// Where host-tier layers go once host memory is spent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DiskTier {
+    /// The directory the files are made in.
+    pub dir: PathBuf,
+    /// Host bytes of K/V kept in RAM; layers beyond it go to disk.
+    pub host_budget: u64,
+}
+
+/// Bytes a tensor's elements take.
+pub fn tensor_bytes(t: &Tensor) -> u64 {
+    (t.elem_count() * t.dtype().size_in_bytes()) as u64
+}
+
+/// Every layer's host-tier K/V with its length and last attention spec (module docs).
+#[derive(Debug)]
+pub struct HostLayers {
+    /// Host buffers grow in chunks of this many tokens.
+    chunk: usize,
+    shape: Option<KvShape>,
+    layers: Vec<Option<HostStore>>,
+    lens: Vec<usize>,
+    specs: Vec<Option<AttnSpec>>,
+    disk: Option<DiskTier>,
+    disk_read: u64,
+    disk_written: u64,
+    disk_s: f64,
+}
+
+impl HostLayers {
+    /// Host storage growing in chunks of 8 × the device growth step `grow_tokens` (host
+    /// memory is plentiful, and each growth copies the layer), spilling to `disk` past its
+    /// budget when given.
+    pub fn new(grow_tokens: usize, disk: Option<DiskTier>) -> Self {
+        Self {
+            chunk: grow_tokens.max(1) * 8,
+            shape: None,
+            layers: Vec::new(),
+            lens: Vec::new(),
+            specs: Vec::new(),
+            disk,
+            disk_read: 0,
+            disk_written: 0,
+            disk_s: 0.0,
+        }
+    }
+
+    /// Tokens per growth chunk.
+    pub fn chunk(&self) -> usize {
+        self.chunk
+    }
+
+    /// Records the run's shape (from [`KvPolicy::prepare`](crate::KvPolicy::prepare)).
+    pub fn set_shape(&mut self, shape: &KvShape) {
+        self.shape = Some(shape.clone());
+    }
+
+    /// The shape `step` implies ([`KvShape::for_step`]), remembered for the next step.
+    pub fn shape_for(&mut self, step: &AttnStep<'_>) -> Result<KvShape> {
+        let shape = KvShape::for_step(self.shape.as_ref(), self.lens.len(), step)?;
+        self.shape = Some(shape.clone());
+        Ok(shape)
+    }
+
+    /// Makes `step.layer` hold room for the step's tokens, checks that the step continues
+    /// the layer's sequence, and records its attention spec.
+    pub fn begin(&mut self, link: &mut Link, step: &AttnStep<'_>, shape: &KvShape) -> Result<()> {
+        let (layer, pos) = (step.layer, step.pos);
+        self.ensure(link, layer, shape, pos + step.k.dim(2)?)?;
+        if self.lens[layer] != pos {
+            return Err(KvError::OutOfOrder {
+                seq: step.seq,
+                layer,
+                held: self.lens[layer],
+                pos,
+            });
+        }
+        self.specs[layer] = Some(step.spec.clone());
+        Ok(())
+    }
+
+    /// RAM bytes of K/V held.
+    fn ram_bytes(&self) -> u64 {
+        self.layers
+            .iter()
+            .flatten()
+            .map(|s| match s {
+                HostStore::Ram(h) => tensor_bytes(&h.k) + tensor_bytes(&h.v),
+                HostStore::Disk(_) => 0,
+            })
+            .sum()
+    }
+
+    /// Grows `layer`'s storage to hold `tokens`. Queued copies may target the old buffers,
+    /// so they land first; a completed prefetch stays valid (it read the unchanged prefix).
+    /// A RAM layer whose growth would pass the disk tier's host budget moves to disk.
+    pub fn ensure(
+        &mut self,
+        link: &mut Link,
+        layer: usize,
+        shape: &KvShape,
+        tokens: usize,
+    ) -> Result<()> {
+        while self.layers.len() <= layer {
+            self.layers.push(None);
+            self.lens.push(0);
+            self.specs.push(None);
+        }
+        let have = match &mut self.layers[layer] {
+            Some(HostStore::Disk(d)) => {
+                let t0 = Instant::now();
+                d.ensure(tokens)?;
+                self.disk_s += t0.elapsed().as_secs_f64();
+                return Ok(());
+            }
+            Some(HostStore::Ram(h)) => h.cap,
+            None => 0,
+        };
+        if tokens <= have {
+            return Ok(());
+        }
+        link.wait_all()?;
+        let cap = round_up(tokens, self.chunk);
+        let old_bytes = match &self.layers[layer] {
+            Some(HostStore::Ram(h)) => tensor_bytes(&h.k) + tensor_bytes(&h.v),
+            _ => 0,
+        };
+        let ram = self.ram_bytes() - old_bytes + shape.kv_bytes(shape.n_kv_heads, cap);
+        let spill = self.disk.as_ref().filter(|t| ram > t.host_budget);
+        if let Some(dir) = spill.map(|t| t.dir.clone()) {
+            return self.to_disk(link, layer, shape, tokens, dir);
+        }
+        let dims = (shape.batch, shape.n_kv_heads, cap, shape.head_dim);
+        let old = match self.layers[layer].take() {
+            Some(HostStore::Ram(h)) => Some(h),
+            _ => None,
+        };
+        let engine = link.engine();
+        let k = grown_host(engine, old.as_ref().map(|o| &o.k), dims, 2, shape.dtype)?;
+        let v = grown_host(engine, old.as_ref().map(|o| &o.v), dims, 2, shape.dtype)?;
+        self.layers[layer] = Some(HostStore::Ram(HostKv { k, v, cap }));
+        Ok(())
+    }
+
+    /// Moves `layer` (RAM or new) to a file holding `tokens`, its stored tokens copied over.
+    fn to_disk(
+        &mut self,
+        link: &mut Link,
+        layer: usize,
+        shape: &KvShape,
+        tokens: usize,
+        dir: PathBuf,
+    ) -> Result<()> {
+        let t0 = Instant::now();
+        let dims = (shape.batch, shape.n_kv_heads, shape.head_dim);
+        let mut d = DiskKv::create(
+            &dir,
+            &format!("layer{layer}"),
+            dims,
+            shape.dtype,
+            self.chunk,
+        )?;
+        d.ensure(tokens)?;
+        if let Some(HostStore::Ram(h)) = &self.layers[layer] {
+            let n = self.lens[layer];
+            if n > 0 {
+                self.disk_written += d.write(&h.k.narrow(2, 0, n)?, &h.v.narrow(2, 0, n)?, 0, 0)?;
+            }
+        }
+        if let Some(HostStore::Ram(h)) = self.layers[layer].take() {
+            let _ = link.engine().host_release(&h.k);
+            let _ = link.engine().host_release(&h.v);
+        }
+        self.layers[layer] = Some(HostStore::Disk(d));
+        self.disk_s += t0.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// Tokens `start..start + len` of heads `first_head..first_head + g` of `layer` as `(b,
+    /// g, len, head_dim)` K and V on the host: views of RAM buffers, or read from disk.
+    pub fn history(
+        &mut self,
+        layer: usize,
+        (first_head, g): (usize, usize),
+        start: usize,
+        len: usize,
+    ) -> Result<(Tensor, Tensor)> {
+        match self.layers.get(layer).and_then(Option::as_ref) {
+            Some(HostStore::Ram(h)) => Ok((
+                h.k.narrow(1, first_head, g)?.narrow(2, start, len)?,
+                h.v.narrow(1, first_head, g)?.narrow(2, start, len)?,
+            )),
+            Some(HostStore::Disk(d)) => {
+                let t0 = Instant::now();
+                let (k, v) = d.read((first_head, g), start, len)?;
+                self.disk_s += t0.elapsed().as_secs_f64();
+                self.disk_read += tensor_bytes(&k) + tensor_bytes(&v);
+                Ok((k, v))
+            }
+            None => Err(KvError::invariant(format!(
+                "layer {layer} has no host storage"
+            ))),
+        }
+    }
+
+    /// Writes `k`, `v` `(b, g, t, head_dim)` into `layer`'s heads from `first_head` on at
+    /// token `offset`: queued on `link` behind the compute for a RAM layer (one job per
+    /// sequence and head: one contiguous run each), written through for a disk layer. Counted
+    /// device→host either way.
+    pub fn write(
+        &mut self,
+        link: &mut Link,
+        layer: usize,
+        (k, v): (&Tensor, &Tensor),
+        first_head: usize,
+        offset: usize,
+    ) -> Result<()> {
+        match self.layers.get_mut(layer).and_then(Option::as_mut) {
+            Some(HostStore::Ram(host)) => {
+                let (batch, heads) = (k.dim(0)?, k.dim(1)?);
+                let mut jobs = Vec::with_capacity(2 * batch * heads);
+                for bi in 0..batch {
+                    for j in 0..heads {
+                        for (src, dst) in [(k, &host.k), (v, &host.v)] {
+                            jobs.push(CopyJob {
+                                src: src.narrow(0, bi, 1)?.narrow(1, j, 1)?,
+                                dst: dst.narrow(0, bi, 1)?.narrow(1, first_head + j, 1)?,
+                                dim: 2,
+                                offset,
+                            });
+                        }
+                    }
+                }
+                link.submit(jobs, Direction::D2h)?;
+                Ok(())
+            }
+            Some(HostStore::Disk(d)) => {
+                let t0 = Instant::now();
+                let n = d.write(k, v, first_head, offset)?;
+                self.disk_s += t0.elapsed().as_secs_f64();
+                self.disk_written += n;
+                link.count(n, Direction::D2h);
+                Ok(())
+            }
+            None => Err(KvError::invariant(format!(
+                "layer {layer} has no host storage"
+            ))),
+        }
+    }
+
+    /// `layer`'s RAM buffers, if it is in RAM.
+    pub fn ram(&self, layer: usize) -> Option<&HostKv> {
+        match self.layers.get(layer).and_then(Option::as_ref) {
+            Some(HostStore::Ram(h)) => Some(h),
+            _ => None,
+        }
+    }
+
+    /// Counts the step's `t` tokens as stored at `layer`.
+    pub fn advance(&mut self, layer: usize, t: usize) {
+        if let Some(l) = self.lens.get_mut(layer) {
+            *l += t;
+        }
+    }
+
+    /// The spec of `layer` if it holds exactly `pos` tokens in host storage: a layer whose
+    /// history a prefetch for position `pos` may read.
+    pub fn ready(&self, layer: usize, pos: usize) -> Option<&AttnSpec> {
+        let stored = self.layers.get(layer).is_some_and(Option::is_some);
+        match (self.lens.get(layer), self.specs.get(layer)) {
+            (Some(&len), Some(Some(spec))) if len == pos && stored => Some(spec),
+            _ => None,
+        }
+    }
+
+    /// The widest visible history at `pos` over the layers seen (a global layer's among
+    /// windowed ones, Gemma 2/3), at least `hist`.
+    pub fn widest_history(&self, pos: usize, hist: usize) -> usize {
+        self.specs
+            .iter()
+            .map(|s| s.as_ref().map_or(pos, |s| pos - s.window_start(pos)))
+            .fold(hist, usize::max)
+    }
+
+    /// Tokens of the sequence (layer 0's count).
+    pub fn seq_len(&self) -> usize {
+        self.lens.first().copied().unwrap_or(0)
+    }
+
+    /// Layers seen so far.
+    pub fn layers_seen(&self) -> usize {
+        self.lens.len()
+    }
+
+    /// `stats` with the host tier's RAM bytes, the disk tier's file bytes and its traffic
+    /// filled in.
+    pub fn report(&self, stats: KvStats) -> KvStats {
+        let disk = self
+            .layers
+            .iter()
+            .flatten()
+            .map(|s| match s {
+                HostStore::Disk(d) => d.bytes(),
+                HostStore::Ram(_) => 0,
+            })
+            .sum();
+        KvStats {
+            host_kv_bytes: self.ram_bytes(),
+            disk_kv_bytes: disk,
+            disk_read_bytes: self.disk_read,
+            disk_write_bytes: self.disk_written,
+            disk_wait_s: self.disk_s,
+            ..stats
+        }
+    }
+
+    /// Hands every buffer back to the engine, removes every file and forgets the sequence
+    /// (the shape stays, with its layer count restarted).
+    pub fn clear(&mut self, link: &mut Link) {
+        for s in self.layers.drain(..).flatten() {
+            if let HostStore::Ram(h) = s {
+                let _ = link.engine().host_release(&h.k);
+                let _ = link.engine().host_release(&h.v);
+            }
+        }
+        self.lens.clear();
+        self.specs.clear();
+        self.disk_read = 0;
+        self.disk_written = 0;
+        self.disk_s = 0.0;
+        if let Some(s) = &mut self.shape {
+            s.n_layers = 0;
+        }
+    }
+}

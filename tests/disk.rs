@@ -1,0 +1,135 @@
+//! The disk tier (issue "beyond host memory"): `layer`, `headwise` and `auto` with layers
+//! past `--host-kv-budget` in files under `--disk-dir` give `full`'s logits exactly —
+//! with budgets that put every layer, some layers or none on disk — and leave no file
+//! behind; a damaged file is an error, after which `reset()` recovers.
+mod common;
+
+use anyhow::Result;
+use kvpolicy::models::generate::kv_shape;
+use kvpolicy::models::prefill;
+use kvpolicy::{build_policy, HeadGroup, KvError, PolicyOptions};
+
+fn opts(dir: &std::path::Path, host: Option<u64>, device: Option<u64>) -> PolicyOptions {
+    PolicyOptions {
+        grow_tokens: 4,
+        head_group: HeadGroup::Fixed(1),
+        disk_dir: Some(dir.to_path_buf()),
+        host_kv_budget: host,
+        device_kv_budget: device,
+        ..PolicyOptions::default()
+    }
+}
+
+fn files(dir: &std::path::Path) -> Result<usize> {
+    Ok(std::fs::read_dir(dir)?.count())
+}
+
+#[test]
+fn disk_tier_logits_equal_full_and_leave_no_file() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    for name in common::hf_fixtures() {
+        let loaded = common::load_fixture(&name)?;
+        let model = loaded.model.as_ref();
+        let info = model.info().clone();
+        let (prompt, decode) = common::fixture_ids(&name)?;
+        let total = prompt.len() + decode.len();
+        let want = common::teacher_forced_logits(
+            model,
+            build_policy("full", &PolicyOptions::default())?.as_mut(),
+            &prompt,
+            &decode,
+            5,
+        )?;
+        // One layer's host buffers (host storage grows in chunks of 8 × 4 tokens).
+        let shape = kv_shape(&info, 1, total, 5);
+        let one_layer = shape.kv_bytes(info.n_kv_heads, total.div_ceil(32) * 32);
+        // All layers on disk, all but the first, none.
+        for (host, on_disk) in [
+            (Some(0), true),
+            (Some(one_layer), true),
+            (None, true),
+            (Some(u64::MAX), false),
+        ] {
+            for policy in ["layer", "headwise", "auto"] {
+                let device = (policy == "auto").then_some(u64::MAX / 2);
+                let mut p = build_policy(policy, &opts(dir.path(), host, device))?;
+                let got = common::teacher_forced_logits(model, p.as_mut(), &prompt, &decode, 5)?;
+                let d = common::max_abs_diff(&got, &want)?;
+                assert!(d <= 1e-5, "{name} {policy} host {host:?}: max |Δ| = {d}");
+                let st = p.stats();
+                if on_disk && policy != "auto" {
+                    assert!(
+                        st.disk_kv_bytes > 0 && st.disk_read_bytes > 0,
+                        "{name} {policy} {host:?}: {st:?}"
+                    );
+                    assert!(files(dir.path())? > 0);
+                } else if !on_disk {
+                    assert_eq!(
+                        (st.disk_kv_bytes, files(dir.path())?),
+                        (0, 0),
+                        "{name} {policy}"
+                    );
+                }
+                p.reset();
+                assert_eq!(
+                    files(dir.path())?,
+                    0,
+                    "{name} {policy}: files left after reset"
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn a_damaged_file_is_an_error_and_reset_recovers() -> Result<()> {
+    use std::os::unix::fs::FileExt;
+    let name = "llama_gqa";
+    let loaded = common::load_fixture(name)?;
+    let model = loaded.model.as_ref();
+    let (prompt, decode) = common::fixture_ids(name)?;
+    let dir = tempfile::tempdir()?;
+    let mut p = build_policy("headwise", &opts(dir.path(), Some(0), None))?;
+    prefill(model, p.as_mut(), &prompt, 5, false)?;
+    // Damage every file's first block header (its recorded token range).
+    for e in std::fs::read_dir(dir.path())? {
+        let f = std::fs::OpenOptions::new().write(true).open(e?.path())?;
+        f.write_all_at(&[0xff, 0xff, 0, 0], 4)?;
+    }
+    let ids = candle_core::Tensor::new(&decode[..1], &candle_core::Device::Cpu)?.unsqueeze(0)?;
+    match model.forward(&ids, prompt.len(), p.as_mut(), kvpolicy::LogitsMode::Last) {
+        Err(kvpolicy::models::ModelError::Policy(KvError::Disk { what, .. })) => {
+            assert!(what.contains("records tokens"), "{what}")
+        }
+        other => anyhow::bail!("expected a disk error, got {:?}", other.map(|_| ())),
+    }
+    p.reset();
+    assert_eq!(files(dir.path())?, 0);
+    let want = common::teacher_forced_logits(
+        model,
+        build_policy("full", &PolicyOptions::default())?.as_mut(),
+        &prompt,
+        &decode,
+        5,
+    )?;
+    let got = common::teacher_forced_logits(model, p.as_mut(), &prompt, &decode, 5)?;
+    assert!(common::max_abs_diff(&got, &want)? <= 1e-5);
+    drop(p);
+    assert_eq!(files(dir.path())?, 0);
+    // A host budget without a directory, and a directory that is not one, are named.
+    let mut o = opts(dir.path(), Some(1), None);
+    o.disk_dir = None;
+    let e = build_policy("layer", &o)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(e.contains("`host_kv_budget` 1 needs a `disk_dir`"), "{e}");
+    let o = opts(&dir.path().join("missing"), None, None);
+    let e = build_policy("layer", &o)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(e.contains("is not an existing directory"), "{e}");
+    Ok(())
+}
