@@ -168,7 +168,7 @@ impl HostLayers {
         let ram = self.ram_bytes() - old_bytes + shape.kv_bytes(shape.n_kv_heads, cap);
         let spill = self.disk.as_ref().filter(|t| ram > t.host_budget);
         if let Some(dir) = spill.map(|t| t.dir.clone()) {
-            return self.to_disk(link, layer, shape, tokens, dir);
+            return self.spill_to_disk(link, layer, shape, tokens, dir);
         }
         let dims = (shape.batch, shape.n_kv_heads, cap, shape.head_dim);
         let old = match self.layers[layer].take() {
@@ -183,7 +183,7 @@ impl HostLayers {
     }
 
     /// Moves `layer` (RAM or new) to a file holding `tokens`, its stored tokens copied over.
-    fn to_disk(
+    fn spill_to_disk(
         &mut self,
         link: &mut Link,
         layer: usize,
