@@ -63,6 +63,8 @@ fn disk_tier_logits_equal_full_and_leave_no_file() -> Result<()> {
                         "{name} {policy} {host:?}: {st:?}"
                     );
                     assert!(files(dir.path())? > 0);
+                    // Disk reads ran a unit ahead, on their own thread.
+                    assert!(st.disk_read_aheads > 0, "{name} {policy} {host:?}: {st:?}");
                 } else if !on_disk {
                     assert_eq!(
                         (st.disk_kv_bytes, files(dir.path())?),

@@ -64,8 +64,11 @@ pub struct KvStats {
     pub disk_read_bytes: u64,
     /// Bytes written to the disk tier.
     pub disk_write_bytes: u64,
-    /// Seconds the compute thread spent on disk reads and writes.
+    /// Seconds the compute thread spent on disk reads and writes (waiting for a read-ahead
+    /// included).
     pub disk_wait_s: f64,
+    /// Disk reads started a unit ahead of their use, on their own thread.
+    pub disk_read_aheads: u64,
 }
 
 impl KvStats {

@@ -186,15 +186,14 @@ impl OffloadPolicy {
         Ok(0)
     }
 
-    /// Starts copying the streamed unit after (layer, group) into buffer `buf`, if its
-    /// history is known.
-    fn prefetch_next(
-        &mut self,
+    /// The streamed unit after (layer, group) and the history it attends at `pos`, if
+    /// that history is stored (resident units need no copy and are skipped).
+    fn next_streamed(
+        &self,
         (layer, group): (usize, usize),
         groups: usize,
         pos: usize,
-        buf: usize,
-    ) -> Result<()> {
+    ) -> Option<UnitKey> {
         let next = |l: usize, g: usize| {
             if g + 1 < groups {
                 (l, g + 1)
@@ -203,7 +202,6 @@ impl OffloadPolicy {
             }
         };
         let (mut nl, mut ng) = next(layer, group);
-        // Resident units need no copy: the next unit to fetch is the next streamed one.
         while self
             .residency
             .as_ref()
@@ -211,15 +209,24 @@ impl OffloadPolicy {
         {
             (nl, ng) = next(nl, ng);
         }
-        let Some(spec) = self.host.ready(nl, pos) else {
+        let spec = self.host.ready(nl, pos)?;
+        let start = spec.window_start(pos);
+        (pos > start).then_some((nl, ng, start, pos - start))
+    }
+
+    /// Starts copying the streamed unit after (layer, group) into buffer `buf`, and — for a
+    /// layer on disk — reading the one after it from disk: disk → host → device, each stage
+    /// a unit ahead of the compute.
+    fn prefetch_next(
+        &mut self,
+        unit: (usize, usize),
+        groups: usize,
+        pos: usize,
+        buf: usize,
+    ) -> Result<()> {
+        let Some(key) = self.next_streamed(unit, groups, pos) else {
             return Ok(());
         };
-        let start = spec.window_start(pos);
-        let len = pos - start;
-        if len == 0 {
-            return Ok(());
-        }
-        let key = (nl, ng, start, len);
         let jobs = self.load_jobs(key, buf)?;
         let ticket = self.link.submit(jobs, Direction::H2d)?;
         self.pingpong.set_prefetched(Loaded {
@@ -227,6 +234,10 @@ impl OffloadPolicy {
             buf,
             tickets: [ticket, None],
         });
+        if let Some((l, g, start, len)) = self.next_streamed((key.0, key.1), groups, pos) {
+            let gs = self.group;
+            self.host.read_ahead(l, (g * gs, gs), start, len)?;
+        }
         Ok(())
     }
 }

@@ -15,7 +15,7 @@ use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Tensor};
 
@@ -43,7 +43,7 @@ pub fn remove_disk_files() {
 #[derive(Debug)]
 pub struct DiskKv {
     path: PathBuf,
-    file: File,
+    file: Arc<File>,
     batch: usize,
     heads: usize,
     head_dim: usize,
@@ -113,7 +113,7 @@ impl DiskKv {
         }
         Ok(Self {
             path,
-            file,
+            file: Arc::new(file),
             batch,
             heads,
             head_dim,
@@ -242,14 +242,24 @@ impl DiskKv {
     /// head_dim)` K and V on the CPU. Fails on any token not written.
     pub fn read(
         &self,
-        (first_head, g): (usize, usize),
+        heads: (usize, usize),
         start: usize,
         len: usize,
     ) -> Result<(Tensor, Tensor)> {
+        self.plan_read(heads, start, len)?.run()
+    }
+
+    /// [`read`](Self::read) planned now (each piece checked against what this store wrote)
+    /// and run later, on any thread: a read-ahead.
+    pub fn plan_read(
+        &self,
+        (first_head, g): (usize, usize),
+        start: usize,
+        len: usize,
+    ) -> Result<DiskRead> {
         let row = self.row_bytes();
-        let mut out = Vec::with_capacity(2);
+        let mut pieces = Vec::new();
         for kv in 0..2 {
-            let mut buf = vec![0u8; self.batch * g * len * row];
             for b in 0..self.batch {
                 for j in 0..g {
                     let base = (b * g + j) * len * row;
@@ -258,56 +268,101 @@ impl DiskKv {
                         let (c, within) = (p / self.chunk, p % self.chunk);
                         let n = (self.chunk - within).min(start + len - p);
                         let idx = self.block(c, kv, b, first_head + j);
-                        let at = idx as u64 * self.block_bytes();
-                        let io = |e| disk_err("cannot read", &self.path, e);
-                        let mut header = [0u8; HEADER as usize];
-                        self.file.read_exact_at(&mut header, at).map_err(io)?;
-                        let word = |i: usize| {
-                            u32::from_le_bytes([
-                                header[i],
-                                header[i + 1],
-                                header[i + 2],
-                                header[i + 3],
-                            ])
-                        };
-                        let on_disk = (word(4), word(8));
                         let known = self.written.get(idx).copied().unwrap_or((0, 0));
-                        let covered =
-                            (known.0 as usize) <= within && within + n <= known.1 as usize;
-                        if word(0) != MAGIC || on_disk != known || !covered {
+                        if !((known.0 as usize) <= within && within + n <= known.1 as usize) {
                             return Err(KvError::Disk {
                                 what: format!(
-                                    "{}: block {idx} records tokens {:?} (magic {:#x}), this store wrote {known:?}, and {}..{} were asked for",
+                                    "{}: tokens {p}..{} of a block were never written (it holds {}..{})",
                                     self.path.display(),
-                                    on_disk,
-                                    word(0),
-                                    within,
-                                    within + n
+                                    p + n,
+                                    c * self.chunk + known.0 as usize,
+                                    c * self.chunk + known.1 as usize
                                 ),
                                 source: std::io::Error::from(std::io::ErrorKind::InvalidData),
                             });
                         }
-                        let o = base + (p - start) * row;
-                        self.file
-                            .read_exact_at(
-                                &mut buf[o..o + n * row],
-                                at + HEADER + (within * row) as u64,
-                            )
-                            .map_err(io)?;
+                        let at = idx as u64 * self.block_bytes();
+                        pieces.push(Piece {
+                            kv,
+                            header_at: at,
+                            expect: known,
+                            data_at: at + HEADER + (within * row) as u64,
+                            buf_at: base + (p - start) * row,
+                            bytes: n * row,
+                        });
                         p += n;
                     }
                 }
             }
-            out.push(Tensor::from_raw_buffer(
-                &buf,
-                self.dtype,
-                &[self.batch, g, len, self.head_dim],
-                &Device::Cpu,
-            )?);
         }
-        let v = out.pop().ok_or_else(|| KvError::invariant("no V read"))?;
-        let k = out.pop().ok_or_else(|| KvError::invariant("no K read"))?;
-        Ok((k, v))
+        Ok(DiskRead {
+            file: self.file.clone(),
+            path: self.path.clone(),
+            pieces,
+            dims: [self.batch, g, len, self.head_dim],
+            dtype: self.dtype,
+        })
+    }
+}
+
+/// One `pread` of a [`DiskRead`] and the header its block must carry.
+#[derive(Debug, Clone, Copy)]
+struct Piece {
+    kv: usize,
+    header_at: u64,
+    expect: (u32, u32),
+    data_at: u64,
+    buf_at: usize,
+    bytes: usize,
+}
+
+/// A planned read of the disk tier ([`DiskKv::plan_read`]); [`run`](Self::run) performs it.
+#[derive(Debug)]
+pub struct DiskRead {
+    file: Arc<File>,
+    path: PathBuf,
+    pieces: Vec<Piece>,
+    dims: [usize; 4],
+    dtype: DType,
+}
+
+impl DiskRead {
+    /// Reads every piece, checking each block's header against what was written when the
+    /// read was planned; returns K and V `(batch, g, len, head_dim)` on the CPU.
+    pub fn run(self) -> Result<(Tensor, Tensor)> {
+        let size: usize = self.dims.iter().product::<usize>() * self.dtype.size_in_bytes();
+        let mut bufs = [vec![0u8; size], vec![0u8; size]];
+        let io = |e| disk_err("cannot read", &self.path, e);
+        for p in &self.pieces {
+            let mut header = [0u8; HEADER as usize];
+            self.file
+                .read_exact_at(&mut header, p.header_at)
+                .map_err(io)?;
+            let word = |i: usize| {
+                u32::from_le_bytes([header[i], header[i + 1], header[i + 2], header[i + 3]])
+            };
+            if word(0) != MAGIC || (word(4), word(8)) != p.expect {
+                return Err(KvError::Disk {
+                    what: format!(
+                        "{}: a block at byte {} records tokens {:?} (magic {:#x}) where this store wrote {:?}",
+                        self.path.display(),
+                        p.header_at,
+                        (word(4), word(8)),
+                        word(0),
+                        p.expect
+                    ),
+                    source: std::io::Error::from(std::io::ErrorKind::InvalidData),
+                });
+            }
+            self.file
+                .read_exact_at(&mut bufs[p.kv][p.buf_at..p.buf_at + p.bytes], p.data_at)
+                .map_err(io)?;
+        }
+        let [k, v] = bufs;
+        Ok((
+            Tensor::from_raw_buffer(&k, self.dtype, &self.dims, &Device::Cpu)?,
+            Tensor::from_raw_buffer(&v, self.dtype, &self.dims, &Device::Cpu)?,
+        ))
     }
 }
 

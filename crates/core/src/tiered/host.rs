@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use candle_core::Tensor;
 
-use super::disk::DiskKv;
+use super::disk::{DiskKv, DiskRead};
 use super::link::{Direction, Link};
 use crate::attention::AttnSpec;
 use crate::buffer::round_up;
@@ -52,6 +52,16 @@ pub fn tensor_bytes(t: &Tensor) -> u64 {
     (t.elem_count() * t.dtype().size_in_bytes()) as u64
 }
 
+/// What a read-ahead covers: layer, first head, heads, first token, tokens.
+type ReadKey = (usize, usize, usize, usize, usize);
+
+/// A read of the disk tier running on its own thread.
+#[derive(Debug)]
+struct ReadAhead {
+    key: ReadKey,
+    thread: std::thread::JoinHandle<Result<(Tensor, Tensor)>>,
+}
+
 /// Every layer's host-tier K/V with its length and last attention spec (module docs).
 #[derive(Debug)]
 pub struct HostLayers {
@@ -65,6 +75,10 @@ pub struct HostLayers {
     disk_read: u64,
     disk_written: u64,
     disk_s: f64,
+    /// The disk read started ahead of its use (the first stage of disk → host → device).
+    ahead: Option<ReadAhead>,
+    /// Read-aheads started since the last clear.
+    read_aheads: u64,
 }
 
 impl HostLayers {
@@ -82,6 +96,8 @@ impl HostLayers {
             disk_read: 0,
             disk_written: 0,
             disk_s: 0.0,
+            ahead: None,
+            read_aheads: 0,
         }
     }
 
@@ -231,8 +247,22 @@ impl HostLayers {
                 h.v.narrow(1, first_head, g)?.narrow(2, start, len)?,
             )),
             Some(HostStore::Disk(d)) => {
+                let key = (layer, first_head, g, start, len);
                 let t0 = Instant::now();
-                let (k, v) = d.read((first_head, g), start, len)?;
+                let ahead = self.ahead.take();
+                let (k, v) = match ahead {
+                    Some(a) if a.key == key => a
+                        .thread
+                        .join()
+                        .map_err(|_| KvError::invariant("a disk read-ahead thread panicked"))??,
+                    other => {
+                        // A read-ahead of something else is finished and dropped first.
+                        if let Some(a) = other {
+                            let _ = a.thread.join();
+                        }
+                        d.read((first_head, g), start, len)?
+                    }
+                };
                 self.disk_s += t0.elapsed().as_secs_f64();
                 self.disk_read += tensor_bytes(&k) + tensor_bytes(&v);
                 Ok((k, v))
@@ -241,6 +271,36 @@ impl HostLayers {
                 "layer {layer} has no host storage"
             ))),
         }
+    }
+
+    /// Starts reading what [`history`](Self::history) will be asked for next, on its own
+    /// thread, if `layer` is on disk (one read-ahead at a time; nothing for a RAM layer).
+    /// The tokens must be written already: a read-ahead never races a write of its blocks.
+    pub fn read_ahead(
+        &mut self,
+        layer: usize,
+        (first_head, g): (usize, usize),
+        start: usize,
+        len: usize,
+    ) -> Result<()> {
+        let key = (layer, first_head, g, start, len);
+        if self.ahead.as_ref().is_some_and(|a| a.key == key) {
+            return Ok(());
+        }
+        let Some(HostStore::Disk(d)) = self.layers.get(layer).and_then(Option::as_ref) else {
+            return Ok(());
+        };
+        let plan: DiskRead = d.plan_read((first_head, g), start, len)?;
+        if let Some(a) = self.ahead.take() {
+            let _ = a.thread.join();
+        }
+        let thread = std::thread::Builder::new()
+            .name("kv-disk-read".into())
+            .spawn(move || plan.run())
+            .map_err(|e| KvError::invariant(format!("cannot start a disk read thread: {e}")))?;
+        self.ahead = Some(ReadAhead { key, thread });
+        self.read_aheads += 1;
+        Ok(())
     }
 
     /// Writes `k`, `v` `(b, g, t, head_dim)` into `layer`'s heads from `first_head` on at
@@ -350,6 +410,7 @@ impl HostLayers {
             disk_read_bytes: self.disk_read,
             disk_write_bytes: self.disk_written,
             disk_wait_s: self.disk_s,
+            disk_read_aheads: self.read_aheads,
             ..stats
         }
     }
@@ -357,6 +418,10 @@ impl HostLayers {
     /// Hands every buffer back to the engine, removes every file and forgets the sequence
     /// (the shape stays, with its layer count restarted).
     pub fn clear(&mut self, link: &mut Link) {
+        if let Some(a) = self.ahead.take() {
+            let _ = a.thread.join();
+        }
+        self.read_aheads = 0;
         for s in self.layers.drain(..).flatten() {
             if let HostStore::Ram(h) = s {
                 let _ = link.engine().host_release(&h.k);
