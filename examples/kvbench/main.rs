@@ -270,6 +270,7 @@ fn run(mut args: Args) -> Result<()> {
     }
     bar.finish_and_clear();
     print!("{}", report::markdown(&rows, bw.map(|b| b.engine)));
+    print!("{}", report::disk_lines(&rows));
     let mut seen: Vec<&Profile> = Vec::new();
     for p in rows.iter().filter_map(|r| r.profile.as_ref()) {
         if !seen.contains(&p) {

@@ -126,3 +126,23 @@ pub fn write_csv(rows: &[Row], path: &Path) -> Result<()> {
     }
     write_atomic(path, |p| Ok(std::fs::write(p, &out)?))
 }
+
+/// One line per row that used the disk tier: its files, the bytes read per decoded token,
+/// the read rate during decode and the time the compute thread waited on the disk.
+pub fn disk_lines(rows: &[Row]) -> String {
+    let mut s = String::new();
+    for r in rows.iter().filter(|r| r.disk_kv_bytes > 0) {
+        let step = 1.0 / r.decode_tok_s;
+        s.push_str(&format!(
+            "disk tier: {} at {}: {} on disk; {} read per decoded token = {:.1} MB/s during decode; disk wait {:.4} s/token of {:.4}\n",
+            r.policy,
+            r.context,
+            format_bytes(r.disk_kv_bytes),
+            format_bytes(r.disk_read_bytes_per_token),
+            r.disk_read_bytes_per_token as f64 / step / 1e6,
+            r.disk_wait_s_per_token,
+            step
+        ));
+    }
+    s
+}

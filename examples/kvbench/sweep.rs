@@ -79,6 +79,15 @@ pub struct Row {
     /// The profile the policy planned with, if any.
     #[serde(skip)]
     pub profile: Option<Profile>,
+    /// Bytes of the disk tier's files at the end (`--disk-dir`).
+    #[serde(skip)]
+    pub disk_kv_bytes: u64,
+    /// Disk-tier bytes read per decoded token.
+    #[serde(skip)]
+    pub disk_read_bytes_per_token: u64,
+    /// Seconds per decoded token the compute thread waited on the disk tier.
+    #[serde(skip)]
+    pub disk_wait_s_per_token: f64,
 }
 
 impl Row {
@@ -96,6 +105,9 @@ impl Row {
             split: 0,
             copy_s_per_token: 0.0,
             profile: None,
+            disk_kv_bytes: 0,
+            disk_read_bytes_per_token: 0,
+            disk_wait_s_per_token: 0.0,
         }
     }
 }
@@ -157,6 +169,9 @@ pub fn measure(
         split: after.split,
         copy_s_per_token: (after.copy_s - before.copy_s) / steps.max(1) as f64,
         profile,
+        disk_kv_bytes: after.disk_kv_bytes,
+        disk_read_bytes_per_token: per(after.disk_read_bytes, before.disk_read_bytes),
+        disk_wait_s_per_token: (after.disk_wait_s - before.disk_wait_s) / steps.max(1) as f64,
     })
 }
 

@@ -51,6 +51,11 @@
 //!   (counted in `demotions`), so the device never holds more than the budget. Without a
 //!   budget every unit is resident and nothing moves (`full`'s placement, with windowed
 //!   layers in window-sized buffers).
+//! * Disk tier (beyond HeadInfer, whose contexts are bounded by host RAM; FlexGen's
+//!   `--offload-dir`): with `disk_dir`, host-tier layers past `host_kv_budget` live in
+//!   files; the unit after next is read from disk on a reader thread while the next one
+//!   crosses to the device and the current one attends (disk → host → device, each a unit
+//!   ahead).
 //! * Left for later: KVPR's partial recompute for the streamed units of MHA layers (the
 //!   `recompute` policy does it for whole layers).
 //!
