@@ -86,6 +86,9 @@ pub struct Args {
     /// Host-memory byte budget for KV (layer, headwise, auto): layers past it go to files under --disk-dir.
     #[arg(long, value_parser = parse_budget, requires = "disk_dir")]
     pub host_kv_budget: Option<u64>,
+    /// LOSSY, opt-in: store the host tier's (and disk tier's) K/V as f16 or bf16 and expand them on the device before attention (layer, headwise, auto): half the bytes over the link and on disk; logits differ from full (README "Beyond host memory" gives the measured deviation).
+    #[arg(long, value_name = "f16|bf16", value_parser = parse_host_dtype)]
+    pub host_kv_dtype: Option<DType>,
     /// Directory for the disk tier's files (one per layer; removed at the end, on error and on Ctrl-C); without --host-kv-budget every layer's KV is on disk.
     #[arg(long, value_name = "DIR")]
     pub disk_dir: Option<PathBuf>,
@@ -164,6 +167,16 @@ fn random_prompt(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
             ((z ^ (z >> 31)) % vocab.max(1) as u64) as u32
         })
         .collect()
+}
+
+/// `--host-kv-dtype`: the smaller dtypes the host tier can store.
+fn parse_host_dtype(s: &str) -> std::result::Result<DType, String> {
+    match s {
+        "f16" => Ok(DType::F16),
+        "bf16" => Ok(DType::BF16),
+        "q8_0" => Err("q8_0 is not implemented yet; use f16 or bf16".into()),
+        other => Err(format!("`{other}`: use f16 or bf16")),
+    }
 }
 
 /// Parses the flags, runs, and maps errors to a message and exit code 1. `example` is the
@@ -254,6 +267,7 @@ fn run(args: &Args, example: &str, archs: &[&str], default: Option<ModelSpec>) -
         kv_act_ratio: args.kv_act_ratio,
         host_kv_budget: args.host_kv_budget,
         disk_dir: args.disk_dir.clone(),
+        host_kv_dtype: args.host_kv_dtype,
         ..PolicyOptions::default()
     };
     let mut policy = if args.prompts_file.is_some() {
@@ -389,6 +403,9 @@ fn run(args: &Args, example: &str, archs: &[&str], default: Option<ModelSpec>) -
             kvpolicy::core::format_bytes(stats.disk_write_bytes),
             stats.disk_wait_s
         );
+    }
+    if stats.lossy {
+        moved += "; LOSSY: K/V stored in the smaller --host-kv-dtype, logits differ from full";
     }
     let _ = writeln!(std::io::stderr(), "{moved}");
     // Every output is written before any is put in place: one failing leaves none.

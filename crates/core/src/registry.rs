@@ -60,6 +60,10 @@ pub struct PolicyOptions {
     pub host_kv_budget: Option<u64>,
     /// Directory of the disk tier's files; `None` = no disk tier.
     pub disk_dir: Option<std::path::PathBuf>,
+    /// LOSSY, opt-in: the dtype K/V are stored in on the host tier (and disk, and in the
+    /// streaming buffers), expanded to the model's before attention — `F16` or `BF16`;
+    /// `None` = the model's own (lossless).
+    pub host_kv_dtype: Option<candle_core::DType>,
 }
 
 impl Default for PolicyOptions {
@@ -76,6 +80,7 @@ impl Default for PolicyOptions {
             kv_act_ratio: None,
             host_kv_budget: None,
             disk_dir: None,
+            host_kv_dtype: None,
         }
     }
 }
@@ -131,11 +136,13 @@ pub enum PolicyOption {
     HostKvBudget,
     /// `disk_dir`.
     DiskDir,
+    /// `host_kv_dtype`.
+    HostKvDtype,
 }
 
 impl PolicyOption {
     /// Every option.
-    pub const ALL: [Self; 9] = [
+    pub const ALL: [Self; 10] = [
         Self::DeviceKvBudget,
         Self::HeadGroup,
         Self::Profile,
@@ -145,6 +152,7 @@ impl PolicyOption {
         Self::KvActRatio,
         Self::HostKvBudget,
         Self::DiskDir,
+        Self::HostKvDtype,
     ];
 
     /// Its field in [`PolicyOptions`], e.g. `head_group` (how library messages name it).
@@ -159,6 +167,7 @@ impl PolicyOption {
             Self::KvActRatio => "kv_act_ratio",
             Self::HostKvBudget => "host_kv_budget",
             Self::DiskDir => "disk_dir",
+            Self::HostKvDtype => "host_kv_dtype",
         }
     }
 
@@ -174,6 +183,7 @@ impl PolicyOption {
             Self::KvActRatio => "--kv-act-ratio",
             Self::HostKvBudget => "--host-kv-budget",
             Self::DiskDir => "--disk-dir",
+            Self::HostKvDtype => "--host-kv-dtype",
         }
     }
 }

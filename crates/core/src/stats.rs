@@ -69,6 +69,9 @@ pub struct KvStats {
     pub disk_wait_s: f64,
     /// Disk reads started a unit ahead of their use, on their own thread.
     pub disk_read_aheads: u64,
+    /// Whether the cache is stored LOSSILY (a host dtype smaller than the model's): the
+    /// logits then differ from `full`'s by the measured tolerance, not the exact one.
+    pub lossy: bool,
 }
 
 impl KvStats {

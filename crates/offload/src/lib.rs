@@ -105,6 +105,7 @@ pub fn register(reg: &mut PolicyRegistry) {
             PolicyOption::LinkBandwidth,
             PolicyOption::HostKvBudget,
             PolicyOption::DiskDir,
+            PolicyOption::HostKvDtype,
         ],
         |o| Ok(Box::new(layer_policy(o)?)),
     );
@@ -116,6 +117,7 @@ pub fn register(reg: &mut PolicyRegistry) {
             PolicyOption::LinkBandwidth,
             PolicyOption::HostKvBudget,
             PolicyOption::DiskDir,
+            PolicyOption::HostKvDtype,
         ],
         |o| Ok(Box::new(auto_policy(o)?)),
     );
@@ -128,6 +130,7 @@ pub fn register(reg: &mut PolicyRegistry) {
             PolicyOption::LinkBandwidth,
             PolicyOption::HostKvBudget,
             PolicyOption::DiskDir,
+            PolicyOption::HostKvDtype,
         ],
         |o| Ok(Box::new(headwise_policy(o)?)),
     );

@@ -14,9 +14,18 @@ pub(crate) fn divisors_desc(n: usize) -> Vec<usize> {
 }
 
 impl OffloadPolicy {
-    /// Device bytes of the two buffers for `group` heads at capacity `cap`.
-    pub(crate) fn buffers_bytes(shape: &KvShape, group: usize, cap: usize) -> u64 {
-        2 * shape.kv_bytes(group, cap)
+    /// Device bytes of the two streaming buffers for `group` heads at capacity `cap`, as
+    /// stored; with a smaller host dtype (lossy) plus the unit expanded to the model's
+    /// dtype before attention (the expanded history and its concatenation with the step).
+    pub(crate) fn buffers_bytes(&self, shape: &KvShape, group: usize, cap: usize) -> u64 {
+        let model = shape.kv_bytes(group, cap);
+        let stored = self.host.stored_dtype(shape.dtype);
+        if stored == shape.dtype {
+            2 * model
+        } else {
+            2 * model / shape.dtype.size_in_bytes() as u64 * stored.size_in_bytes() as u64
+                + 2 * model
+        }
     }
 
     /// The unit size for a context needing `cap` tokens of buffer.
@@ -31,7 +40,7 @@ impl OffloadPolicy {
         // The two buffers plus what a step holds besides them (attention scratch for one
         // unit, the model's activations).
         let need = |g: usize| {
-            Self::buffers_bytes(shape, g, cap) + shape.step_scratch_bytes(g, cap, &self.device)
+            self.buffers_bytes(shape, g, cap) + shape.step_scratch_bytes(g, cap, &self.device)
         };
         let fits = |g: usize| budget.is_none_or(|b| need(g) <= b);
         let too_small = |g: usize| {
@@ -103,7 +112,7 @@ impl OffloadPolicy {
     /// capacity the run will reach, when `prepare` said it); `None` without a budget.
     pub(crate) fn resident_bytes(&self, shape: &KvShape, group: usize, cap: usize) -> Option<u64> {
         let budget = self.meter.budget()?;
-        let streaming = Self::buffers_bytes(shape, group, cap)
+        let streaming = self.buffers_bytes(shape, group, cap)
             + shape.step_scratch_bytes(group, cap, &self.device);
         Some(budget.saturating_sub(streaming))
     }

@@ -13,11 +13,11 @@
 //! its KV heads serve under grouped-query attention. Per decode step the whole stored
 //! history moves host→device once and only the step's new entries move back. With a sliding
 //! window only the window's range moves.
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use kvpolicy_core::{
     attend_partial, report_device, round_up, AttnStep, CopyJob, DeviceMeter, Direction, HeadGroup,
-    HostLayers, KvPolicy, KvShape, KvStats, Link, Loaded, PingPong, PolicyOptions, Result,
-    TransferEngine,
+    HostLayers, KvError, KvPolicy, KvShape, KvStats, Link, Loaded, PingPong, PolicyOption,
+    PolicyOptions, Result, TransferEngine,
 };
 
 use crate::resident::Residency;
@@ -64,6 +64,18 @@ impl std::fmt::Debug for OffloadPolicy {
     }
 }
 
+/// The host dtype the options ask for: the model's (`None`), or LOSSY `f16`/`bf16`.
+fn host_dtype(policy: &str, opts: &PolicyOptions) -> Result<Option<DType>> {
+    match opts.host_kv_dtype {
+        None | Some(DType::F32 | DType::F16 | DType::BF16) => Ok(opts.host_kv_dtype),
+        Some(other) => Err(KvError::InvalidOption {
+            policy: policy.to_string(),
+            option: PolicyOption::HostKvDtype,
+            message: format!("`host_kv_dtype` {other:?}: the host tier stores f32, f16 or bf16"),
+        }),
+    }
+}
+
 impl OffloadPolicy {
     /// An offload policy registered as `name`, host tier in CPU memory.
     pub fn new(name: &'static str, grouping: Grouping, opts: &PolicyOptions) -> Result<Self> {
@@ -73,7 +85,8 @@ impl OffloadPolicy {
             grow_tokens: opts.grow_tokens.max(1),
             device: opts.device.clone(),
             link: Link::for_device(&opts.device, opts.link_bandwidth)?,
-            host: HostLayers::new(opts.grow_tokens, opts.disk_tier(name)?),
+            host: HostLayers::new(opts.grow_tokens, opts.disk_tier(name)?)
+                .with_dtype(host_dtype(name, opts)?),
             group: 0,
             pingpong: PingPong::default(),
             residency: (grouping == Grouping::Resident).then(Residency::default),
@@ -118,11 +131,11 @@ impl OffloadPolicy {
             self.group = group;
             return Ok(());
         }
-        let pingpong = Self::buffers_bytes(shape, group, cap);
+        let pingpong = self.buffers_bytes(shape, group, cap);
         // The current streaming buffers (for `layer`/`headwise` all the meter holds; under
         // `auto` the meter also holds resident units).
         let old = if self.residency.is_some() {
-            Self::buffers_bytes(shape, self.group, self.pingpong.cap())
+            self.buffers_bytes(shape, self.group, self.pingpong.cap())
         } else {
             self.meter.current()
         };
@@ -135,7 +148,8 @@ impl OffloadPolicy {
         // The buffers are scratch (refilled from the host every step): free, then allocate.
         self.meter.free(old);
         let dims = (shape.batch, group, cap, shape.head_dim);
-        let zeros = || Tensor::zeros(dims, shape.dtype, &self.device);
+        let stored = self.host.stored_dtype(shape.dtype);
+        let zeros = || Tensor::zeros(dims, stored, &self.device);
         let bufs = [(zeros()?, zeros()?), (zeros()?, zeros()?)];
         self.pingpong.install(&mut self.link, bufs, cap)?;
         self.meter.alloc(pingpong);
@@ -287,12 +301,22 @@ impl KvPolicy for OffloadPolicy {
             let buf = self.take_unit((layer, g, start, hist))?;
             self.prefetch_next((layer, g), groups, pos, 1 - buf)?;
             let (kb, vb) = self.pingpong.buf(buf)?;
-            kb.slice_set(&kn, 2, hist)?;
-            vb.slice_set(&vn, 2, hist)?;
-            let k = kb.narrow(2, 0, hist + t)?;
-            let v = vb.narrow(2, 0, hist + t)?;
+            let (k, v, expanded) = if kb.dtype() == kn.dtype() {
+                kb.slice_set(&kn, 2, hist)?;
+                vb.slice_set(&vn, 2, hist)?;
+                (kb.narrow(2, 0, hist + t)?, vb.narrow(2, 0, hist + t)?, 0)
+            } else {
+                // LOSSY host dtype: expand the history, then append the step's exact K/V.
+                let wide = |b: &Tensor, n: &Tensor| -> Result<Tensor> {
+                    let h = b.narrow(2, 0, hist)?.to_dtype(n.dtype())?;
+                    Ok(Tensor::cat(&[&h, n], 2)?)
+                };
+                let (k, v) = (wide(&kb, &kn)?, wide(&vb, &vn)?);
+                let bytes = 2 * (k.elem_count() * k.dtype().size_in_bytes()) as u64;
+                (k, v, bytes)
+            };
             let part = attend_partial(&q, &k, &v, pos, start, step.spec)?;
-            self.stats.note_scratch(part.scratch_bytes, act);
+            self.stats.note_scratch(part.scratch_bytes + expanded, act);
             outs.push(part.out.to_dtype(q.dtype())?);
             // Write the unit's new entries back to the host tier behind the compute.
             self.host

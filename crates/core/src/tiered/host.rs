@@ -7,7 +7,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 
 use super::disk::{DiskKv, DiskRead};
 use super::link::{Direction, Link};
@@ -79,6 +79,8 @@ pub struct HostLayers {
     ahead: Option<ReadAhead>,
     /// Read-aheads started since the last clear.
     read_aheads: u64,
+    /// The dtype K/V are stored in (`None`: the model's); a smaller one is lossy.
+    dtype: Option<DType>,
 }
 
 impl HostLayers {
@@ -98,7 +100,27 @@ impl HostLayers {
             disk_s: 0.0,
             ahead: None,
             read_aheads: 0,
+            dtype: None,
         }
+    }
+
+    /// Stores K/V in `dtype` (`None`: the model's own). LOSSY when smaller than the
+    /// model's: what is written is rounded to it, and reads return it.
+    pub fn with_dtype(mut self, dtype: Option<DType>) -> Self {
+        self.dtype = dtype;
+        self
+    }
+
+    /// The dtype stored for a model whose K/V are `model`.
+    pub fn stored_dtype(&self, model: DType) -> DType {
+        self.dtype.unwrap_or(model)
+    }
+
+    /// Bytes of `heads` heads' K and V at `tokens` tokens as stored.
+    fn stored_bytes(&self, shape: &KvShape, heads: usize, tokens: usize) -> u64 {
+        let model = shape.dtype.size_in_bytes() as u64;
+        shape.kv_bytes(heads, tokens) / model
+            * self.stored_dtype(shape.dtype).size_in_bytes() as u64
     }
 
     /// Tokens per growth chunk.
@@ -181,19 +203,20 @@ impl HostLayers {
             Some(HostStore::Ram(h)) => tensor_bytes(&h.k) + tensor_bytes(&h.v),
             _ => 0,
         };
-        let ram = self.ram_bytes() - old_bytes + shape.kv_bytes(shape.n_kv_heads, cap);
+        let ram = self.ram_bytes() - old_bytes + self.stored_bytes(shape, shape.n_kv_heads, cap);
         let spill = self.disk.as_ref().filter(|t| ram > t.host_budget);
         if let Some(dir) = spill.map(|t| t.dir.clone()) {
             return self.spill_to_disk(link, layer, shape, tokens, dir);
         }
         let dims = (shape.batch, shape.n_kv_heads, cap, shape.head_dim);
+        let dt = self.stored_dtype(shape.dtype);
         let old = match self.layers[layer].take() {
             Some(HostStore::Ram(h)) => Some(h),
             _ => None,
         };
         let engine = link.engine();
-        let k = grown_host(engine, old.as_ref().map(|o| &o.k), dims, 2, shape.dtype)?;
-        let v = grown_host(engine, old.as_ref().map(|o| &o.v), dims, 2, shape.dtype)?;
+        let k = grown_host(engine, old.as_ref().map(|o| &o.k), dims, 2, dt)?;
+        let v = grown_host(engine, old.as_ref().map(|o| &o.v), dims, 2, dt)?;
         self.layers[layer] = Some(HostStore::Ram(HostKv { k, v, cap }));
         Ok(())
     }
@@ -213,7 +236,7 @@ impl HostLayers {
             &dir,
             &format!("layer{layer}"),
             dims,
-            shape.dtype,
+            self.stored_dtype(shape.dtype),
             self.chunk,
         )?;
         d.ensure(tokens)?;
@@ -315,6 +338,9 @@ impl HostLayers {
         first_head: usize,
         offset: usize,
     ) -> Result<()> {
+        // A smaller stored dtype is rounded to on the device, before anything moves.
+        let dt = self.stored_dtype(k.dtype());
+        let (k, v) = (&k.to_dtype(dt)?, &v.to_dtype(dt)?);
         match self.layers.get_mut(layer).and_then(Option::as_mut) {
             Some(HostStore::Ram(host)) => {
                 let (batch, heads) = (k.dim(0)?, k.dim(1)?);
@@ -411,6 +437,10 @@ impl HostLayers {
             disk_write_bytes: self.disk_written,
             disk_wait_s: self.disk_s,
             disk_read_aheads: self.read_aheads,
+            lossy: self
+                .shape
+                .as_ref()
+                .is_some_and(|s| self.stored_dtype(s.dtype) != s.dtype),
             ..stats
         }
     }
