@@ -249,8 +249,31 @@ fn check(c: &Case) -> Result<(), TestCaseError> {
     let unit = shape.kv_bytes(c.n_kv, cap);
     let reserve = shape.step_scratch_bytes(c.n_kv, cap, &candle_core::Device::Cpu);
     let auto_budget = 2 * unit + reserve + (c.seed % (c.layers as u64 + 1)) * unit;
+    // The disk tier: room in RAM for a random number of whole layers (0 to all), the rest
+    // in files that must be gone after a reset.
+    let disk = tempfile::tempdir().map_err(|e| TestCaseError::fail(e.to_string()))?;
+    let host_layer = shape.kv_bytes(c.n_kv, total.div_ceil(8 * c.grow) * 8 * c.grow);
+    let host_budget = (c.seed / 7 % (c.layers as u64 + 1)) * host_layer;
+    let on_disk = |o: &mut PolicyOptions| {
+        o.disk_dir = Some(disk.path().to_path_buf());
+        o.host_kv_budget = Some(host_budget);
+    };
     let variants: Vec<(&str, PolicyOptions)> = vec![
         ("auto", opts(&|_| {})),
+        (
+            "headwise",
+            opts(&|o| {
+                o.head_group = HeadGroup::Fixed(c.head_group);
+                on_disk(o);
+            }),
+        ),
+        (
+            "auto",
+            opts(&|o| {
+                o.device_kv_budget = Some(auto_budget);
+                on_disk(o);
+            }),
+        ),
         ("auto", opts(&|o| o.device_kv_budget = Some(auto_budget))),
         ("hybrid", hybrid),
         ("layer", opts(&|_| {})),
@@ -296,6 +319,13 @@ fn check(c: &Case) -> Result<(), TestCaseError> {
                 n
             );
             prop_assert!(st.device_kv_peak_bytes <= budget.unwrap_or(u64::MAX));
+        }
+        if o.disk_dir.is_some() {
+            p.reset();
+            let left = std::fs::read_dir(disk.path())
+                .map_err(|e| TestCaseError::fail(e.to_string()))?
+                .count();
+            prop_assert_eq!(left, 0, "{} left disk-tier files after reset", name);
         }
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
             let d = (g - w)
