@@ -26,13 +26,7 @@ fn streamed_units_move_exactly_their_history_and_logits_equal_full() -> Result<(
     let streaming = 2 * unit + shape.step_scratch_bytes(info.n_kv_heads, cap, &Device::Cpu);
     // K+V of one layer, f32, per token.
     let per_token_layer = (info.n_kv_heads * info.head_dim * 2 * 4) as u64;
-    let want = common::teacher_forced_logits(
-        model,
-        build_policy("full", &PolicyOptions::default())?.as_mut(),
-        &prompt,
-        &decode,
-        0,
-    )?;
+    let want = common::full_logits(model, &prompt, &decode, 0)?;
     for k in 0..=info.n_layers {
         let opts = PolicyOptions {
             grow_tokens: grow,
@@ -108,13 +102,7 @@ fn windowed_layers_are_resident_first_in_window_sized_buffers() -> Result<()> {
     assert!(window_units < windowed.len() as u64 * unit);
     let streaming = 2 * unit + shape.step_scratch_bytes(nkv, cap, &Device::Cpu);
     let per_token_layer = (nkv * info.head_dim * 2 * 4) as u64;
-    let want = common::teacher_forced_logits(
-        model,
-        build_policy("full", &PolicyOptions::default())?.as_mut(),
-        &prompt,
-        &decode,
-        chunk,
-    )?;
+    let want = common::full_logits(model, &prompt, &decode, chunk)?;
     // Room for every windowed unit, not for a global one: the windowed layers are resident
     // (taken in layer order, the first global layer would have used that room) and only the
     // global layers' history moves.

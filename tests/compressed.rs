@@ -26,13 +26,7 @@ fn compressed_host_tier_halves_the_traffic_within_its_measured_tolerance() -> Re
         let loaded = common::load_fixture(&name)?;
         let model = loaded.model.as_ref();
         let (prompt, decode) = common::fixture_ids(&name)?;
-        let want = common::teacher_forced_logits(
-            model,
-            build_policy("full", &PolicyOptions::default())?.as_mut(),
-            &prompt,
-            &decode,
-            5,
-        )?;
+        let want = common::full_logits(model, &prompt, &decode, 5)?;
         let opts = |dtype: Option<DType>, disk: bool| PolicyOptions {
             grow_tokens: 4,
             head_group: HeadGroup::Fixed(1),

@@ -33,13 +33,7 @@ fn disk_tier_logits_equal_full_and_leave_no_file() -> Result<()> {
         let info = model.info().clone();
         let (prompt, decode) = common::fixture_ids(&name)?;
         let total = prompt.len() + decode.len();
-        let want = common::teacher_forced_logits(
-            model,
-            build_policy("full", &PolicyOptions::default())?.as_mut(),
-            &prompt,
-            &decode,
-            5,
-        )?;
+        let want = common::full_logits(model, &prompt, &decode, 5)?;
         // One layer's host buffers (host storage grows in chunks of 8 × 4 tokens).
         let shape = kv_shape(&info, 1, total, 5);
         let one_layer = shape.kv_bytes(info.n_kv_heads, total.div_ceil(32) * 32);
@@ -108,13 +102,7 @@ fn a_damaged_file_is_an_error_and_reset_recovers() -> Result<()> {
     }
     p.reset();
     assert_eq!(files(dir.path())?, 0);
-    let want = common::teacher_forced_logits(
-        model,
-        build_policy("full", &PolicyOptions::default())?.as_mut(),
-        &prompt,
-        &decode,
-        5,
-    )?;
+    let want = common::full_logits(model, &prompt, &decode, 5)?;
     let got = common::teacher_forced_logits(model, p.as_mut(), &prompt, &decode, 5)?;
     assert!(common::max_abs_diff(&got, &want)? <= 1e-5);
     drop(p);

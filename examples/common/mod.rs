@@ -11,6 +11,7 @@ mod atomic;
 mod batch;
 mod errors;
 mod registry;
+mod summary;
 mod threads;
 use atomic::Staged;
 use candle_core::{DType, Device};
@@ -364,50 +365,7 @@ fn run(args: &Args, example: &str, archs: &[&str], default: Option<ModelSpec>) -
 
     let info = model.info();
     let stats = policy.stats();
-    let _ = writeln!(
-        std::io::stderr(),
-        "{} prompt tokens in {:.2}s ({:.1} tok/s); {} decode steps in {:.2}s ({:.1} tok/s); policy {}; device KV peak {}; step scratch peak {}; recomputed {} tokens (last split {})",
-        gen.prefill_tokens,
-        gen.prefill_s,
-        gen.prefill_tokens as f64 / gen.prefill_s.max(1e-9),
-        gen.decode_tokens,
-        gen.decode_s,
-        gen.decode_tokens as f64 / gen.decode_s.max(1e-9),
-        policy.name(),
-        kvpolicy::core::format_bytes(stats.device_kv_peak_bytes),
-        kvpolicy::core::format_bytes(stats.device_scratch_peak_bytes),
-        stats.recompute_tokens,
-        stats.split,
-    );
-    let tokens = (gen.prefill_tokens + gen.decode_tokens).max(1) as u64;
-    let mut moved = format!(
-        "moved {} host→device ({} per token), {} device→host",
-        kvpolicy::core::format_bytes(stats.h2d_bytes),
-        kvpolicy::core::format_bytes(stats.h2d_bytes / tokens),
-        kvpolicy::core::format_bytes(stats.d2h_bytes),
-    );
-    if stats.resident_units + stats.streamed_units > 0 {
-        moved += &format!(
-            "; resident units {} of {} ({:.0}%), {} demoted",
-            stats.resident_units,
-            stats.resident_units + stats.streamed_units,
-            100.0 * stats.resident_fraction(),
-            stats.demotions
-        );
-    }
-    if stats.disk_kv_bytes > 0 {
-        moved += &format!(
-            "; disk tier {} (read {}, wrote {}, {:.2}s)",
-            kvpolicy::core::format_bytes(stats.disk_kv_bytes),
-            kvpolicy::core::format_bytes(stats.disk_read_bytes),
-            kvpolicy::core::format_bytes(stats.disk_write_bytes),
-            stats.disk_wait_s
-        );
-    }
-    if stats.lossy {
-        moved += "; LOSSY: K/V stored in the smaller --host-kv-dtype, logits differ from full";
-    }
-    let _ = writeln!(std::io::stderr(), "{moved}");
+    summary::print(&gen, &stats, policy.name());
     // Every output is written before any is put in place: one failing leaves none.
     let mut staged = Staged::new();
     if let Some(path) = &args.ids_out {

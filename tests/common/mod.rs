@@ -154,6 +154,17 @@ pub fn teacher_forced(
     Ok(generate(model, policy, prompt, &cfg, &mut |_| Ok(()))?)
 }
 
+/// `full`'s teacher-forced logits: the reference every exact policy is held to.
+pub fn full_logits(
+    model: &dyn CausalLm,
+    prompt: &[u32],
+    decode: &[u32],
+    chunk: usize,
+) -> Result<Tensor> {
+    let mut full = kvpolicy::build_policy("full", &kvpolicy::PolicyOptions::default())?;
+    teacher_forced_logits(model, full.as_mut(), prompt, decode, chunk)
+}
+
 /// [`teacher_forced`]'s logits `(rows, vocab)`.
 pub fn teacher_forced_logits(
     model: &dyn CausalLm,

@@ -1,0 +1,55 @@
+//! The run's summary on stderr: throughput, device KV and scratch peaks, recompute, bytes
+//! moved each way and per token, `auto`'s resident units, the disk tier, and whether the
+//! cache was stored lossily.
+use std::io::Write;
+
+use kvpolicy::models::Generation;
+use kvpolicy::KvStats;
+
+/// Prints the summary of `gen` under `policy` with its final `stats`.
+pub fn print(gen: &Generation, stats: &KvStats, policy: &str) {
+    let _ = writeln!(
+        std::io::stderr(),
+        "{} prompt tokens in {:.2}s ({:.1} tok/s); {} decode steps in {:.2}s ({:.1} tok/s); policy {}; device KV peak {}; step scratch peak {}; recomputed {} tokens (last split {})",
+        gen.prefill_tokens,
+        gen.prefill_s,
+        gen.prefill_tokens as f64 / gen.prefill_s.max(1e-9),
+        gen.decode_tokens,
+        gen.decode_s,
+        gen.decode_tokens as f64 / gen.decode_s.max(1e-9),
+        policy,
+        kvpolicy::core::format_bytes(stats.device_kv_peak_bytes),
+        kvpolicy::core::format_bytes(stats.device_scratch_peak_bytes),
+        stats.recompute_tokens,
+        stats.split,
+    );
+    let tokens = (gen.prefill_tokens + gen.decode_tokens).max(1) as u64;
+    let mut moved = format!(
+        "moved {} host→device ({} per token), {} device→host",
+        kvpolicy::core::format_bytes(stats.h2d_bytes),
+        kvpolicy::core::format_bytes(stats.h2d_bytes / tokens),
+        kvpolicy::core::format_bytes(stats.d2h_bytes),
+    );
+    if stats.resident_units + stats.streamed_units > 0 {
+        moved += &format!(
+            "; resident units {} of {} ({:.0}%), {} demoted",
+            stats.resident_units,
+            stats.resident_units + stats.streamed_units,
+            100.0 * stats.resident_fraction(),
+            stats.demotions
+        );
+    }
+    if stats.disk_kv_bytes > 0 {
+        moved += &format!(
+            "; disk tier {} (read {}, wrote {}, {:.2}s)",
+            kvpolicy::core::format_bytes(stats.disk_kv_bytes),
+            kvpolicy::core::format_bytes(stats.disk_read_bytes),
+            kvpolicy::core::format_bytes(stats.disk_write_bytes),
+            stats.disk_wait_s
+        );
+    }
+    if stats.lossy {
+        moved += "; LOSSY: K/V stored in the smaller --host-kv-dtype, logits differ from full";
+    }
+    let _ = writeln!(std::io::stderr(), "{moved}");
+}
