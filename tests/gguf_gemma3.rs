@@ -148,5 +148,25 @@ fn the_needle_is_found_alike_under_every_policy() -> Result<()> {
             );
         }
     }
+    // The LOSSY compressed host tier is held to the answer, not to `full`'s exact ids.
+    for dtype in [candle_core::DType::F16, candle_core::DType::BF16] {
+        let opts = PolicyOptions {
+            head_group: HeadGroup::Fixed(1),
+            host_kv_dtype: Some(dtype),
+            ..PolicyOptions::default()
+        };
+        let mut policy = build_policy("headwise", &opts)?;
+        let gen = generate(
+            loaded.model.as_ref(),
+            policy.as_mut(),
+            &prompt,
+            &cfg,
+            &mut |_| Ok(()),
+        )?;
+        let text = tok.decode(&gen.generated_ids)?;
+        println!("headwise, host K/V {dtype:?} (lossy): {text:?}");
+        assert!(policy.stats().lossy);
+        assert!(text.starts_with(answer), "{dtype:?} answered {text:?}");
+    }
     Ok(())
 }
