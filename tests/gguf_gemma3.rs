@@ -149,10 +149,15 @@ fn the_needle_is_found_alike_under_every_policy() -> Result<()> {
         }
     }
     // The LOSSY compressed host tier is held to the answer, not to `full`'s exact ids.
-    for dtype in [candle_core::DType::F16, candle_core::DType::BF16] {
+    use kvpolicy::core::KvCodec;
+    for codec in [
+        KvCodec::Float(candle_core::DType::F16),
+        KvCodec::Float(candle_core::DType::BF16),
+        KvCodec::Q8_0,
+    ] {
         let opts = PolicyOptions {
             head_group: HeadGroup::Fixed(1),
-            host_kv_dtype: Some(dtype),
+            host_kv_dtype: codec,
             ..PolicyOptions::default()
         };
         let mut policy = build_policy("headwise", &opts)?;
@@ -164,9 +169,9 @@ fn the_needle_is_found_alike_under_every_policy() -> Result<()> {
             &mut |_| Ok(()),
         )?;
         let text = tok.decode(&gen.generated_ids)?;
-        println!("headwise, host K/V {dtype:?} (lossy): {text:?}");
+        println!("headwise, host K/V {codec:?} (lossy): {text:?}");
         assert!(policy.stats().lossy);
-        assert!(text.starts_with(answer), "{dtype:?} answered {text:?}");
+        assert!(text.starts_with(answer), "{codec:?} answered {text:?}");
     }
     Ok(())
 }

@@ -16,6 +16,7 @@ mod threads;
 use atomic::Staged;
 use candle_core::{DType, Device};
 use clap::{CommandFactory, FromArgMatches, Parser};
+use kvpolicy::core::KvCodec;
 use kvpolicy::models::{activation_dtype, generate, load, resolve, ModelSpec, TextTokenizer};
 use kvpolicy::{GenerateConfig, HeadGroup, KvStats, PolicyOptions, Profile};
 use serde::Serialize;
@@ -87,9 +88,9 @@ pub struct Args {
     /// Host-memory byte budget for KV (layer, headwise, auto): layers past it go to files under --disk-dir.
     #[arg(long, value_parser = parse_budget, requires = "disk_dir")]
     pub host_kv_budget: Option<u64>,
-    /// LOSSY, opt-in: store the host tier's (and disk tier's) K/V as f16 or bf16 and expand them on the device before attention (layer, headwise, auto): half the bytes over the link and on disk; logits differ from full (README "Beyond host memory" gives the measured deviation).
-    #[arg(long, value_name = "f16|bf16", value_parser = parse_host_dtype)]
-    pub host_kv_dtype: Option<DType>,
+    /// LOSSY, opt-in: store the host tier's (and disk tier's) K/V as f16, bf16 (half the bytes of f32) or q8_0 (0.27×) and expand them before attention (layer, headwise, auto); logits differ from full (README "Beyond host memory" gives the measured deviation).
+    #[arg(long, value_name = "f16|bf16|q8_0", value_parser = parse_host_dtype)]
+    pub host_kv_dtype: Option<KvCodec>,
     /// Directory for the disk tier's files (one per layer; removed at the end, on error and on Ctrl-C); without --host-kv-budget every layer's KV is on disk.
     #[arg(long, value_name = "DIR")]
     pub disk_dir: Option<PathBuf>,
@@ -170,13 +171,13 @@ fn random_prompt(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
         .collect()
 }
 
-/// `--host-kv-dtype`: the smaller dtypes the host tier can store.
-fn parse_host_dtype(s: &str) -> std::result::Result<DType, String> {
+/// `--host-kv-dtype`: the smaller forms the host tier can store.
+fn parse_host_dtype(s: &str) -> std::result::Result<KvCodec, String> {
     match s {
-        "f16" => Ok(DType::F16),
-        "bf16" => Ok(DType::BF16),
-        "q8_0" => Err("q8_0 is not implemented yet; use f16 or bf16".into()),
-        other => Err(format!("`{other}`: use f16 or bf16")),
+        "f16" => Ok(KvCodec::Float(DType::F16)),
+        "bf16" => Ok(KvCodec::Float(DType::BF16)),
+        "q8_0" => Ok(KvCodec::Q8_0),
+        other => Err(format!("`{other}`: use f16, bf16 or q8_0")),
     }
 }
 
@@ -268,7 +269,7 @@ fn run(args: &Args, example: &str, archs: &[&str], default: Option<ModelSpec>) -
         kv_act_ratio: args.kv_act_ratio,
         host_kv_budget: args.host_kv_budget,
         disk_dir: args.disk_dir.clone(),
-        host_kv_dtype: args.host_kv_dtype,
+        host_kv_dtype: args.host_kv_dtype.unwrap_or_default(),
         ..PolicyOptions::default()
     };
     let mut policy = if args.prompts_file.is_some() {

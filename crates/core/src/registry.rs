@@ -60,10 +60,10 @@ pub struct PolicyOptions {
     pub host_kv_budget: Option<u64>,
     /// Directory of the disk tier's files; `None` = no disk tier.
     pub disk_dir: Option<std::path::PathBuf>,
-    /// LOSSY, opt-in: the dtype K/V are stored in on the host tier (and disk, and in the
-    /// streaming buffers), expanded to the model's before attention — `F16` or `BF16`;
-    /// `None` = the model's own (lossless).
-    pub host_kv_dtype: Option<candle_core::DType>,
+    /// LOSSY unless `Model`, opt-in: how K/V are stored on the host tier (and disk, and in
+    /// the streaming buffers), decoded to the model's dtype before attention — f16, bf16
+    /// or q8_0; `Model` (the default) = the model's own dtype, lossless.
+    pub host_kv_dtype: crate::tiered::KvCodec,
 }
 
 impl Default for PolicyOptions {
@@ -80,7 +80,7 @@ impl Default for PolicyOptions {
             kv_act_ratio: None,
             host_kv_budget: None,
             disk_dir: None,
-            host_kv_dtype: None,
+            host_kv_dtype: crate::tiered::KvCodec::Model,
         }
     }
 }

@@ -19,12 +19,10 @@ impl OffloadPolicy {
     /// dtype before attention (the expanded history and its concatenation with the step).
     pub(crate) fn buffers_bytes(&self, shape: &KvShape, group: usize, cap: usize) -> u64 {
         let model = shape.kv_bytes(group, cap);
-        let stored = self.host.stored_dtype(shape.dtype);
-        if stored == shape.dtype {
-            2 * model
+        if self.host.codec().lossy(shape.dtype) {
+            2 * self.host.stored_bytes(shape, group, cap) + 2 * model
         } else {
-            2 * model / shape.dtype.size_in_bytes() as u64 * stored.size_in_bytes() as u64
-                + 2 * model
+            2 * model
         }
     }
 

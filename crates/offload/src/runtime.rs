@@ -13,11 +13,11 @@
 //! its KV heads serve under grouped-query attention. Per decode step the whole stored
 //! history moves host→device once and only the step's new entries move back. With a sliding
 //! window only the window's range moves.
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use kvpolicy_core::{
     attend_partial, report_device, round_up, AttnStep, CopyJob, DeviceMeter, Direction, HeadGroup,
-    HostLayers, KvError, KvPolicy, KvShape, KvStats, Link, Loaded, PingPong, PolicyOption,
-    PolicyOptions, Result, TransferEngine,
+    HostLayers, KvPolicy, KvShape, KvStats, Link, Loaded, PingPong, PolicyOptions, Result,
+    TransferEngine,
 };
 
 use crate::resident::Residency;
@@ -64,18 +64,6 @@ impl std::fmt::Debug for OffloadPolicy {
     }
 }
 
-/// The host dtype the options ask for: the model's (`None`), or LOSSY `f16`/`bf16`.
-fn host_dtype(policy: &str, opts: &PolicyOptions) -> Result<Option<DType>> {
-    match opts.host_kv_dtype {
-        None | Some(DType::F32 | DType::F16 | DType::BF16) => Ok(opts.host_kv_dtype),
-        Some(other) => Err(KvError::InvalidOption {
-            policy: policy.to_string(),
-            option: PolicyOption::HostKvDtype,
-            message: format!("`host_kv_dtype` {other:?}: the host tier stores f32, f16 or bf16"),
-        }),
-    }
-}
-
 impl OffloadPolicy {
     /// An offload policy registered as `name`, host tier in CPU memory.
     pub fn new(name: &'static str, grouping: Grouping, opts: &PolicyOptions) -> Result<Self> {
@@ -86,7 +74,7 @@ impl OffloadPolicy {
             device: opts.device.clone(),
             link: Link::for_device(&opts.device, opts.link_bandwidth)?,
             host: HostLayers::new(opts.grow_tokens, opts.disk_tier(name)?)
-                .with_dtype(host_dtype(name, opts)?),
+                .with_codec(opts.host_kv_dtype),
             group: 0,
             pingpong: PingPong::default(),
             residency: (grouping == Grouping::Resident).then(Residency::default),
@@ -147,8 +135,8 @@ impl OffloadPolicy {
         }
         // The buffers are scratch (refilled from the host every step): free, then allocate.
         self.meter.free(old);
-        let dims = (shape.batch, group, cap, shape.head_dim);
-        let stored = self.host.stored_dtype(shape.dtype);
+        let (stored, w) = self.host.stored(shape);
+        let dims = (shape.batch, group, cap, w);
         let zeros = || Tensor::zeros(dims, stored, &self.device);
         let bufs = [(zeros()?, zeros()?), (zeros()?, zeros()?)];
         self.pingpong.install(&mut self.link, bufs, cap)?;
@@ -306,9 +294,10 @@ impl KvPolicy for OffloadPolicy {
                 vb.slice_set(&vn, 2, hist)?;
                 (kb.narrow(2, 0, hist + t)?, vb.narrow(2, 0, hist + t)?, 0)
             } else {
-                // LOSSY host dtype: expand the history, then append the step's exact K/V.
+                // LOSSY host form: decode the history, then append the step's exact K/V.
+                let (codec, d) = (self.host.codec(), shape.head_dim);
                 let wide = |b: &Tensor, n: &Tensor| -> Result<Tensor> {
-                    let h = b.narrow(2, 0, hist)?.to_dtype(n.dtype())?;
+                    let h = codec.decode(&b.narrow(2, 0, hist)?, n.dtype(), d)?;
                     Ok(Tensor::cat(&[&h, n], 2)?)
                 };
                 let (k, v) = (wide(&kb, &kn)?, wide(&vb, &vn)?);

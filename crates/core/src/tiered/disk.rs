@@ -66,6 +66,7 @@ fn disk_err(what: &str, path: &Path, e: std::io::Error) -> KvError {
 pub fn raw_bytes(t: &Tensor) -> Result<Vec<u8>> {
     let t = t.flatten_all()?;
     Ok(match t.dtype() {
+        DType::U8 => t.to_vec1::<u8>()?,
         DType::F32 => t
             .to_vec1::<f32>()?
             .iter()

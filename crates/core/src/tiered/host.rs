@@ -9,6 +9,7 @@ use std::time::Instant;
 
 use candle_core::{DType, Tensor};
 
+use super::codec::KvCodec;
 use super::disk::{DiskKv, DiskRead};
 use super::link::{Direction, Link};
 use crate::attention::AttnSpec;
@@ -79,8 +80,8 @@ pub struct HostLayers {
     ahead: Option<ReadAhead>,
     /// Read-aheads started since the last clear.
     read_aheads: u64,
-    /// The dtype K/V are stored in (`None`: the model's); a smaller one is lossy.
-    dtype: Option<DType>,
+    /// How K/V are stored (the model's dtype, or LOSSY smaller forms).
+    codec: KvCodec,
 }
 
 impl HostLayers {
@@ -100,27 +101,31 @@ impl HostLayers {
             disk_s: 0.0,
             ahead: None,
             read_aheads: 0,
-            dtype: None,
+            codec: KvCodec::Model,
         }
     }
 
-    /// Stores K/V in `dtype` (`None`: the model's own). LOSSY when smaller than the
-    /// model's: what is written is rounded to it, and reads return it.
-    pub fn with_dtype(mut self, dtype: Option<DType>) -> Self {
-        self.dtype = dtype;
+    /// Stores K/V as `codec` says (LOSSY unless the model's dtype): what is written is
+    /// encoded, and reads return the stored form ([`KvCodec::decode`] expands it).
+    pub fn with_codec(mut self, codec: KvCodec) -> Self {
+        self.codec = codec;
         self
     }
 
-    /// The dtype stored for a model whose K/V are `model`.
-    pub fn stored_dtype(&self, model: DType) -> DType {
-        self.dtype.unwrap_or(model)
+    /// How K/V are stored.
+    pub fn codec(&self) -> KvCodec {
+        self.codec
+    }
+
+    /// The stored dtype and row width for `shape`.
+    pub fn stored(&self, shape: &KvShape) -> (DType, usize) {
+        self.codec.stored(shape.dtype, shape.head_dim)
     }
 
     /// Bytes of `heads` heads' K and V at `tokens` tokens as stored.
-    fn stored_bytes(&self, shape: &KvShape, heads: usize, tokens: usize) -> u64 {
-        let model = shape.dtype.size_in_bytes() as u64;
-        shape.kv_bytes(heads, tokens) / model
-            * self.stored_dtype(shape.dtype).size_in_bytes() as u64
+    pub fn stored_bytes(&self, shape: &KvShape, heads: usize, tokens: usize) -> u64 {
+        (2 * shape.batch * heads * tokens) as u64
+            * self.codec.row_bytes(shape.dtype, shape.head_dim)
     }
 
     /// Tokens per growth chunk.
@@ -208,8 +213,9 @@ impl HostLayers {
         if let Some(dir) = spill.map(|t| t.dir.clone()) {
             return self.spill_to_disk(link, layer, shape, tokens, dir);
         }
-        let dims = (shape.batch, shape.n_kv_heads, cap, shape.head_dim);
-        let dt = self.stored_dtype(shape.dtype);
+        self.codec.check(shape.head_dim)?;
+        let (dt, w) = self.stored(shape);
+        let dims = (shape.batch, shape.n_kv_heads, cap, w);
         let old = match self.layers[layer].take() {
             Some(HostStore::Ram(h)) => Some(h),
             _ => None,
@@ -231,14 +237,9 @@ impl HostLayers {
         dir: PathBuf,
     ) -> Result<()> {
         let t0 = Instant::now();
-        let dims = (shape.batch, shape.n_kv_heads, shape.head_dim);
-        let mut d = DiskKv::create(
-            &dir,
-            &format!("layer{layer}"),
-            dims,
-            self.stored_dtype(shape.dtype),
-            self.chunk,
-        )?;
+        let (dt, w) = self.stored(shape);
+        let dims = (shape.batch, shape.n_kv_heads, w);
+        let mut d = DiskKv::create(&dir, &format!("layer{layer}"), dims, dt, self.chunk)?;
         d.ensure(tokens)?;
         if let Some(HostStore::Ram(h)) = &self.layers[layer] {
             let n = self.lens[layer];
@@ -338,9 +339,8 @@ impl HostLayers {
         first_head: usize,
         offset: usize,
     ) -> Result<()> {
-        // A smaller stored dtype is rounded to on the device, before anything moves.
-        let dt = self.stored_dtype(k.dtype());
-        let (k, v) = (&k.to_dtype(dt)?, &v.to_dtype(dt)?);
+        // A smaller stored form is encoded on the device, before anything moves.
+        let (k, v) = (&self.codec.encode(k)?, &self.codec.encode(v)?);
         match self.layers.get_mut(layer).and_then(Option::as_mut) {
             Some(HostStore::Ram(host)) => {
                 let (batch, heads) = (k.dim(0)?, k.dim(1)?);
@@ -440,7 +440,7 @@ impl HostLayers {
             lossy: self
                 .shape
                 .as_ref()
-                .is_some_and(|s| self.stored_dtype(s.dtype) != s.dtype),
+                .is_some_and(|s| self.codec.lossy(s.dtype)),
             ..stats
         }
     }

@@ -17,11 +17,13 @@
 //!
 //! Files: `link` the engine and its accounting, `host` the host tier (RAM, then disk past
 //! a host budget), `disk` the disk tier's files, `pingpong` the device buffers.
+mod codec;
 mod disk;
 mod host;
 mod link;
 mod pingpong;
 
+pub use codec::KvCodec;
 pub use disk::{raw_bytes, remove_disk_files, DiskKv};
 pub use host::{tensor_bytes, DiskTier, HostKv, HostLayers, HostStore};
 pub use link::{report_device, Direction, Link};

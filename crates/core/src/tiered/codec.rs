@@ -1,0 +1,124 @@
+//! How the host (and disk) tier stores K/V: in the model's dtype (lossless), or — LOSSY,
+//! opt-in — in a smaller one, encoded on the device before anything moves and decoded
+//! before attention: f16/bf16 (half the bytes of f32), or llama.cpp's `q8_0` (blocks of 32
+//! values as one f16 scale and 32 signed bytes: 34 bytes per 32 values, 0.266× f32; HF's
+//! `QuantizedCache` quantizes K/V too, but cannot offload it).
+use std::borrow::Cow;
+
+use candle_core::quantized::{GgmlDType, QStorage, QTensor};
+use candle_core::{DType, Device, Tensor};
+
+use crate::error::{KvError, Result};
+
+/// A stored form of K/V (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvCodec {
+    /// The model's own dtype: lossless.
+    #[default]
+    Model,
+    /// A float dtype (LOSSY when smaller than the model's).
+    Float(DType),
+    /// `q8_0` blocks along the head dimension (LOSSY).
+    Q8_0,
+}
+
+/// Values per `q8_0` block, and its bytes.
+const Q8_BLOCK: (usize, usize) = (32, 34);
+
+impl KvCodec {
+    /// The stored dtype and row width for a model of dtype `model` and head width `d`.
+    pub fn stored(&self, model: DType, d: usize) -> (DType, usize) {
+        match self {
+            Self::Model => (model, d),
+            Self::Float(dt) => (*dt, d),
+            Self::Q8_0 => (DType::U8, d / Q8_BLOCK.0 * Q8_BLOCK.1),
+        }
+    }
+
+    /// Bytes of one stored row of `d` values.
+    pub fn row_bytes(&self, model: DType, d: usize) -> u64 {
+        let (dt, w) = self.stored(model, d);
+        (w * dt.size_in_bytes()) as u64
+    }
+
+    /// Whether storing loses information for a model of dtype `model`.
+    pub fn lossy(&self, model: DType) -> bool {
+        self.stored(model, Q8_BLOCK.0).0 != model
+    }
+
+    /// Checks that heads of width `d` can be stored this way.
+    pub fn check(&self, d: usize) -> Result<()> {
+        if *self == Self::Q8_0 && d % Q8_BLOCK.0 != 0 {
+            return Err(KvError::Unsupported(format!(
+                "`host_kv_dtype` q8_0 needs a head width that is a multiple of 32, not {d}"
+            )));
+        }
+        Ok(())
+    }
+
+    /// `t` `(b, g, n, d)` in stored form `(b, g, n, w)`, on `t`'s device (q8_0 is encoded
+    /// on the CPU).
+    pub fn encode(&self, t: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Model => Ok(t.clone()),
+            Self::Float(dt) => Ok(t.to_dtype(*dt)?),
+            Self::Q8_0 => {
+                let (b, g, n, d) = t.dims4()?;
+                self.check(d)?;
+                // A fresh buffer: candle's quantize reads the storage from its start,
+                // ignoring a view's offset.
+                let values = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                let rows = Tensor::from_vec(values, (b * g * n, d), &Device::Cpu)?;
+                let q = QTensor::quantize(&rows, GgmlDType::Q8_0)?;
+                let w = d / Q8_BLOCK.0 * Q8_BLOCK.1;
+                let bytes = q.data()?.into_owned();
+                Ok(Tensor::from_vec(bytes, (b, g, n, w), &Device::Cpu)?.to_device(t.device())?)
+            }
+        }
+    }
+
+    /// Stored `t` `(b, g, n, w)` back to `(b, g, n, d)` in `model`, on `t`'s device.
+    pub fn decode(&self, t: &Tensor, model: DType, d: usize) -> Result<Tensor> {
+        match self {
+            Self::Model | Self::Float(_) => Ok(t.to_dtype(model)?),
+            Self::Q8_0 => {
+                let (b, g, n, _) = t.dims4()?;
+                let bytes = t.flatten_all()?.to_vec1::<u8>()?;
+                // Blocks hold an f16 scale: read them from a 2-byte-aligned copy.
+                let mut aligned = vec![0u16; bytes.len().div_ceil(2)];
+                let view: &mut [u8] = bytemuck::cast_slice_mut(&mut aligned);
+                view[..bytes.len()].copy_from_slice(&bytes);
+                let data = Cow::Borrowed(&view[..bytes.len()]);
+                let storage = QStorage::from_data(data, &Device::Cpu, GgmlDType::Q8_0)?;
+                let q = QTensor::new(storage, (b * g * n, d))?;
+                Ok(q.dequantize(&Device::Cpu)?
+                    .reshape((b, g, n, d))?
+                    .to_dtype(model)?
+                    .to_device(t.device())?)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn q8_0_round_trips_within_its_block_precision() -> Result<()> {
+        // A view that starts inside its storage (candle's quantize alone would miss that).
+        let t = Tensor::randn(0f32, 1.0, (1, 3, 5, 64), &Device::Cpu)?.narrow(1, 1, 2)?;
+        let enc = KvCodec::Q8_0.encode(&t)?;
+        assert_eq!(enc.dims4()?, (1, 2, 5, 68));
+        let dec = KvCodec::Q8_0.decode(&enc, DType::F32, 64)?;
+        let err = (dec - &t)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f32>()?;
+        let max = t.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+        // One step of a block's scale (its max / 127) at most, half of it when rounding.
+        assert!(err <= max / 127.0, "{err} vs {max}");
+        Ok(())
+    }
+}
