@@ -331,8 +331,8 @@ impl DiskRead {
     /// Reads every piece, checking each block's header against what was written when the
     /// read was planned; returns K and V `(batch, g, len, head_dim)` on the CPU.
     pub fn run(self) -> Result<(Tensor, Tensor)> {
-        let size: usize = self.dims.iter().product::<usize>() * self.dtype.size_in_bytes();
-        let mut bufs = [vec![0u8; size], vec![0u8; size]];
+        let n: usize = self.dims.iter().product();
+        let mut bufs = [ReadBuf::new(self.dtype, n), ReadBuf::new(self.dtype, n)];
         let io = |e| disk_err("cannot read", &self.path, e);
         for p in &self.pieces {
             let mut header = [0u8; HEADER as usize];
@@ -356,14 +356,47 @@ impl DiskRead {
                 });
             }
             self.file
-                .read_exact_at(&mut bufs[p.kv][p.buf_at..p.buf_at + p.bytes], p.data_at)
+                .read_exact_at(
+                    &mut bufs[p.kv].bytes()[p.buf_at..p.buf_at + p.bytes],
+                    p.data_at,
+                )
                 .map_err(io)?;
         }
         let [k, v] = bufs;
         Ok((
-            Tensor::from_raw_buffer(&k, self.dtype, &self.dims, &Device::Cpu)?,
-            Tensor::from_raw_buffer(&v, self.dtype, &self.dims, &Device::Cpu)?,
+            k.tensor(self.dtype, &self.dims)?,
+            v.tensor(self.dtype, &self.dims)?,
         ))
+    }
+}
+
+/// What a [`DiskRead`] reads into: f32 elements directly (the tensor takes the vector, no
+/// second copy), other dtypes as bytes.
+enum ReadBuf {
+    F32(Vec<f32>),
+    Bytes(Vec<u8>),
+}
+
+impl ReadBuf {
+    fn new(dtype: DType, n: usize) -> Self {
+        match dtype {
+            DType::F32 => Self::F32(vec![0.0; n]),
+            other => Self::Bytes(vec![0; n * other.size_in_bytes()]),
+        }
+    }
+
+    fn bytes(&mut self) -> &mut [u8] {
+        match self {
+            Self::F32(v) => bytemuck::cast_slice_mut(v),
+            Self::Bytes(v) => v,
+        }
+    }
+
+    fn tensor(self, dtype: DType, dims: &[usize; 4]) -> Result<Tensor> {
+        Ok(match self {
+            Self::F32(v) => Tensor::from_vec(v, dims, &Device::Cpu)?,
+            Self::Bytes(v) => Tensor::from_raw_buffer(&v, dtype, dims, &Device::Cpu)?,
+        })
     }
 }
 
