@@ -38,7 +38,7 @@ pub(crate) struct Residency {
     /// The capacity the plan sized a global unit for: a resident unit allocates it at once
     /// (and grows by as much beyond it), so within the plan it never grows, and a growth copy
     /// never needs old and new buffers at once.
-    pub plan_cap: usize,
+    plan_cap: usize,
     /// Windowed units decided by the plan: their buffer's tokens, or `None` (streamed).
     preset: HashMap<usize, Option<usize>>,
     /// Resident units in the order they were decided (demotion takes the last).
@@ -70,20 +70,27 @@ impl Residency {
             let cap = round_up(w + shape.largest_step(), grow).min(plan_cap.max(grow));
             let bytes = shape.kv_bytes(group, cap);
             for unit in layer * groups..(layer + 1) * groups {
-                let fits = match &mut self.remaining {
-                    None => true,
-                    Some(r) if bytes <= *r => {
-                        *r -= bytes;
-                        true
-                    }
-                    Some(_) => false,
-                };
-                if fits {
-                    self.order.push(unit);
-                }
+                let fits = self.take_room(unit, bytes);
                 self.preset.insert(unit, fits.then_some(cap));
             }
         }
+    }
+
+    /// Whether `unit`'s `bytes` fit what the budget has left; if so they are charged and the
+    /// unit joins the decision order (no budget: everything fits).
+    fn take_room(&mut self, unit: usize, bytes: u64) -> bool {
+        let fits = match &mut self.remaining {
+            None => true,
+            Some(r) if bytes <= *r => {
+                *r -= bytes;
+                true
+            }
+            Some(_) => false,
+        };
+        if fits {
+            self.order.push(unit);
+        }
+        fits
     }
 
     /// Whether the plan keeps every unit resident (no budget): nothing ever streams.
@@ -98,20 +105,9 @@ impl Residency {
             let u = self.units.len();
             let tokens = match self.preset.get(&u) {
                 Some(planned) => *planned,
-                None => {
-                    let fits = match &mut self.remaining {
-                        None => true,
-                        Some(r) if self.unit_bytes <= *r => {
-                            *r -= self.unit_bytes;
-                            true
-                        }
-                        Some(_) => false,
-                    };
-                    if fits {
-                        self.order.push(u);
-                    }
-                    fits.then_some(self.plan_cap.max(grow_tokens))
-                }
+                None => self
+                    .take_room(u, self.unit_bytes)
+                    .then_some(self.plan_cap.max(grow_tokens)),
             };
             self.units.push(tokens.map(|t| ResidentKv {
                 buf: KvBuffer::new(t),

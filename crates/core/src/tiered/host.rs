@@ -297,6 +297,13 @@ impl HostLayers {
         }
     }
 
+    /// Lets a pending read-ahead finish and drops what it read.
+    fn drop_read_ahead(&mut self) {
+        if let Some(a) = self.ahead.take() {
+            let _ = a.thread.join();
+        }
+    }
+
     /// Starts reading what [`history`](Self::history) will be asked for next, on its own
     /// thread, if `layer` is on disk (one read-ahead at a time; nothing for a RAM layer).
     /// The tokens must be written already: a read-ahead never races a write of its blocks.
@@ -315,9 +322,7 @@ impl HostLayers {
             return Ok(());
         };
         let plan: DiskRead = d.plan_read((first_head, g), start, len)?;
-        if let Some(a) = self.ahead.take() {
-            let _ = a.thread.join();
-        }
+        self.drop_read_ahead();
         let thread = std::thread::Builder::new()
             .name("kv-disk-read".into())
             .spawn(move || plan.run())
@@ -413,11 +418,6 @@ impl HostLayers {
         self.lens.first().copied().unwrap_or(0)
     }
 
-    /// Layers seen so far.
-    pub fn layers_seen(&self) -> usize {
-        self.lens.len()
-    }
-
     /// `stats` with the host tier's RAM bytes, the disk tier's file bytes and its traffic
     /// filled in.
     pub fn report(&self, stats: KvStats) -> KvStats {
@@ -448,9 +448,7 @@ impl HostLayers {
     /// Hands every buffer back to the engine, removes every file and forgets the sequence
     /// (the shape stays, with its layer count restarted).
     pub fn clear(&mut self, link: &mut Link) {
-        if let Some(a) = self.ahead.take() {
-            let _ = a.thread.join();
-        }
+        self.drop_read_ahead();
         self.read_aheads = 0;
         for s in self.layers.drain(..).flatten() {
             if let HostStore::Ram(h) = s {
