@@ -426,3 +426,32 @@ fn a_downstream_policy_runs_by_name() -> Result<()> {
     assert_eq!(run("sinks")?, run("full")?);
     Ok(())
 }
+
+#[test]
+fn a_disk_tier_row_reports_its_reads() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let cfg = dir.path().join("config.json");
+    std::fs::write(&cfg, TINY)?;
+    let disk = dir.path().join("disk");
+    std::fs::create_dir(&disk)?;
+    let o = kvbench(&[
+        "--quick",
+        "--random-weights",
+        "--config",
+        &cfg.to_string_lossy(),
+        "--cpu",
+        "--policies",
+        "full,layer",
+        "--disk-dir",
+        &disk.to_string_lossy(),
+    ])?;
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("disk tier: layer at ") && l.contains("MB/s during decode")),
+        "{out}"
+    );
+    assert_eq!(std::fs::read_dir(&disk)?.count(), 0);
+    Ok(())
+}
