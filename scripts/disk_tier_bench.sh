@@ -2,7 +2,8 @@
 # The disk tier's table (issue "beyond host memory"): a 2-layer SmolLM2-shaped model (random
 # weights) at CONTEXT tokens, `full` against `headwise:1` with one layer and with both layers
 # of KV in files under DIR (--host-kv-budget), plus the disk's own read rate from dd (direct
-# I/O, so the page cache does not answer) for comparison.
+# I/O, so the page cache does not answer) for comparison. The disk tier reads with O_DIRECT
+# (`--disk-io direct`, the default) and, last, through the page cache (`--disk-io buffered`).
 #
 #   scripts/disk_tier_bench.sh [CONTEXT] [DIR]      (defaults: 32768, a temporary directory)
 set -euo pipefail
@@ -30,5 +31,7 @@ run() {
 }
 echo "== --host-kv-budget $(( layer + layer / 2 )): one layer in RAM, one on disk ($layer bytes each)"
 run --policies full,headwise:1 --host-kv-budget $(( layer + layer / 2 ))
-echo "== no --host-kv-budget: both layers on disk"
+echo "== no --host-kv-budget: both layers on disk, direct reads (the default)"
 run --policies headwise:1
+echo "== both layers on disk, --disk-io buffered (through the page cache)"
+run --policies headwise:1 --disk-io buffered

@@ -16,7 +16,7 @@ mod threads;
 use atomic::Staged;
 use candle_core::{DType, Device};
 use clap::{CommandFactory, FromArgMatches, Parser};
-use kvpolicy::core::KvCodec;
+use kvpolicy::core::{DiskIo, KvCodec};
 use kvpolicy::models::{activation_dtype, generate, load, resolve, ModelSpec, TextTokenizer};
 use kvpolicy::{GenerateConfig, HeadGroup, KvStats, PolicyOptions, Profile};
 use serde::Serialize;
@@ -94,6 +94,14 @@ pub struct Args {
     /// Directory for the disk tier's files (one per layer; removed at the end, on error and on Ctrl-C); without --host-kv-budget every layer's KV is on disk.
     #[arg(long, value_name = "DIR")]
     pub disk_dir: Option<PathBuf>,
+    /// How the disk tier reads its files: `direct` (O_DIRECT, past the page cache; the default, buffered where the file system refuses it) or `buffered` (through the page cache).
+    #[arg(
+        long,
+        value_name = "direct|buffered",
+        requires = "disk_dir",
+        default_value = "direct"
+    )]
+    pub disk_io: DiskIo,
     /// Cost profile for `recompute` (JSON: h2d_bytes_per_s, recompute_tokens_per_s); default: measured at the first step.
     #[arg(long, value_name = "FILE")]
     pub profile: Option<PathBuf>,
@@ -269,6 +277,7 @@ fn run(args: &Args, example: &str, archs: &[&str], default: Option<ModelSpec>) -
         kv_act_ratio: args.kv_act_ratio,
         host_kv_budget: args.host_kv_budget,
         disk_dir: args.disk_dir.clone(),
+        disk_io: args.disk_io,
         host_kv_dtype: args.host_kv_dtype.unwrap_or_default(),
         ..PolicyOptions::default()
     };

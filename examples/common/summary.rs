@@ -41,11 +41,16 @@ pub fn print(gen: &Generation, stats: &KvStats, policy: &str) {
     }
     if stats.disk_kv_bytes > 0 {
         moved += &format!(
-            "; disk tier {} (read {}, wrote {}, {:.2}s)",
+            "; disk tier {} (read {}, wrote {}, {:.2}s; {} reads)",
             kvpolicy::core::format_bytes(stats.disk_kv_bytes),
             kvpolicy::core::format_bytes(stats.disk_read_bytes),
             kvpolicy::core::format_bytes(stats.disk_write_bytes),
-            stats.disk_wait_s
+            stats.disk_wait_s,
+            if stats.disk_direct_io {
+                "direct"
+            } else {
+                "buffered"
+            }
         );
     }
     if stats.lossy {

@@ -103,6 +103,14 @@ struct Args {
     /// Directory for the disk tier's files (removed after each run); without --host-kv-budget every layer's KV is on disk.
     #[arg(long, value_name = "DIR")]
     disk_dir: Option<PathBuf>,
+    /// How the disk tier reads: `direct` (O_DIRECT, past the page cache; the default) or `buffered` (through it).
+    #[arg(
+        long,
+        value_name = "direct|buffered",
+        requires = "disk_dir",
+        default_value = "direct"
+    )]
+    disk_io: kvpolicy::core::DiskIo,
     /// Also time llama.cpp on the same GGUF, ids, threads, chunk and steps, with this Python
     /// (llama-cpp-python 0.3.36 installed; `scripts/llamacpp_bench.py`): a `llama.cpp` row.
     #[arg(long, value_name = "PYTHON")]
@@ -162,6 +170,7 @@ fn run(mut args: Args) -> Result<()> {
         profile: args.profile.as_deref().map(Profile::load).transpose()?,
         host_kv_budget: args.host_kv_budget,
         disk_dir: args.disk_dir.clone(),
+        disk_io: args.disk_io,
         ..PolicyOptions::default()
     };
     let variants: Vec<Variant> = args

@@ -134,10 +134,11 @@ pub fn disk_lines(rows: &[Row]) -> String {
     for r in rows.iter().filter(|r| r.disk_kv_bytes > 0) {
         let step = 1.0 / r.decode_tok_s;
         s.push_str(&format!(
-            "disk tier: {} at {}: {} on disk; {} read per decoded token = {:.1} MB/s during decode; disk wait {:.4} s/token of {:.4}\n",
+            "disk tier: {} at {}: {} on disk ({} reads); {} read per decoded token = {:.1} MB/s during decode; disk wait {:.4} s/token of {:.4}\n",
             r.policy,
             r.context,
             format_bytes(r.disk_kv_bytes),
+            if r.disk_direct_io { "direct" } else { "buffered" },
             format_bytes(r.disk_read_bytes_per_token),
             r.disk_read_bytes_per_token as f64 / step / 1e6,
             r.disk_wait_s_per_token,

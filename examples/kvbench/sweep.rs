@@ -88,6 +88,9 @@ pub struct Row {
     /// Seconds per decoded token the compute thread waited on the disk tier.
     #[serde(skip)]
     pub disk_wait_s_per_token: f64,
+    /// Whether the disk tier read past the page cache (O_DIRECT).
+    #[serde(skip)]
+    pub disk_direct_io: bool,
 }
 
 impl Row {
@@ -108,6 +111,7 @@ impl Row {
             disk_kv_bytes: 0,
             disk_read_bytes_per_token: 0,
             disk_wait_s_per_token: 0.0,
+            disk_direct_io: false,
         }
     }
 }
@@ -172,6 +176,7 @@ pub fn measure(
         disk_kv_bytes: after.disk_kv_bytes,
         disk_read_bytes_per_token: per(after.disk_read_bytes, before.disk_read_bytes),
         disk_wait_s_per_token: (after.disk_wait_s - before.disk_wait_s) / steps.max(1) as f64,
+        disk_direct_io: after.disk_direct_io,
     })
 }
 

@@ -79,6 +79,17 @@ impl KvPolicy for FullPolicy {
     }
 
     fn attend(&mut self, step: &AttnStep<'_>) -> Result<Tensor> {
+        self.append_kv(step)?;
+        let buf = &self.layers[step.layer];
+        let (k, v) = buf.view(0, buf.len())?;
+        let out = attend_partial(step.q, &k, &v, step.pos, 0, step.spec)?;
+        let t = step.q.dim(2)?;
+        let act = self.shape.as_ref().map_or(0, |s| s.activation_bytes(t));
+        self.stats.note_scratch(out.scratch_bytes, act);
+        Ok(out.out.to_dtype(step.q.dtype())?)
+    }
+
+    fn append_kv(&mut self, step: &AttnStep<'_>) -> Result<()> {
         while self.layers.len() <= step.layer {
             self.layers.push(KvBuffer::new(self.grow_tokens));
         }
@@ -106,13 +117,7 @@ impl KvPolicy for FullPolicy {
                 advice: advice(),
             });
         }
-        buf.append_metered(step.k, step.v, &mut self.meter)?;
-        let (k, v) = buf.view(0, buf.len())?;
-        let out = attend_partial(step.q, &k, &v, step.pos, 0, step.spec)?;
-        let t = step.q.dim(2)?;
-        let act = self.shape.as_ref().map_or(0, |s| s.activation_bytes(t));
-        self.stats.note_scratch(out.scratch_bytes, act);
-        Ok(out.out.to_dtype(step.q.dtype())?)
+        buf.append_metered(step.k, step.v, &mut self.meter)
     }
 
     fn seq_len(&self) -> usize {

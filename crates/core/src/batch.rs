@@ -44,6 +44,22 @@ impl PerSequence {
     fn live_device_bytes(&self) -> u64 {
         self.seqs.values().map(|p| p.stats().device_kv_bytes).sum()
     }
+
+    /// The cache of sequence `seq`, made (and prepared) at its first step.
+    fn cache(&mut self, seq: usize) -> Result<&mut Box<dyn KvPolicy>> {
+        if !self.seqs.contains_key(&seq) {
+            let mut p = (self.factory)()?;
+            if let Some(s) = &self.shape {
+                p.prepare(s)?;
+            }
+            self.seqs.insert(seq, p);
+        }
+        self.seqs.get_mut(&seq).ok_or_else(|| {
+            crate::error::KvError::invariant(format!(
+                "sequence {seq} has no cache after it was created"
+            ))
+        })
+    }
 }
 
 impl KvPolicy for PerSequence {
@@ -67,25 +83,15 @@ impl KvPolicy for PerSequence {
     }
 
     fn attend(&mut self, step: &AttnStep<'_>) -> Result<Tensor> {
-        if !self.seqs.contains_key(&step.seq) {
-            let mut p = (self.factory)()?;
-            if let Some(s) = &self.shape {
-                p.prepare(s)?;
-            }
-            self.seqs.insert(step.seq, p);
-        }
-        let out = self
-            .seqs
-            .get_mut(&step.seq)
-            .ok_or_else(|| {
-                crate::error::KvError::invariant(format!(
-                    "sequence {} has no cache after it was created",
-                    step.seq
-                ))
-            })?
-            .attend(step)?;
+        let out = self.cache(step.seq)?.attend(step)?;
         self.device_peak = self.device_peak.max(self.live_device_bytes());
         Ok(out)
+    }
+
+    fn append_kv(&mut self, step: &AttnStep<'_>) -> Result<()> {
+        self.cache(step.seq)?.append_kv(step)?;
+        self.device_peak = self.device_peak.max(self.live_device_bytes());
+        Ok(())
     }
 
     fn seq_len(&self) -> usize {

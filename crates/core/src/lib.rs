@@ -47,8 +47,8 @@ pub use registry::{HeadGroup, PolicyBuilder, PolicyOption, PolicyOptions, Policy
 pub use size::{format_bytes, parse_bytes};
 pub use stats::{DeviceMeter, KvStats};
 pub use tiered::{
-    report_device, tensor_bytes, Direction, DiskKv, DiskTier, HostKv, HostLayers, HostStore,
-    KvCodec, Link, Loaded, PingPong,
+    report_device, tensor_bytes, Direction, DiskIo, DiskKv, DiskTier, HostKv, HostLayers,
+    HostStore, KvCodec, Link, Loaded, PingPong,
 };
 pub use transfer::runs::{copy_runs, Run};
 #[cfg(feature = "cuda")]

@@ -199,6 +199,20 @@ pub trait KvPolicy: Send {
     }
     /// Stores the step's new entries and returns the attention output `(b, n_heads, t, head_dim)`.
     fn attend(&mut self, step: &AttnStep<'_>) -> Result<Tensor>;
+    /// Stores the step's new K/V where [`attend`](Self::attend) would, without computing
+    /// the attention (`step.q` is not read): K/V computed elsewhere — a restored session, a
+    /// shared prefix — or a synthetic history for timing decode at contexts whose prefill
+    /// would take hours (`kvbench --synthetic-history`). Later steps continue the sequence
+    /// as after a prefill. Policies that store something else (inputs to regenerate from)
+    /// say so with [`KvError::Unsupported`](crate::KvError::Unsupported), the default.
+    fn append_kv(&mut self, step: &AttnStep<'_>) -> Result<()> {
+        Err(crate::error::KvError::Unsupported(format!(
+            "`{}` does not take K/V without computing attention (append_kv; layer {}); \
+             `full`, `layer` and `headwise` do",
+            self.name(),
+            step.layer
+        )))
+    }
     /// Tokens cached (per layer).
     fn seq_len(&self) -> usize;
     /// Forgets every cached token and frees the buffers; counters restart.

@@ -60,6 +60,8 @@ pub struct PolicyOptions {
     pub host_kv_budget: Option<u64>,
     /// Directory of the disk tier's files; `None` = no disk tier.
     pub disk_dir: Option<std::path::PathBuf>,
+    /// How the disk tier reads its files: past the page cache (the default) or through it.
+    pub disk_io: crate::tiered::DiskIo,
     /// LOSSY unless `Model`, opt-in: how K/V are stored on the host tier (and disk, and in
     /// the streaming buffers), decoded to the model's dtype before attention — f16, bf16
     /// or q8_0; `Model` (the default) = the model's own dtype, lossless.
@@ -80,6 +82,7 @@ impl Default for PolicyOptions {
             kv_act_ratio: None,
             host_kv_budget: None,
             disk_dir: None,
+            disk_io: crate::tiered::DiskIo::Direct,
             host_kv_dtype: crate::tiered::KvCodec::Model,
         }
     }
@@ -108,6 +111,7 @@ impl PolicyOptions {
             (Some(dir), budget) => Ok(Some(crate::tiered::DiskTier {
                 dir: dir.clone(),
                 host_budget: budget.unwrap_or(0),
+                io: self.disk_io,
             })),
         }
     }

@@ -69,6 +69,8 @@ pub struct KvStats {
     pub disk_wait_s: f64,
     /// Disk reads started a unit ahead of their use, on their own thread.
     pub disk_read_aheads: u64,
+    /// Whether the disk tier reads past the page cache (`O_DIRECT`; see `DiskIo`).
+    pub disk_direct_io: bool,
     /// Whether the cache is stored LOSSILY (a host dtype smaller than the model's): the
     /// logits then differ from `full`'s by the measured tolerance, not the exact one.
     pub lossy: bool,

@@ -14,9 +14,10 @@
 //! history moves host→device once and only the step's new entries move back. With a sliding
 //! window only the window's range moves.
 use candle_core::{Device, Tensor};
+use kvpolicy_core::tiered::READ_AHEAD;
 use kvpolicy_core::{
     attend_partial, report_device, round_up, AttnStep, CopyJob, DeviceMeter, Direction, HeadGroup,
-    HostLayers, KvPolicy, KvShape, KvStats, Link, Loaded, PingPong, PolicyOptions, Result,
+    HostLayers, KvError, KvPolicy, KvShape, KvStats, Link, Loaded, PingPong, PolicyOptions, Result,
     TransferEngine,
 };
 
@@ -189,12 +190,15 @@ impl OffloadPolicy {
     }
 
     /// The streamed unit after (layer, group) and the history it attends at `pos`, if
-    /// that history is stored (resident units need no copy and are skipped).
+    /// that history is stored (resident units need no copy and are skipped). With `wrap`
+    /// (the model's layers, the step's tokens), the unit after the last layer's is the next
+    /// step's first, at `pos` + tokens.
     fn next_streamed(
         &self,
         (layer, group): (usize, usize),
         groups: usize,
-        pos: usize,
+        mut pos: usize,
+        wrap: Option<(usize, usize)>,
     ) -> Option<UnitKey> {
         let next = |l: usize, g: usize| {
             if g + 1 < groups {
@@ -204,11 +208,17 @@ impl OffloadPolicy {
             }
         };
         let (mut nl, mut ng) = next(layer, group);
-        while self
-            .residency
-            .as_ref()
-            .is_some_and(|r| r.is_resident(nl * groups + ng))
-        {
+        let mut wrapped = false;
+        loop {
+            if let Some((layers, t)) = wrap {
+                if nl >= layers && !wrapped {
+                    (nl, ng, pos, wrapped) = (0, 0, pos + t, true);
+                }
+            }
+            let resident = self.residency.as_ref();
+            if !resident.is_some_and(|r| r.is_resident(nl * groups + ng)) {
+                break;
+            }
             (nl, ng) = next(nl, ng);
         }
         let spec = self.host.ready(nl, pos)?;
@@ -216,29 +226,38 @@ impl OffloadPolicy {
         (pos > start).then_some((nl, ng, start, pos - start))
     }
 
-    /// Starts copying the streamed unit after (layer, group) into buffer `buf`, and — for a
-    /// layer on disk — reading the one after it from disk: disk → host → device, each stage
-    /// a unit ahead of the compute.
+    /// Starts copying the streamed unit after (layer, group) into buffer `buf`, and — for
+    /// layers on disk — reading the [`READ_AHEAD`] streamed units after that one from disk,
+    /// into the next step's first units once this step's are all read: disk → host →
+    /// device, each stage ahead of the compute. (The copy stays within the step: its bytes
+    /// are counted, and a step that never comes would have moved them for nothing.)
     fn prefetch_next(
         &mut self,
         unit: (usize, usize),
         groups: usize,
-        pos: usize,
+        (pos, t, layers): (usize, usize, usize),
         buf: usize,
     ) -> Result<()> {
-        let Some(key) = self.next_streamed(unit, groups, pos) else {
-            return Ok(());
-        };
-        let jobs = self.load_jobs(key, buf)?;
-        let ticket = self.link.submit(jobs, Direction::H2d)?;
-        self.pingpong.set_prefetched(Loaded {
-            key,
-            buf,
-            tickets: [ticket, None],
-        });
-        if let Some((l, g, start, len)) = self.next_streamed((key.0, key.1), groups, pos) {
-            let gs = self.group;
-            self.host.read_ahead(l, (g * gs, gs), start, len)?;
+        let copied = self.next_streamed(unit, groups, pos, None);
+        if let Some(key) = copied {
+            let jobs = self.load_jobs(key, buf)?;
+            let ticket = self.link.submit(jobs, Direction::H2d)?;
+            self.pingpong.set_prefetched(Loaded {
+                key,
+                buf,
+                tickets: [ticket, None],
+            });
+        }
+        let (mut at, mut at_pos, gs) = (unit, pos, self.group);
+        for _ in 0..=READ_AHEAD {
+            let Some(key) = self.next_streamed(at, groups, at_pos, Some((layers, t))) else {
+                break;
+            };
+            (at, at_pos) = ((key.0, key.1), key.2 + key.3);
+            if Some(key) != copied {
+                self.host
+                    .read_ahead(key.0, (key.1 * gs, gs), key.2, key.3)?;
+            }
         }
         Ok(())
     }
@@ -287,7 +306,8 @@ impl KvPolicy for OffloadPolicy {
                 continue;
             }
             let buf = self.take_unit((layer, g, start, hist))?;
-            self.prefetch_next((layer, g), groups, pos, 1 - buf)?;
+            let at = (pos, t, shape.n_layers);
+            self.prefetch_next((layer, g), groups, at, 1 - buf)?;
             let (kb, vb) = self.pingpong.buf(buf)?;
             let (k, v, expanded) = if kb.dtype() == kn.dtype() {
                 kb.slice_set(&kn, 2, hist)?;
@@ -317,6 +337,24 @@ impl KvPolicy for OffloadPolicy {
         } else {
             Tensor::cat(&outs, 1)?
         })
+    }
+
+    /// The step's K/V go to the host tier (RAM or disk) as `attend` writes them back;
+    /// `auto` places units as they attend, so it refuses.
+    fn append_kv(&mut self, step: &AttnStep<'_>) -> Result<()> {
+        if self.residency.is_some() {
+            return Err(KvError::Unsupported(format!(
+                "`{}` places each unit on the device or the host as it attends, so it takes \
+                 no K/V without attention (append_kv); `layer` and `headwise` do",
+                self.name
+            )));
+        }
+        let shape = self.host.shape_for(step)?;
+        self.host.begin(&mut self.link, step, &shape)?;
+        self.host
+            .write(&mut self.link, step.layer, (step.k, step.v), 0, step.pos)?;
+        self.host.advance(step.layer, step.k.dim(2)?);
+        Ok(())
     }
 
     fn seq_len(&self) -> usize {

@@ -2,9 +2,13 @@
 //! (FlexGen's `--offload-dir`; HeadInfer §6 names disk offload as the next step).
 //!
 //! The file is laid out in chunks of `chunk` tokens; a chunk holds one block per (K or V,
-//! sequence, KV head) of `chunk × head_dim` elements behind an 8-byte header, so a head's
-//! token range is one `pread` per chunk it spans (plain positioned reads: the page cache
-//! serves re-reads, and a head's range is large and sequential). The file grows a chunk at a
+//! sequence, KV head) of `chunk × head_dim` elements behind a header page, so a head's
+//! token range is one positioned read per chunk it spans. Blocks, headers and data are
+//! aligned to 4 KiB so that reads can bypass the page cache ([`DiskIo::Direct`], the
+//! default: `O_DIRECT` into an aligned bounce buffer, header page and data in one request);
+//! [`DiskIo::Buffered`] reads through the page cache instead. Writes always go through the
+//! page cache (a decode step writes one row per head; the kernel flushes a dirty range
+//! before a direct read of it, so reads see every write). The file grows a chunk at a
 //! time and the chunk is written out, not left sparse, so a full disk fails at growth — the
 //! store then stays as it was, usable at its previous length. Each block records the range
 //! of tokens written to it, in memory and in its on-disk header; reading a token outside it,
@@ -12,7 +16,7 @@
 //! The file is removed when the store is dropped (a reset, the end of a run, an unwinding
 //! error; the examples drop every policy on SIGINT before exiting).
 use std::fs::{File, OpenOptions};
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -22,7 +26,41 @@ use candle_core::{DType, Device, Tensor};
 use crate::error::{KvError, Result};
 
 /// Bytes of a block header: magic, first and end of the tokens written (u32 each).
-const HEADER: u64 = 12;
+const HEADER: usize = 12;
+/// Alignment of blocks, of each block's data and of direct reads (offset, length, buffer):
+/// the page size, a multiple of every common logical block size.
+const ALIGN: u64 = 4096;
+
+/// How the disk tier reads its files.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum DiskIo {
+    /// `O_DIRECT` reads into aligned buffers, past the page cache: what the disk delivers,
+    /// without a second copy of the KV in RAM (the page cache would otherwise grow by what
+    /// the host budget keeps out of it). Falls back to [`DiskIo::Buffered`] on a file
+    /// system that refuses `O_DIRECT` (tmpfs).
+    #[default]
+    Direct,
+    /// Plain `pread` through the page cache: re-reads of KV that fits in free RAM come
+    /// from memory.
+    Buffered,
+}
+
+impl std::str::FromStr for DiskIo {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "direct" => Ok(Self::Direct),
+            "buffered" => Ok(Self::Buffered),
+            other => Err(format!(
+                "unknown disk I/O mode `{other}`: use `direct` or `buffered`"
+            )),
+        }
+    }
+}
+
+fn round_up(n: u64) -> u64 {
+    n.div_ceil(ALIGN) * ALIGN
+}
 /// "KVD1", little-endian.
 const MAGIC: u32 = 0x3144_564b;
 
@@ -44,6 +82,8 @@ pub fn remove_disk_files() {
 pub struct DiskKv {
     path: PathBuf,
     file: Arc<File>,
+    /// The same file opened for direct reads ([`DiskIo::Direct`], where allowed).
+    direct: Option<Arc<File>>,
     batch: usize,
     heads: usize,
     head_dim: usize,
@@ -92,13 +132,14 @@ pub fn raw_bytes(t: &Tensor) -> Result<Vec<u8>> {
 
 impl DiskKv {
     /// A new, empty store for `(batch, heads, ·, head_dim)` K/V of `dtype` in a file under
-    /// `dir` named after `name`, growing `chunk` tokens at a time.
+    /// `dir` named after `name`, growing `chunk` tokens at a time, read as `io` says.
     pub fn create(
         dir: &Path,
         name: &str,
         (batch, heads, head_dim): (usize, usize, usize),
         dtype: DType,
         chunk: usize,
+        io: DiskIo,
     ) -> Result<Self> {
         static NEXT: AtomicU64 = AtomicU64::new(0);
         let n = NEXT.fetch_add(1, Ordering::Relaxed);
@@ -112,9 +153,19 @@ impl DiskKv {
         if let Ok(mut live) = LIVE.lock() {
             live.push(path.clone());
         }
+        let direct = match io {
+            DiskIo::Direct => OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_DIRECT)
+                .open(&path)
+                .ok()
+                .map(Arc::new),
+            DiskIo::Buffered => None,
+        };
         Ok(Self {
             path,
             file: Arc::new(file),
+            direct,
             batch,
             heads,
             head_dim,
@@ -130,6 +181,12 @@ impl DiskKv {
         &self.path
     }
 
+    /// Whether reads bypass the page cache ([`DiskIo::Direct`] on a file system that allows
+    /// it).
+    pub fn direct_io(&self) -> bool {
+        self.direct.is_some()
+    }
+
     /// Tokens the file holds room for.
     pub fn capacity(&self) -> usize {
         self.chunks * self.chunk
@@ -139,8 +196,9 @@ impl DiskKv {
         self.head_dim * self.dtype.size_in_bytes()
     }
 
+    /// A block: its header page, then its data rounded up to whole pages.
     fn block_bytes(&self) -> u64 {
-        HEADER + (self.chunk * self.row_bytes()) as u64
+        ALIGN + round_up((self.chunk * self.row_bytes()) as u64)
     }
 
     fn blocks_per_chunk(&self) -> usize {
@@ -223,7 +281,7 @@ impl DiskKv {
                         let bytes = &data[(p - offset) * row..(p - offset + n) * row];
                         let io = |e| disk_err("cannot write", &self.path, e);
                         self.file
-                            .write_all_at(bytes, at + HEADER + (within * row) as u64)
+                            .write_all_at(bytes, at + ALIGN + (within * row) as u64)
                             .map_err(io)?;
                         let mut header = MAGIC.to_le_bytes().to_vec();
                         header.extend((now.0 as u32).to_le_bytes());
@@ -287,7 +345,7 @@ impl DiskKv {
                             kv,
                             header_at: at,
                             expect: known,
-                            data_at: at + HEADER + (within * row) as u64,
+                            data_at: at + ALIGN + (within * row) as u64,
                             buf_at: base + (p - start) * row,
                             bytes: n * row,
                         });
@@ -298,6 +356,7 @@ impl DiskKv {
         }
         Ok(DiskRead {
             file: self.file.clone(),
+            direct: self.direct.clone(),
             path: self.path.clone(),
             pieces,
             dims: [self.batch, g, len, self.head_dim],
@@ -321,6 +380,7 @@ struct Piece {
 #[derive(Debug)]
 pub struct DiskRead {
     file: Arc<File>,
+    direct: Option<Arc<File>>,
     path: PathBuf,
     pieces: Vec<Piece>,
     dims: [usize; 4],
@@ -334,39 +394,86 @@ impl DiskRead {
         let n: usize = self.dims.iter().product();
         let mut bufs = [ReadBuf::new(self.dtype, n), ReadBuf::new(self.dtype, n)];
         let io = |e| disk_err("cannot read", &self.path, e);
-        for p in &self.pieces {
-            let mut header = [0u8; HEADER as usize];
-            self.file
-                .read_exact_at(&mut header, p.header_at)
-                .map_err(io)?;
-            let word = |i: usize| {
-                u32::from_le_bytes([header[i], header[i + 1], header[i + 2], header[i + 3]])
-            };
-            if word(0) != MAGIC || (word(4), word(8)) != p.expect {
-                return Err(KvError::Disk {
-                    what: format!(
-                        "{}: a block at byte {} records tokens {:?} (magic {:#x}) where this store wrote {:?}",
-                        self.path.display(),
-                        p.header_at,
-                        (word(4), word(8)),
-                        word(0),
-                        p.expect
-                    ),
-                    source: std::io::Error::from(std::io::ErrorKind::InvalidData),
-                });
+        match &self.direct {
+            Some(file) => {
+                // The widest span one piece reads: its header page, the data pages it
+                // touches, and a page of slack to align the buffer's start.
+                let widest = self.pieces.iter().map(|p| p.span().1).max().unwrap_or(0);
+                let mut bounce = vec![0u8; (widest + 2 * ALIGN) as usize];
+                let start = bounce.as_ptr().align_offset(ALIGN as usize);
+                let bounce = &mut bounce[start..];
+                for p in &self.pieces {
+                    let (data_from, span) = p.span();
+                    let (data_from, span) = (data_from as usize, span as usize);
+                    let page = ALIGN as usize;
+                    if data_from == page {
+                        // Header page and data adjoin: one request.
+                        file.read_exact_at(&mut bounce[..span], p.header_at)
+                            .map_err(io)?;
+                    } else {
+                        file.read_exact_at(&mut bounce[..page], p.header_at)
+                            .map_err(io)?;
+                        let to = p.header_at + data_from as u64;
+                        file.read_exact_at(&mut bounce[data_from..span], to)
+                            .map_err(io)?;
+                    }
+                    p.check(&bounce[..HEADER], &self.path)?;
+                    let skip = (p.data_at - p.header_at) as usize;
+                    bufs[p.kv].bytes()[p.buf_at..p.buf_at + p.bytes]
+                        .copy_from_slice(&bounce[skip..skip + p.bytes]);
+                }
             }
-            self.file
-                .read_exact_at(
-                    &mut bufs[p.kv].bytes()[p.buf_at..p.buf_at + p.bytes],
-                    p.data_at,
-                )
-                .map_err(io)?;
+            None => {
+                for p in &self.pieces {
+                    let mut header = [0u8; HEADER];
+                    self.file
+                        .read_exact_at(&mut header, p.header_at)
+                        .map_err(io)?;
+                    p.check(&header, &self.path)?;
+                    self.file
+                        .read_exact_at(
+                            &mut bufs[p.kv].bytes()[p.buf_at..p.buf_at + p.bytes],
+                            p.data_at,
+                        )
+                        .map_err(io)?;
+                }
+            }
         }
         let [k, v] = bufs;
         Ok((
             k.tensor(self.dtype, &self.dims)?,
             v.tensor(self.dtype, &self.dims)?,
         ))
+    }
+}
+
+impl Piece {
+    /// For a direct read, relative to the block's header: where the aligned data read
+    /// starts and where the span ends (both whole pages).
+    fn span(&self) -> (u64, u64) {
+        let from = (self.data_at - self.header_at) / ALIGN * ALIGN;
+        let to = round_up(self.data_at - self.header_at + self.bytes as u64);
+        (from, to)
+    }
+
+    /// Checks a block header read back against what this store wrote.
+    fn check(&self, header: &[u8], path: &Path) -> Result<()> {
+        let word =
+            |i: usize| u32::from_le_bytes([header[i], header[i + 1], header[i + 2], header[i + 3]]);
+        if word(0) != MAGIC || (word(4), word(8)) != self.expect {
+            return Err(KvError::Disk {
+                what: format!(
+                    "{}: a block at byte {} records tokens {:?} (magic {:#x}) where this store wrote {:?}",
+                    path.display(),
+                    self.header_at,
+                    (word(4), word(8)),
+                    word(0),
+                    self.expect
+                ),
+                source: std::io::Error::from(std::io::ErrorKind::InvalidData),
+            });
+        }
+        Ok(())
     }
 }
 
@@ -414,7 +521,7 @@ mod tests {
     use super::*;
 
     fn store(dir: &Path) -> Result<DiskKv> {
-        DiskKv::create(dir, "t", (1, 2, 3), DType::F32, 4)
+        DiskKv::create(dir, "t", (1, 2, 3), DType::F32, 4, DiskIo::Direct)
     }
 
     fn kv(t: usize, base: f32) -> Result<(Tensor, Tensor)> {
@@ -456,6 +563,37 @@ mod tests {
         assert!(path.is_file());
         drop(d);
         assert!(!path.exists());
+        Ok(())
+    }
+
+    #[test]
+    fn direct_and_buffered_reads_agree_at_any_offset() -> Result<()> {
+        let dir = tempfile::tempdir().map_err(|e| KvError::invariant(e.to_string()))?;
+        // Rows of 4 KiB: a read from token 2 of a chunk starts two pages into the block's
+        // data, so a direct read takes the header page and the data in two requests.
+        let dims = (1, 2, 1024);
+        let mut stores = Vec::new();
+        for io in [DiskIo::Direct, DiskIo::Buffered] {
+            let mut d = DiskKv::create(dir.path(), "io", dims, DType::F32, 4, io)?;
+            let k = Tensor::arange(0f32, (2 * 10 * 1024) as f32, &Device::Cpu)?
+                .reshape((1, 2, 10, 1024))?;
+            d.write(&k, &(&k + 0.5)?, 0, 0)?;
+            stores.push((d, k));
+        }
+        assert!(!stores[1].0.direct_io());
+        for (start, len) in [(0, 10), (2, 5), (5, 1), (7, 3)] {
+            let mut got = Vec::new();
+            for (d, k) in &stores {
+                let (rk, rv) = d.read((1, 1), start, len)?;
+                let want = k.narrow(1, 1, 1)?.narrow(2, start, len)?;
+                assert_eq!(
+                    rk.flatten_all()?.to_vec1::<f32>()?,
+                    want.flatten_all()?.to_vec1::<f32>()?
+                );
+                got.push(rv.flatten_all()?.to_vec1::<f32>()?);
+            }
+            assert_eq!(got[0], got[1]);
+        }
         Ok(())
     }
 

@@ -10,7 +10,7 @@ use std::time::Instant;
 use candle_core::{DType, Tensor};
 
 use super::codec::KvCodec;
-use super::disk::{DiskKv, DiskRead};
+use super::disk::{DiskIo, DiskKv, DiskRead};
 use super::link::{Direction, Link};
 use crate::attention::AttnSpec;
 use crate::buffer::round_up;
@@ -46,6 +46,8 @@ pub struct DiskTier {
     pub dir: PathBuf,
     /// Host bytes of K/V kept in RAM; layers beyond it go to disk.
     pub host_budget: u64,
+    /// How the files are read.
+    pub io: DiskIo,
 }
 
 /// Bytes a tensor's elements take.
@@ -55,6 +57,10 @@ pub fn tensor_bytes(t: &Tensor) -> u64 {
 
 /// What a read-ahead covers: layer, first head, heads, first token, tokens.
 type ReadKey = (usize, usize, usize, usize, usize);
+
+/// Disk reads in flight at once, each on its own thread: the next unit's and the one after
+/// it, so that the disk has the next request while the compute thread collects one.
+pub const READ_AHEAD: usize = 2;
 
 /// A read of the disk tier running on its own thread.
 #[derive(Debug)]
@@ -76,8 +82,9 @@ pub struct HostLayers {
     disk_read: u64,
     disk_written: u64,
     disk_s: f64,
-    /// The disk read started ahead of its use (the first stage of disk → host → device).
-    ahead: Option<ReadAhead>,
+    /// The disk reads started ahead of their use, in the order they will be asked for (the
+    /// first stage of disk → host → device; at most [`READ_AHEAD`]).
+    ahead: std::collections::VecDeque<ReadAhead>,
     /// Read-aheads started since the last clear.
     read_aheads: u64,
     /// How K/V are stored (the model's dtype, or LOSSY smaller forms).
@@ -99,7 +106,7 @@ impl HostLayers {
             disk_read: 0,
             disk_written: 0,
             disk_s: 0.0,
-            ahead: None,
+            ahead: Default::default(),
             read_aheads: 0,
             codec: KvCodec::Model,
         }
@@ -210,8 +217,8 @@ impl HostLayers {
         };
         let ram = self.ram_bytes() - old_bytes + self.stored_bytes(shape, shape.n_kv_heads, cap);
         let spill = self.disk.as_ref().filter(|t| ram > t.host_budget);
-        if let Some(dir) = spill.map(|t| t.dir.clone()) {
-            return self.spill_to_disk(link, layer, shape, tokens, dir);
+        if let Some(tier) = spill.cloned() {
+            return self.spill_to_disk(link, layer, shape, tokens, &tier);
         }
         self.codec.check(shape.head_dim)?;
         let (dt, w) = self.stored(shape);
@@ -234,12 +241,13 @@ impl HostLayers {
         layer: usize,
         shape: &KvShape,
         tokens: usize,
-        dir: PathBuf,
+        tier: &DiskTier,
     ) -> Result<()> {
         let t0 = Instant::now();
         let (dt, w) = self.stored(shape);
         let dims = (shape.batch, shape.n_kv_heads, w);
-        let mut d = DiskKv::create(&dir, &format!("layer{layer}"), dims, dt, self.chunk)?;
+        let name = format!("layer{layer}");
+        let mut d = DiskKv::create(&tier.dir, &name, dims, dt, self.chunk, tier.io)?;
         d.ensure(tokens)?;
         if let Some(HostStore::Ram(h)) = &self.layers[layer] {
             let n = self.lens[layer];
@@ -273,19 +281,19 @@ impl HostLayers {
             Some(HostStore::Disk(d)) => {
                 let key = (layer, first_head, g, start, len);
                 let t0 = Instant::now();
-                let ahead = self.ahead.take();
-                let (k, v) = match ahead {
-                    Some(a) if a.key == key => a
+                // Read-aheads queued before this one were not asked for: finished and
+                // dropped (all of them when this read was not read ahead).
+                let hit = self.ahead.iter().position(|a| a.key == key);
+                let stale = hit.unwrap_or(self.ahead.len());
+                for a in self.ahead.drain(..stale) {
+                    let _ = a.thread.join();
+                }
+                let (k, v) = match hit.and_then(|_| self.ahead.pop_front()) {
+                    Some(a) => a
                         .thread
                         .join()
                         .map_err(|_| KvError::invariant("a disk read-ahead thread panicked"))??,
-                    other => {
-                        // A read-ahead of something else is finished and dropped first.
-                        if let Some(a) = other {
-                            let _ = a.thread.join();
-                        }
-                        d.read((first_head, g), start, len)?
-                    }
+                    None => d.read((first_head, g), start, len)?,
                 };
                 self.disk_s += t0.elapsed().as_secs_f64();
                 self.disk_read += tensor_bytes(&k) + tensor_bytes(&v);
@@ -297,16 +305,17 @@ impl HostLayers {
         }
     }
 
-    /// Lets a pending read-ahead finish and drops what it read.
-    fn drop_read_ahead(&mut self) {
-        if let Some(a) = self.ahead.take() {
+    /// Lets the pending read-aheads finish and drops what they read.
+    fn drop_read_aheads(&mut self) {
+        for a in self.ahead.drain(..) {
             let _ = a.thread.join();
         }
     }
 
-    /// Starts reading what [`history`](Self::history) will be asked for next, on its own
-    /// thread, if `layer` is on disk (one read-ahead at a time; nothing for a RAM layer).
-    /// The tokens must be written already: a read-ahead never races a write of its blocks.
+    /// Starts reading what [`history`](Self::history) will be asked for soon, on its own
+    /// thread, if `layer` is on disk (nothing for a RAM layer, nor when [`READ_AHEAD`] reads
+    /// are in flight already). Calls come in the order the reads will be asked for. The
+    /// tokens must be written already: a read-ahead never races a write of its blocks.
     pub fn read_ahead(
         &mut self,
         layer: usize,
@@ -315,19 +324,18 @@ impl HostLayers {
         len: usize,
     ) -> Result<()> {
         let key = (layer, first_head, g, start, len);
-        if self.ahead.as_ref().is_some_and(|a| a.key == key) {
+        if self.ahead.len() >= READ_AHEAD || self.ahead.iter().any(|a| a.key == key) {
             return Ok(());
         }
         let Some(HostStore::Disk(d)) = self.layers.get(layer).and_then(Option::as_ref) else {
             return Ok(());
         };
         let plan: DiskRead = d.plan_read((first_head, g), start, len)?;
-        self.drop_read_ahead();
         let thread = std::thread::Builder::new()
             .name("kv-disk-read".into())
             .spawn(move || plan.run())
             .map_err(|e| KvError::invariant(format!("cannot start a disk read thread: {e}")))?;
-        self.ahead = Some(ReadAhead { key, thread });
+        self.ahead.push_back(ReadAhead { key, thread });
         self.read_aheads += 1;
         Ok(())
     }
@@ -367,6 +375,18 @@ impl HostLayers {
             }
             Some(HostStore::Disk(d)) => {
                 let t0 = Instant::now();
+                // A read-ahead of these blocks planned before this write would find their
+                // headers changed: it is finished and dropped first (callers read ahead
+                // only what they wrote, so this is a guard).
+                let heads = first_head..first_head + k.dim(1)?;
+                let (stale, keep): (Vec<_>, Vec<_>) = self.ahead.drain(..).partition(|a| {
+                    let (l, h, g) = (a.key.0, a.key.1, a.key.2);
+                    l == layer && h < heads.end && heads.start < h + g
+                });
+                self.ahead = keep.into();
+                for a in stale {
+                    let _ = a.thread.join();
+                }
                 let n = d.write(k, v, first_head, offset)?;
                 self.disk_s += t0.elapsed().as_secs_f64();
                 self.disk_written += n;
@@ -421,15 +441,13 @@ impl HostLayers {
     /// `stats` with the host tier's RAM bytes, the disk tier's file bytes and its traffic
     /// filled in.
     pub fn report(&self, stats: KvStats) -> KvStats {
-        let disk = self
-            .layers
-            .iter()
-            .flatten()
-            .map(|s| match s {
-                HostStore::Disk(d) => d.bytes(),
-                HostStore::Ram(_) => 0,
+        let files = || {
+            self.layers.iter().flatten().filter_map(|s| match s {
+                HostStore::Disk(d) => Some(d),
+                HostStore::Ram(_) => None,
             })
-            .sum();
+        };
+        let disk = files().map(DiskKv::bytes).sum();
         KvStats {
             host_kv_bytes: self.ram_bytes(),
             disk_kv_bytes: disk,
@@ -437,6 +455,7 @@ impl HostLayers {
             disk_write_bytes: self.disk_written,
             disk_wait_s: self.disk_s,
             disk_read_aheads: self.read_aheads,
+            disk_direct_io: files().any(DiskKv::direct_io),
             lossy: self
                 .shape
                 .as_ref()
@@ -448,7 +467,7 @@ impl HostLayers {
     /// Hands every buffer back to the engine, removes every file and forgets the sequence
     /// (the shape stays, with its layer count restarted).
     pub fn clear(&mut self, link: &mut Link) {
-        self.drop_read_ahead();
+        self.drop_read_aheads();
         self.read_aheads = 0;
         for s in self.layers.drain(..).flatten() {
             if let HostStore::Ram(h) = s {

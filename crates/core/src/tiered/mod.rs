@@ -24,7 +24,7 @@ mod link;
 mod pingpong;
 
 pub use codec::KvCodec;
-pub use disk::{raw_bytes, remove_disk_files, DiskKv};
-pub use host::{tensor_bytes, DiskTier, HostKv, HostLayers, HostStore};
+pub use disk::{raw_bytes, remove_disk_files, DiskIo, DiskKv};
+pub use host::{tensor_bytes, DiskTier, HostKv, HostLayers, HostStore, READ_AHEAD};
 pub use link::{report_device, Direction, Link};
 pub use pingpong::{Loaded, PingPong};
