@@ -5,11 +5,17 @@
 # I/O, so the page cache does not answer) for comparison. The disk tier reads with O_DIRECT
 # (`--disk-io direct`, the default) and, last, through the page cache (`--disk-io buffered`).
 #
-#   scripts/disk_tier_bench.sh [CONTEXT] [DIR]      (defaults: 32768, a temporary directory)
+#   scripts/disk_tier_bench.sh [CONTEXT] [DIR] [synthetic]
+#
+# (defaults: 32768, a temporary directory). With `synthetic`, each context is filled with
+# random K/V stored without attention (kvbench --synthetic-history) instead of a prefill:
+# the decode timing at contexts whose prefill would take hours on a CPU (512K).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 context=${1:-32768}
 dir=${2:-$(mktemp -d)}
+history=()
+[ "${3:-}" = synthetic ] && history=(--synthetic-history)
 mkdir -p "$dir"
 cfg=$(mktemp --suffix .json)
 trap 'rm -f "$cfg" "$dir/dd.test"' EXIT
@@ -27,7 +33,7 @@ cargo build --release --example kvbench
 layer=$(( context * 2 * 3 * 64 * 4 ))
 run() {
   ./target/release/examples/kvbench --random-weights --config "$cfg" --cpu --context "$context" \
-    --steps 8 --repeats 1 --no-stock --prefill-chunk 2048 --disk-dir "$dir" "$@"
+    --steps 8 --repeats 1 --no-stock --prefill-chunk 2048 --disk-dir "$dir" "${history[@]}" "$@"
 }
 echo "== --host-kv-budget $(( layer + layer / 2 )): one layer in RAM, one on disk ($layer bytes each)"
 run --policies full,headwise:1 --host-kv-budget $(( layer + layer / 2 ))

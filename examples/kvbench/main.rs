@@ -7,8 +7,9 @@
 //!     [--csv FILE] [--plot DIR] [--quick] [--link-bandwidth 50MB] [--profile FILE]
 //! ```
 //!
-//! Each context is filled by a chunked prefill of deterministic token ids, then `--steps`
-//! decode steps are timed (fixed ids, so every policy does identical work); the median of
+//! Each context is filled by a chunked prefill of deterministic token ids (or, with
+//! `--synthetic-history`, random K/V stored without attention), then `--steps` decode steps
+//! are timed (fixed ids, so every policy does identical work); the median of
 //! `--repeats` runs is reported. Prints a markdown table (ratios ÷ `full` at the same
 //! context), and optionally writes CSV and SVG charts.
 #[path = "../common/atomic.rs"]
@@ -23,6 +24,7 @@ mod registry;
 mod report;
 mod stock;
 mod sweep;
+mod synthetic;
 #[path = "../common/threads.rs"]
 mod threads;
 
@@ -67,6 +69,9 @@ struct Args {
     /// Policies: `name`, `headwise:GROUP`, `recompute:SPLIT` or `auto:BUDGET` (e.g. auto:64MiB).
     #[arg(long, value_delimiter = ',', default_values_t = ["full", "layer", "headwise:1", "headwise:auto", "recompute"].map(String::from).to_vec())]
     policies: Vec<String>,
+    /// Fill each context with random K/V stored without attention (`KvPolicy::append_kv`; full, layer, headwise) instead of a prefill: decode timing at contexts whose prefill would take hours. The prefill column is then the fill rate, and the logits mean nothing.
+    #[arg(long, conflicts_with = "llamacpp")]
+    synthetic_history: bool,
     /// Prefill chunk (tokens per pass).
     #[arg(long, default_value_t = 256)]
     prefill_chunk: usize,
@@ -204,7 +209,9 @@ fn run(mut args: Args) -> Result<()> {
         info.max_positions
     );
     let mut stock = match &files {
-        ModelFiles::Gguf(p) if !args.no_stock && info.architecture == "llama" => {
+        ModelFiles::Gguf(p)
+            if !args.no_stock && !args.synthetic_history && info.architecture == "llama" =>
+        {
             Some(Stock::load(p, &dev, info.vocab_size)?)
         }
         _ => None,
@@ -235,6 +242,11 @@ fn run(mut args: Args) -> Result<()> {
     if let Some(b) = args.link_bandwidth {
         println!("simulated link: {}/s", kvpolicy::core::format_bytes(b));
     }
+    if args.synthetic_history {
+        println!(
+            "history: synthetic (random K/V stored with append_kv, no prefill: the prefill column is the fill rate)"
+        );
+    }
     let llamacpp = match (&args.llamacpp, &files) {
         (Some(python), ModelFiles::Gguf(gguf)) => Some(llamacpp::LlamaCpp {
             python: python.clone(),
@@ -262,6 +274,7 @@ fn run(mut args: Args) -> Result<()> {
                 args.steps,
                 args.repeats,
                 args.prefill_chunk,
+                args.synthetic_history,
                 &mut || bar.inc(1),
             )?);
         }

@@ -131,6 +131,7 @@ pub fn measure(
     steps: usize,
     repeats: usize,
     chunk: usize,
+    synthetic: bool,
     tick: &mut dyn FnMut(),
 ) -> Result<Row> {
     let dev: &Device = &model.info().device;
@@ -145,7 +146,11 @@ pub fn measure(
         // resident units for it).
         p.prepare(&kv_shape(model.info(), 1, context + steps, chunk))?;
         let t = Instant::now();
-        prefill(model, p.as_mut(), &prompt, chunk, false)?;
+        if synthetic {
+            crate::synthetic::fill(model, p.as_mut(), context, chunk)?;
+        } else {
+            prefill(model, p.as_mut(), &prompt, chunk, false)?;
+        }
         dev.synchronize()?;
         prefill_rates.push(context as f64 / t.elapsed().as_secs_f64());
         let before = p.stats();

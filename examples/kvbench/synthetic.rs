@@ -1,0 +1,62 @@
+//! A synthetic history (`--synthetic-history`): random K/V stored with
+//! [`KvPolicy::append_kv`] chunk by chunk and layer by layer, as a prefill would store them,
+//! but without computing attention — so that decode can be timed at contexts whose prefill
+//! would take hours here (512K tokens: the attention of a chunked prefill grows with the
+//! square of the context). Decode's cost does not depend on the values; its logits mean
+//! nothing.
+use anyhow::Result;
+use candle_core::Tensor;
+use kvpolicy::{AttnSpec, AttnStep, CausalLm, KvError, KvPolicy, KvRegen};
+
+/// No regeneration: `append_kv` policies store K/V.
+struct NoRegen;
+
+impl KvRegen for NoRegen {
+    fn regen(&self, _: &Tensor, _: usize) -> Result<(Tensor, Tensor), KvError> {
+        Err(KvError::Regen(
+            "a synthetic history has no layer inputs to regenerate from".into(),
+        ))
+    }
+
+    fn flops_per_token(&self) -> u64 {
+        0
+    }
+}
+
+/// Stores `context` tokens of random K/V (standard normal, the model's dtype) in `policy`,
+/// `chunk` tokens per step.
+pub fn fill(
+    model: &dyn CausalLm,
+    policy: &mut dyn KvPolicy,
+    context: usize,
+    chunk: usize,
+) -> Result<()> {
+    let info = model.info();
+    let (dev, chunk) = (&info.device, chunk.max(1));
+    let mut start = 0;
+    while start < context {
+        let t = chunk.min(context - start);
+        let x = Tensor::zeros((1, t, info.hidden), info.dtype, dev)?;
+        for layer in 0..info.n_layers {
+            let dims = (1, info.n_kv_heads, t, info.head_dim);
+            let k = Tensor::randn(0f32, 1.0, dims, dev)?.to_dtype(info.dtype)?;
+            let v = Tensor::randn(0f32, 1.0, dims, dev)?.to_dtype(info.dtype)?;
+            let mut spec = AttnSpec::new(info.n_heads, info.n_kv_heads, info.head_dim);
+            spec.sliding_window = info.windows.get(layer).copied().flatten();
+            policy.append_kv(&AttnStep {
+                layer,
+                seq: 0,
+                // Not read by `append_kv`.
+                q: &k,
+                k: &k,
+                v: &v,
+                x: &x,
+                pos: start,
+                spec: &spec,
+                regen: &NoRegen,
+            })?;
+        }
+        start += t;
+    }
+    Ok(())
+}
