@@ -271,10 +271,12 @@ fn run(mut args: Args) -> Result<()> {
                 model,
                 v,
                 ctx,
-                args.steps,
-                args.repeats,
-                args.prefill_chunk,
-                args.synthetic_history,
+                sweep::Timing {
+                    steps: args.steps,
+                    repeats: args.repeats,
+                    chunk: args.prefill_chunk,
+                    synthetic: args.synthetic_history,
+                },
                 &mut || bar.inc(1),
             )?);
         }

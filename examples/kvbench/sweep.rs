@@ -123,17 +123,33 @@ pub fn ids(n: usize, offset: usize, vocab: u32) -> Vec<u32> {
         .collect()
 }
 
+/// How each measurement runs.
+#[derive(Clone, Copy, Debug)]
+pub struct Timing {
+    /// Timed decode steps.
+    pub steps: usize,
+    /// Runs (the median is reported).
+    pub repeats: usize,
+    /// Tokens per prefill (or fill) step.
+    pub chunk: usize,
+    /// Fill with random K/V through `append_kv` instead of a prefill.
+    pub synthetic: bool,
+}
+
 /// Prefills `context` tokens under `v` and times `steps` decode steps, `repeats` times.
 pub fn measure(
     model: &dyn CausalLm,
     v: &Variant,
     context: usize,
-    steps: usize,
-    repeats: usize,
-    chunk: usize,
-    synthetic: bool,
+    how: Timing,
     tick: &mut dyn FnMut(),
 ) -> Result<Row> {
+    let Timing {
+        steps,
+        repeats,
+        chunk,
+        synthetic,
+    } = how;
     let dev: &Device = &model.info().device;
     let vocab = model.info().vocab_size as u32;
     let prompt = ids(context, 0, vocab);
