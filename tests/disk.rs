@@ -1,7 +1,8 @@
 //! The disk tier (issue "beyond host memory"): `layer`, `headwise` and `auto` with layers
 //! past `--host-kv-budget` in files under `--disk-dir` give `full`'s logits exactly —
 //! with budgets that put every layer, some layers or none on disk — and leave no file
-//! behind; a damaged file is an error, after which `reset()` recovers.
+//! behind; a damaged file is an error, after which `reset()` recovers; a full disk from the
+//! command line is a clear error that leaves no file (`tests/full_disk.rs`: mid-decode).
 mod common;
 
 use anyhow::Result;
@@ -177,5 +178,36 @@ fn the_disk_and_compressed_flags_work_from_the_command_line() -> Result<()> {
         !o.status.success() && err.contains("multiple of 32"),
         "{err}"
     );
+    Ok(())
+}
+
+#[test]
+fn a_full_disk_from_the_command_line_is_a_clear_error_leaving_no_file() -> Result<()> {
+    // A file-size limit of 8 blocks (its SIGXFSZ ignored) stands in for a full disk: the
+    // disk tier's first growth fails.
+    let dir = tempfile::tempdir()?;
+    let out = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(r#"trap "" XFSZ; ulimit -f 8; exec "$@""#)
+        .arg("sh")
+        .arg(common::example_bin("llama"))
+        .args([
+            "--model-dir",
+            &common::fixture("llama_gqa").to_string_lossy(),
+        ])
+        .args(["--prompt-ids", "1,2,3", "--max-new-tokens", "4"])
+        .args(["--policy", "headwise", "--disk-dir"])
+        .arg(dir.path())
+        .output()?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("is the disk full?")
+            && err.contains("--disk-dir")
+            && err.contains("os error 27"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(files(dir.path())?, 0);
     Ok(())
 }

@@ -114,8 +114,9 @@ pub enum KvError {
     /// A policy's own bookkeeping broke: a bug in the policy.
     #[error("internal error in the KV policy ({0}); this is a bug, please report it")]
     Invariant(String),
-    /// The disk tier could not create, grow, write or read a file, or found one damaged.
-    #[error("disk tier: {what}: {source}")]
+    /// The disk tier could not create, grow, write or read a file, or found one damaged
+    /// (the I/O error is the source: `{:#}` / anyhow's chain prints it).
+    #[error("disk tier: {what}")]
     Disk {
         /// What was being done, and to which file.
         what: String,

@@ -228,11 +228,16 @@ impl DiskKv {
             }
             if let Err(e) = self.file.write_all_at(&chunk, at) {
                 let _ = self.file.set_len(at);
-                return Err(disk_err(
-                    &format!("cannot grow to {} tokens:", self.capacity() + self.chunk),
-                    &self.path,
-                    e,
-                ));
+                return Err(KvError::Disk {
+                    what: format!(
+                        "cannot grow {} to {} tokens (is the disk full? free space under \
+                         `disk_dir` or point it at a larger file system; the cache keeps the \
+                         tokens it holds)",
+                        self.path.display(),
+                        self.capacity() + self.chunk,
+                    ),
+                    source: e,
+                });
             }
             self.chunks += 1;
             self.written.extend(std::iter::repeat_n((0, 0), blocks));
