@@ -58,7 +58,7 @@ fn disk_tier_logits_equal_full_and_leave_no_file() -> Result<()> {
                         "{name} {policy} {host:?}: {st:?}"
                     );
                     assert!(files(dir.path())? > 0);
-                    // Disk reads ran a unit ahead, on their own thread.
+                    // Disk reads ran ahead of their use, on their own threads.
                     assert!(st.disk_read_aheads > 0, "{name} {policy} {host:?}: {st:?}");
                 } else if !on_disk {
                     assert_eq!(

@@ -453,5 +453,42 @@ fn a_disk_tier_row_reports_its_reads() -> Result<()> {
         "{out}"
     );
     assert_eq!(std::fs::read_dir(&disk)?.count(), 0);
+    // A synthetic history (random K/V through append_kv) read through the page cache.
+    let synthetic = |policies: &str| {
+        kvbench(&[
+            "--random-weights",
+            "--config",
+            &cfg.to_string_lossy(),
+            "--cpu",
+            "--context",
+            "300",
+            "--steps",
+            "2",
+            "--repeats",
+            "1",
+            "--policies",
+            policies,
+            "--synthetic-history",
+            "--disk-dir",
+            &disk.to_string_lossy(),
+            "--disk-io",
+            "buffered",
+        ])
+    };
+    let o = synthetic("full,headwise:1")?;
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("history: synthetic"), "{out}");
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("disk tier: headwise:1 at 300: ")
+                && l.contains("(buffered reads)")),
+        "{out}"
+    );
+    // `auto` places units as they attend: it takes no K/V without attention.
+    let o = synthetic("auto")?;
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("append_kv"), "{err}");
+    assert_eq!(std::fs::read_dir(&disk)?.count(), 0);
     Ok(())
 }

@@ -67,7 +67,7 @@ pub struct KvStats {
     /// Seconds the compute thread spent on disk reads and writes (waiting for a read-ahead
     /// included).
     pub disk_wait_s: f64,
-    /// Disk reads started a unit ahead of their use, on their own thread.
+    /// Disk reads started ahead of their use, each on its own thread.
     pub disk_read_aheads: u64,
     /// Whether the disk tier reads past the page cache (`O_DIRECT`; see `DiskIo`).
     pub disk_direct_io: bool,

@@ -53,9 +53,10 @@
 //!   layers in window-sized buffers).
 //! * Disk tier (beyond HeadInfer, whose contexts are bounded by host RAM; FlexGen's
 //!   `--offload-dir`): with `disk_dir`, host-tier layers past `host_kv_budget` live in
-//!   files; the unit after next is read from disk on a reader thread while the next one
-//!   crosses to the device and the current one attends (disk → host → device, each a unit
-//!   ahead).
+//!   files (read with `O_DIRECT` by default); the three streamed units after the next are
+//!   read from disk, each on a reader thread, while the next one crosses to the device and
+//!   the current one attends (disk → host → device); after the last layer the read-ahead
+//!   goes on into the next step's first units.
 //! * Left for later: KVPR's partial recompute for the streamed units of MHA layers (the
 //!   `recompute` policy does it for whole layers).
 //!

@@ -394,61 +394,69 @@ pub struct DiskRead {
 
 impl DiskRead {
     /// Reads every piece, checking each block's header against what was written when the
-    /// read was planned; returns K and V `(batch, g, len, head_dim)` on the CPU.
+    /// read was planned; returns K and V `(batch, g, len, head_dim)` on the CPU. K's pieces
+    /// and V's are read side by side (two requests outstanding: this disk delivers more).
     pub fn run(self) -> Result<(Tensor, Tensor)> {
         let n: usize = self.dims.iter().product();
-        let mut bufs = [ReadBuf::new(self.dtype, n), ReadBuf::new(self.dtype, n)];
-        let io = |e| disk_err("cannot read", &self.path, e);
-        match &self.direct {
-            Some(file) => {
-                // The widest span one piece reads: its header page, the data pages it
-                // touches, and a page of slack to align the buffer's start.
-                let widest = self.pieces.iter().map(|p| p.span().1).max().unwrap_or(0);
-                let mut bounce = vec![0u8; (widest + 2 * ALIGN) as usize];
-                let start = bounce.as_ptr().align_offset(ALIGN as usize);
-                let bounce = &mut bounce[start..];
-                for p in &self.pieces {
-                    let (data_from, span) = p.span();
-                    let (data_from, span) = (data_from as usize, span as usize);
-                    let page = ALIGN as usize;
-                    if data_from == page {
-                        // Header page and data adjoin: one request.
-                        file.read_exact_at(&mut bounce[..span], p.header_at)
-                            .map_err(io)?;
-                    } else {
-                        file.read_exact_at(&mut bounce[..page], p.header_at)
-                            .map_err(io)?;
-                        let to = p.header_at + data_from as u64;
-                        file.read_exact_at(&mut bounce[data_from..span], to)
-                            .map_err(io)?;
-                    }
-                    p.check(&bounce[..HEADER], &self.path)?;
-                    let skip = (p.data_at - p.header_at) as usize;
-                    bufs[p.kv].bytes()[p.buf_at..p.buf_at + p.bytes]
-                        .copy_from_slice(&bounce[skip..skip + p.bytes]);
-                }
-            }
-            None => {
-                for p in &self.pieces {
-                    let mut header = [0u8; HEADER];
-                    self.file
-                        .read_exact_at(&mut header, p.header_at)
-                        .map_err(io)?;
-                    p.check(&header, &self.path)?;
-                    self.file
-                        .read_exact_at(
-                            &mut bufs[p.kv].bytes()[p.buf_at..p.buf_at + p.bytes],
-                            p.data_at,
-                        )
-                        .map_err(io)?;
-                }
-            }
-        }
-        let [k, v] = bufs;
+        let (mut k, mut v) = (ReadBuf::new(self.dtype, n), ReadBuf::new(self.dtype, n));
+        std::thread::scope(|s| {
+            let values = s.spawn(|| self.read_into(1, &mut v));
+            let keys = self.read_into(0, &mut k);
+            let values = values
+                .join()
+                .map_err(|_| KvError::invariant("a disk read thread panicked"))?;
+            keys.and(values)
+        })?;
         Ok((
             k.tensor(self.dtype, &self.dims)?,
             v.tensor(self.dtype, &self.dims)?,
         ))
+    }
+
+    /// Reads the pieces of K (`kv` 0) or V (1) into `buf`.
+    fn read_into(&self, kv: usize, buf: &mut ReadBuf) -> Result<()> {
+        let io = |e| disk_err("cannot read", &self.path, e);
+        let pieces = self.pieces.iter().filter(|p| p.kv == kv);
+        let Some(file) = &self.direct else {
+            for p in pieces {
+                let mut header = [0u8; HEADER];
+                self.file
+                    .read_exact_at(&mut header, p.header_at)
+                    .map_err(io)?;
+                p.check(&header, &self.path)?;
+                self.file
+                    .read_exact_at(&mut buf.bytes()[p.buf_at..p.buf_at + p.bytes], p.data_at)
+                    .map_err(io)?;
+            }
+            return Ok(());
+        };
+        // The widest span one piece reads: its header page, the data pages it touches, and
+        // a page of slack to align the buffer's start.
+        let widest = self.pieces.iter().map(|p| p.span().1).max().unwrap_or(0);
+        let mut bounce = vec![0u8; (widest + 2 * ALIGN) as usize];
+        let start = bounce.as_ptr().align_offset(ALIGN as usize);
+        let bounce = &mut bounce[start..];
+        let page = ALIGN as usize;
+        for p in pieces {
+            let (data_from, span) = p.span();
+            let (data_from, span) = (data_from as usize, span as usize);
+            if data_from == page {
+                // Header page and data adjoin: one request.
+                file.read_exact_at(&mut bounce[..span], p.header_at)
+                    .map_err(io)?;
+            } else {
+                file.read_exact_at(&mut bounce[..page], p.header_at)
+                    .map_err(io)?;
+                let to = p.header_at + data_from as u64;
+                file.read_exact_at(&mut bounce[data_from..span], to)
+                    .map_err(io)?;
+            }
+            p.check(&bounce[..HEADER], &self.path)?;
+            let skip = (p.data_at - p.header_at) as usize;
+            buf.bytes()[p.buf_at..p.buf_at + p.bytes]
+                .copy_from_slice(&bounce[skip..skip + p.bytes]);
+        }
+        Ok(())
     }
 }
 

@@ -58,9 +58,12 @@ pub fn tensor_bytes(t: &Tensor) -> u64 {
 /// What a read-ahead covers: layer, first head, heads, first token, tokens.
 type ReadKey = (usize, usize, usize, usize, usize);
 
-/// Disk reads in flight at once, each on its own thread: the next unit's and the one after
-/// it, so that the disk has the next request while the compute thread collects one.
-pub const READ_AHEAD: usize = 2;
+/// Disk reads in flight at once, each on its own thread: the next units', so that the disk
+/// has requests queued while the compute thread collects one, and a layer in RAM (which
+/// reads nothing) leaves the disk busy with the next layer's. Side by side, not one after
+/// another: this disk delivers more with several requests outstanding
+/// (bench-results/2026-11-24-cpu-disk-tier.md).
+pub const READ_AHEAD: usize = 3;
 
 /// A read of the disk tier running on its own thread.
 #[derive(Debug)]
