@@ -21,48 +21,19 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 
+use super::disk_read::{round_up, DiskIo, DiskRead, Piece};
 use crate::error::{KvError, Result};
 
 /// Bytes of a block header: magic, first and end of the tokens written (u32 each).
-const HEADER: usize = 12;
+pub(super) const HEADER: usize = 12;
 /// Alignment of blocks, of each block's data and of direct reads (offset, length, buffer):
 /// the page size, a multiple of every common logical block size.
-const ALIGN: u64 = 4096;
+pub(super) const ALIGN: u64 = 4096;
 
-/// How the disk tier reads its files.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub enum DiskIo {
-    /// `O_DIRECT` reads into aligned buffers, past the page cache: what the disk delivers,
-    /// without a second copy of the KV in RAM (the page cache would otherwise grow by what
-    /// the host budget keeps out of it). Falls back to [`DiskIo::Buffered`] on a file
-    /// system that refuses `O_DIRECT` (tmpfs).
-    #[default]
-    Direct,
-    /// Plain `pread` through the page cache: re-reads of KV that fits in free RAM come
-    /// from memory.
-    Buffered,
-}
-
-impl std::str::FromStr for DiskIo {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s {
-            "direct" => Ok(Self::Direct),
-            "buffered" => Ok(Self::Buffered),
-            other => Err(format!(
-                "unknown disk I/O mode `{other}`: use `direct` or `buffered`"
-            )),
-        }
-    }
-}
-
-fn round_up(n: u64) -> u64 {
-    n.div_ceil(ALIGN) * ALIGN
-}
 /// "KVD1", little-endian.
-const MAGIC: u32 = 0x3144_564b;
+pub(super) const MAGIC: u32 = 0x3144_564b;
 
 /// The files of every live store of the process (removed by [`remove_disk_files`]).
 static LIVE: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
@@ -94,7 +65,7 @@ pub struct DiskKv {
     written: Vec<(u32, u32)>,
 }
 
-fn disk_err(what: &str, path: &Path, e: std::io::Error) -> KvError {
+pub(super) fn disk_err(what: &str, path: &Path, e: std::io::Error) -> KvError {
     KvError::Disk {
         what: format!("{what} {}", path.display()),
         source: e,
@@ -370,156 +341,6 @@ impl DiskKv {
     }
 }
 
-/// One `pread` of a [`DiskRead`] and the header its block must carry.
-#[derive(Debug, Clone, Copy)]
-struct Piece {
-    kv: usize,
-    header_at: u64,
-    expect: (u32, u32),
-    data_at: u64,
-    buf_at: usize,
-    bytes: usize,
-}
-
-/// A planned read of the disk tier ([`DiskKv::plan_read`]); [`run`](Self::run) performs it.
-#[derive(Debug)]
-pub struct DiskRead {
-    file: Arc<File>,
-    direct: Option<Arc<File>>,
-    path: PathBuf,
-    pieces: Vec<Piece>,
-    dims: [usize; 4],
-    dtype: DType,
-}
-
-impl DiskRead {
-    /// Reads every piece, checking each block's header against what was written when the
-    /// read was planned; returns K and V `(batch, g, len, head_dim)` on the CPU. K's pieces
-    /// and V's are read side by side (two requests outstanding: this disk delivers more).
-    pub fn run(self) -> Result<(Tensor, Tensor)> {
-        let n: usize = self.dims.iter().product();
-        let (mut k, mut v) = (ReadBuf::new(self.dtype, n), ReadBuf::new(self.dtype, n));
-        std::thread::scope(|s| {
-            let values = s.spawn(|| self.read_into(1, &mut v));
-            let keys = self.read_into(0, &mut k);
-            let values = values
-                .join()
-                .map_err(|_| KvError::invariant("a disk read thread panicked"))?;
-            keys.and(values)
-        })?;
-        Ok((
-            k.tensor(self.dtype, &self.dims)?,
-            v.tensor(self.dtype, &self.dims)?,
-        ))
-    }
-
-    /// Reads the pieces of K (`kv` 0) or V (1) into `buf`.
-    fn read_into(&self, kv: usize, buf: &mut ReadBuf) -> Result<()> {
-        let io = |e| disk_err("cannot read", &self.path, e);
-        let pieces = self.pieces.iter().filter(|p| p.kv == kv);
-        let Some(file) = &self.direct else {
-            for p in pieces {
-                let mut header = [0u8; HEADER];
-                self.file
-                    .read_exact_at(&mut header, p.header_at)
-                    .map_err(io)?;
-                p.check(&header, &self.path)?;
-                self.file
-                    .read_exact_at(&mut buf.bytes()[p.buf_at..p.buf_at + p.bytes], p.data_at)
-                    .map_err(io)?;
-            }
-            return Ok(());
-        };
-        // The widest span one piece reads: its header page, the data pages it touches, and
-        // a page of slack to align the buffer's start.
-        let widest = self.pieces.iter().map(|p| p.span().1).max().unwrap_or(0);
-        let mut bounce = vec![0u8; (widest + 2 * ALIGN) as usize];
-        let start = bounce.as_ptr().align_offset(ALIGN as usize);
-        let bounce = &mut bounce[start..];
-        let page = ALIGN as usize;
-        for p in pieces {
-            let (data_from, span) = p.span();
-            let (data_from, span) = (data_from as usize, span as usize);
-            if data_from == page {
-                // Header page and data adjoin: one request.
-                file.read_exact_at(&mut bounce[..span], p.header_at)
-                    .map_err(io)?;
-            } else {
-                file.read_exact_at(&mut bounce[..page], p.header_at)
-                    .map_err(io)?;
-                let to = p.header_at + data_from as u64;
-                file.read_exact_at(&mut bounce[data_from..span], to)
-                    .map_err(io)?;
-            }
-            p.check(&bounce[..HEADER], &self.path)?;
-            let skip = (p.data_at - p.header_at) as usize;
-            buf.bytes()[p.buf_at..p.buf_at + p.bytes]
-                .copy_from_slice(&bounce[skip..skip + p.bytes]);
-        }
-        Ok(())
-    }
-}
-
-impl Piece {
-    /// For a direct read, relative to the block's header: where the aligned data read
-    /// starts and where the span ends (both whole pages).
-    fn span(&self) -> (u64, u64) {
-        let from = (self.data_at - self.header_at) / ALIGN * ALIGN;
-        let to = round_up(self.data_at - self.header_at + self.bytes as u64);
-        (from, to)
-    }
-
-    /// Checks a block header read back against what this store wrote.
-    fn check(&self, header: &[u8], path: &Path) -> Result<()> {
-        let word =
-            |i: usize| u32::from_le_bytes([header[i], header[i + 1], header[i + 2], header[i + 3]]);
-        if word(0) != MAGIC || (word(4), word(8)) != self.expect {
-            return Err(KvError::Disk {
-                what: format!(
-                    "{}: a block at byte {} records tokens {:?} (magic {:#x}) where this store wrote {:?}",
-                    path.display(),
-                    self.header_at,
-                    (word(4), word(8)),
-                    word(0),
-                    self.expect
-                ),
-                source: std::io::Error::from(std::io::ErrorKind::InvalidData),
-            });
-        }
-        Ok(())
-    }
-}
-
-/// What a [`DiskRead`] reads into: f32 elements directly (the tensor takes the vector, no
-/// second copy), other dtypes as bytes.
-enum ReadBuf {
-    F32(Vec<f32>),
-    Bytes(Vec<u8>),
-}
-
-impl ReadBuf {
-    fn new(dtype: DType, n: usize) -> Self {
-        match dtype {
-            DType::F32 => Self::F32(vec![0.0; n]),
-            other => Self::Bytes(vec![0; n * other.size_in_bytes()]),
-        }
-    }
-
-    fn bytes(&mut self) -> &mut [u8] {
-        match self {
-            Self::F32(v) => bytemuck::cast_slice_mut(v),
-            Self::Bytes(v) => v,
-        }
-    }
-
-    fn tensor(self, dtype: DType, dims: &[usize; 4]) -> Result<Tensor> {
-        Ok(match self {
-            Self::F32(v) => Tensor::from_vec(v, dims, &Device::Cpu)?,
-            Self::Bytes(v) => Tensor::from_raw_buffer(&v, dtype, dims, &Device::Cpu)?,
-        })
-    }
-}
-
 impl Drop for DiskKv {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.path);
@@ -532,6 +353,7 @@ impl Drop for DiskKv {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use candle_core::Device;
 
     fn store(dir: &Path) -> Result<DiskKv> {
         DiskKv::create(dir, "t", (1, 2, 3), DType::F32, 4, DiskIo::Direct)

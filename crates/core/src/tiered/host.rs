@@ -10,7 +10,8 @@ use std::time::Instant;
 use candle_core::{DType, Tensor};
 
 use super::codec::KvCodec;
-use super::disk::{DiskIo, DiskKv, DiskRead};
+use super::disk::DiskKv;
+use super::disk_read::{DiskIo, DiskRead};
 use super::link::{Direction, Link};
 use crate::attention::AttnSpec;
 use crate::buffer::round_up;

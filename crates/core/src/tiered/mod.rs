@@ -16,15 +16,18 @@
 //! only what is theirs next to these.
 //!
 //! Files: `link` the engine and its accounting, `host` the host tier (RAM, then disk past
-//! a host budget), `disk` the disk tier's files, `pingpong` the device buffers.
+//! a host budget), `disk` the disk tier's files, `disk_read` their reads, `codec` the
+//! stored forms (lossy opt-ins), `pingpong` the device buffers.
 mod codec;
 mod disk;
+mod disk_read;
 mod host;
 mod link;
 mod pingpong;
 
 pub use codec::KvCodec;
-pub use disk::{raw_bytes, remove_disk_files, DiskIo, DiskKv};
+pub use disk::{raw_bytes, remove_disk_files, DiskKv};
+pub use disk_read::DiskIo;
 pub use host::{tensor_bytes, DiskTier, HostKv, HostLayers, HostStore, READ_AHEAD};
 pub use link::{report_device, Direction, Link};
 pub use pingpong::{Loaded, PingPong};
