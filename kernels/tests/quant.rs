@@ -3,6 +3,12 @@
 //! random shapes and values, proptest. The integer sums are exact on both sides, so the
 //! results differ only by f32 summation order: ≤ 1e-4 relative to the row's magnitude.
 //! The portable and the AVX2 dot products are also compared with each other block by block.
+//!
+//! On CPUs with AVX-512 VNNI, candle 0.11.1 repacks Q8_0 weights whose shape allows it
+//! (rows a multiple of 16, width of 256) and quantizes the activations per 256 values (Q8K)
+//! instead of per 32 (Q8_0): a different rounding, 5e-3 apart on SmolLM2's shapes. Every
+//! test here first sets candle's own switch back to its AVX2 path (`MISTRALRS_FORCE_AVX2`,
+//! read once, at the first quantized matmul), which quantizes as ggml and these kernels do.
 use std::sync::Arc;
 
 use anyhow::Result;
@@ -35,8 +41,14 @@ fn random(shape: (usize, usize), seed: u64, scale: f32) -> Result<Tensor> {
     Ok(Tensor::from_vec(v, shape, &Device::Cpu)?)
 }
 
+/// Keeps candle on the activation quantization these kernels share with ggml (module docs).
+fn candle_as_ggml() {
+    std::env::set_var("MISTRALRS_FORCE_AVX2", "1");
+}
+
 /// Max |ours − candle's| over max |candle's| per output row.
 fn compare(fmt: GgmlDType, m: usize, n: usize, k: usize, seed: u64) -> Result<f32> {
+    candle_as_ggml();
     let w = random((n, k), seed, 1.0)?;
     let x = random((m, k), seed ^ 0x9e37, 3.0)?;
     let q = Arc::new(QTensor::quantize(&w, fmt)?);
