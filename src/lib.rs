@@ -24,7 +24,8 @@ pub use kvpolicy_recompute as recompute;
 
 pub use kvpolicy_core::{
     attend, attend_partial, merge_partials, parse_bytes, AttnSpec, AttnStep, HeadGroup, KvError,
-    KvPolicy, KvRegen, KvShape, KvStats, PolicyOption, PolicyOptions, PolicyRegistry, Profile,
+    KvPolicy, KvRegen, KvShape, KvStats, NoRegen, PolicyOption, PolicyOptions, PolicyRegistry,
+    Profile,
 };
 pub use kvpolicy_models::{
     CausalLm, GenerateConfig, Generation, LogitsMode, ModelError, ModelInfo, ModelSpec,

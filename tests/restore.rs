@@ -9,8 +9,8 @@ use anyhow::Result;
 use candle_core::{Device, Tensor};
 use kvpolicy::models::prefill;
 use kvpolicy::{
-    build_policy, AttnSpec, AttnStep, CausalLm, HeadGroup, KvError, KvPolicy, KvRegen, KvStats,
-    LogitsMode, PolicyOptions,
+    build_policy, AttnSpec, AttnStep, CausalLm, HeadGroup, KvError, KvPolicy, KvStats, LogitsMode,
+    NoRegen, PolicyOptions,
 };
 
 /// One attention step's inputs, as the model gave them.
@@ -59,19 +59,6 @@ impl KvPolicy for Recorder {
 
     fn stats(&self) -> KvStats {
         self.inner.stats()
-    }
-}
-
-/// No regeneration: the policies under test store K/V.
-struct NoRegen;
-
-impl KvRegen for NoRegen {
-    fn regen(&self, _: &Tensor, _: usize) -> Result<(Tensor, Tensor), KvError> {
-        Err(KvError::Regen("this test stores K/V only".into()))
-    }
-
-    fn flops_per_token(&self) -> u64 {
-        0
     }
 }
 

@@ -3,17 +3,7 @@
 //! the window's range host→device.
 use anyhow::Result;
 use candle_core::{Device, Tensor};
-use kvpolicy::{build_policy, AttnSpec, AttnStep, HeadGroup, KvPolicy, KvRegen, PolicyOptions};
-
-struct NoRegen;
-impl KvRegen for NoRegen {
-    fn regen(&self, _x: &Tensor, _pos: usize) -> kvpolicy::core::Result<(Tensor, Tensor)> {
-        Err(kvpolicy::KvError::Regen("not used".into()))
-    }
-    fn flops_per_token(&self) -> u64 {
-        0
-    }
-}
+use kvpolicy::{build_policy, AttnSpec, AttnStep, HeadGroup, KvPolicy, NoRegen, PolicyOptions};
 
 /// Runs `chunks` (token counts) through `layers` layers; returns every step's outputs.
 fn drive(

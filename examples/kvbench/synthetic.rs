@@ -6,22 +6,7 @@
 //! nothing.
 use anyhow::Result;
 use candle_core::Tensor;
-use kvpolicy::{AttnSpec, AttnStep, CausalLm, KvError, KvPolicy, KvRegen};
-
-/// No regeneration: `append_kv` policies store K/V.
-struct NoRegen;
-
-impl KvRegen for NoRegen {
-    fn regen(&self, _: &Tensor, _: usize) -> Result<(Tensor, Tensor), KvError> {
-        Err(KvError::Regen(
-            "a synthetic history has no layer inputs to regenerate from".into(),
-        ))
-    }
-
-    fn flops_per_token(&self) -> u64 {
-        0
-    }
-}
+use kvpolicy::{AttnSpec, AttnStep, CausalLm, KvPolicy, NoRegen};
 
 /// Stores `context` tokens of random K/V (standard normal, the model's dtype) in `policy`,
 /// `chunk` tokens per step.

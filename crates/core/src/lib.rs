@@ -41,7 +41,7 @@ pub use attention::{attend, attend_partial, merge_partials, AttnSpec, Partial};
 pub use batch::{PerSequence, PolicyFactory};
 pub use buffer::{grown, round_up, KvBuffer};
 pub use error::{Advice, KvError, Result};
-pub use policy::{AttnStep, KvPolicy, KvRegen, KvShape, SeqLoad};
+pub use policy::{AttnStep, KvPolicy, KvRegen, KvShape, NoRegen, SeqLoad};
 pub use profile::{Probe, Profile};
 pub use registry::{HeadGroup, PolicyBuilder, PolicyOption, PolicyOptions, PolicyRegistry};
 pub use size::{format_bytes, parse_bytes};

@@ -59,6 +59,26 @@ pub trait KvRegen {
     }
 }
 
+/// A [`KvRegen`] with nothing to regenerate from, for steps built outside a model — K/V
+/// restored with [`KvPolicy::append_kv`], policies driven directly — whose policy stores
+/// K/V: asking it to regenerate is a [`KvError::Regen`](crate::KvError::Regen).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct NoRegen;
+
+impl KvRegen for NoRegen {
+    fn regen(&self, _x: &Tensor, _pos: usize) -> Result<(Tensor, Tensor)> {
+        Err(crate::error::KvError::Regen(
+            "this step has no layer inputs to regenerate K/V from (it was built outside a \
+             model); use a policy that stores K/V"
+                .into(),
+        ))
+    }
+
+    fn flops_per_token(&self) -> u64 {
+        0
+    }
+}
+
 /// One attention evaluation of one layer for one forward step.
 pub struct AttnStep<'a> {
     /// Layer index, from 0.
