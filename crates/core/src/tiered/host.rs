@@ -73,6 +73,13 @@ struct ReadAhead {
     thread: std::thread::JoinHandle<Result<(Tensor, Tensor)>>,
 }
 
+impl ReadAhead {
+    /// Lets the read finish and drops what it read (it may hold files open or race a write).
+    fn discard(self) {
+        let _ = self.thread.join();
+    }
+}
+
 /// Every layer's host-tier K/V with its length and last attention spec (module docs).
 #[derive(Debug)]
 pub struct HostLayers {
@@ -289,9 +296,7 @@ impl HostLayers {
                 // dropped (all of them when this read was not read ahead).
                 let hit = self.ahead.iter().position(|a| a.key == key);
                 let stale = hit.unwrap_or(self.ahead.len());
-                for a in self.ahead.drain(..stale) {
-                    let _ = a.thread.join();
-                }
+                self.ahead.drain(..stale).for_each(ReadAhead::discard);
                 let (k, v) = match hit.and_then(|_| self.ahead.pop_front()) {
                     Some(a) => a
                         .thread
@@ -306,13 +311,6 @@ impl HostLayers {
             None => Err(KvError::invariant(format!(
                 "layer {layer} has no host storage"
             ))),
-        }
-    }
-
-    /// Lets the pending read-aheads finish and drops what they read.
-    fn drop_read_aheads(&mut self) {
-        for a in self.ahead.drain(..) {
-            let _ = a.thread.join();
         }
     }
 
@@ -388,9 +386,7 @@ impl HostLayers {
                     l == layer && h < heads.end && heads.start < h + g
                 });
                 self.ahead = keep.into();
-                for a in stale {
-                    let _ = a.thread.join();
-                }
+                stale.into_iter().for_each(ReadAhead::discard);
                 let n = d.write(k, v, first_head, offset)?;
                 self.disk_s += t0.elapsed().as_secs_f64();
                 self.disk_written += n;
@@ -471,7 +467,7 @@ impl HostLayers {
     /// Hands every buffer back to the engine, removes every file and forgets the sequence
     /// (the shape stays, with its layer count restarted).
     pub fn clear(&mut self, link: &mut Link) {
-        self.drop_read_aheads();
+        self.ahead.drain(..).for_each(ReadAhead::discard);
         self.read_aheads = 0;
         for s in self.layers.drain(..).flatten() {
             if let HostStore::Ram(h) = s {
