@@ -164,9 +164,7 @@ pub fn measure(
         let t = Instant::now();
         if synthetic {
             crate::synthetic::fill(model, p.as_mut(), context, chunk)?;
-            if let Some(dir) = &v.opts.disk_dir {
-                crate::synthetic::settle(dir)?;
-            }
+            crate::synthetic::settle()?;
         } else {
             prefill(model, p.as_mut(), &prompt, chunk, false)?;
         }

@@ -46,15 +46,13 @@ pub fn fill(
     Ok(())
 }
 
-/// Writes out the dirty pages of every file under `dir` (the disk tier's, just filled):
-/// a prefill's minutes would have written them back long before decode, while right after
-/// a fill of seconds the first direct reads would wait for that writeback.
-pub fn settle(dir: &std::path::Path) -> Result<()> {
-    for e in std::fs::read_dir(dir)? {
-        let path = e?.path();
-        if path.is_file() {
-            std::fs::File::open(&path)?.sync_data()?;
-        }
+/// Writes out the dirty pages of the disk tier's files (just filled; other files under
+/// `--disk-dir` are not touched): a prefill's minutes would have written them back long
+/// before decode, while right after a fill of seconds the first direct reads would wait for
+/// that writeback.
+pub fn settle() -> Result<()> {
+    for path in kvpolicy::core::tiered::disk_files() {
+        std::fs::File::open(&path)?.sync_data()?;
     }
     Ok(())
 }

@@ -38,6 +38,11 @@ pub(super) const MAGIC: u32 = 0x3144_564b;
 /// The files of every live store of the process (removed by [`remove_disk_files`]).
 static LIVE: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
 
+/// The disk-tier files of the process now (each live store's).
+pub fn disk_files() -> Vec<PathBuf> {
+    LIVE.lock().map(|live| live.clone()).unwrap_or_default()
+}
+
 /// Removes every disk-tier file of the process: for a signal handler that exits without
 /// unwinding (the stores' own `Drop` removes them otherwise).
 pub fn remove_disk_files() {

@@ -26,7 +26,7 @@ mod link;
 mod pingpong;
 
 pub use codec::KvCodec;
-pub use disk::{raw_bytes, remove_disk_files, DiskKv};
+pub use disk::{disk_files, raw_bytes, remove_disk_files, DiskKv};
 pub use disk_read::DiskIo;
 pub use host::{tensor_bytes, DiskTier, HostKv, HostLayers, HostStore, READ_AHEAD};
 pub use link::{report_device, Direction, Link};
