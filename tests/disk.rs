@@ -178,6 +178,45 @@ fn the_disk_and_compressed_flags_work_from_the_command_line() -> Result<()> {
         !o.status.success() && err.contains("multiple of 32"),
         "{err}"
     );
+    // Reads through the page cache: the summary and --stats-out say so.
+    let stats = dir.path().join("stats");
+    std::fs::create_dir(&stats)?;
+    let out = stats.join("s.json");
+    let o = llama(&[
+        "--policy",
+        "headwise",
+        "--disk-dir",
+        &d,
+        "--disk-io",
+        "buffered",
+        "--stats-out",
+        &out.to_string_lossy(),
+    ])?;
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        o.status.success() && err.contains("buffered reads"),
+        "{err}"
+    );
+    let s: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out)?)?;
+    assert_eq!(s["disk_direct_io"], false, "{s}");
+    assert_eq!(files(dir.path())?, 1, "only the stats directory is left");
+    // An unknown mode, and a mode without a directory, are clear errors.
+    let o = llama(&[
+        "--policy",
+        "headwise",
+        "--disk-dir",
+        &d,
+        "--disk-io",
+        "mmap",
+    ])?;
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("use `direct` or `buffered`"),
+        "{err}"
+    );
+    let o = llama(&["--policy", "headwise", "--disk-io", "buffered"])?;
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("--disk-dir"), "{err}");
     Ok(())
 }
 
