@@ -21,8 +21,15 @@ fn opts(dir: &std::path::Path, host: Option<u64>, device: Option<u64>) -> Policy
     }
 }
 
+/// The disk tier's files in `dir`: unnamed, held open by this process; and nothing named
+/// there either.
 fn files(dir: &std::path::Path) -> Result<usize> {
-    Ok(std::fs::read_dir(dir)?.count())
+    anyhow::ensure!(
+        std::fs::read_dir(dir)?.count() == 0,
+        "a named file in {}",
+        dir.display()
+    );
+    Ok(common::unnamed_files("self", dir)?.len())
 }
 
 #[test]
@@ -90,10 +97,15 @@ fn a_damaged_file_is_an_error_and_reset_recovers() -> Result<()> {
     let mut p = build_policy("headwise", &opts(dir.path(), Some(0), None))?;
     prefill(model, p.as_mut(), &prompt, 5, false)?;
     // Damage every file's first block header (its recorded token range).
-    for e in std::fs::read_dir(dir.path())? {
-        let f = std::fs::OpenOptions::new().write(true).open(e?.path())?;
-        f.write_all_at(&[0xff, 0xff, 0, 0], 4)?;
+    // (A direct read's own descriptor may close between the listing and the open.)
+    let mut damaged = 0;
+    for link in common::unnamed_files("self", dir.path())? {
+        if let Ok(f) = std::fs::OpenOptions::new().write(true).open(link) {
+            f.write_all_at(&[0xff, 0xff, 0, 0], 4)?;
+            damaged += 1;
+        }
     }
+    anyhow::ensure!(damaged > 0, "no disk-tier file to damage");
     let ids = candle_core::Tensor::new(&decode[..1], &candle_core::Device::Cpu)?.unsqueeze(0)?;
     match model.forward(&ids, prompt.len(), p.as_mut(), kvpolicy::LogitsMode::Last) {
         Err(kvpolicy::models::ModelError::Policy(KvError::Disk { what, .. })) => {
@@ -199,7 +211,11 @@ fn the_disk_and_compressed_flags_work_from_the_command_line() -> Result<()> {
     );
     let s: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out)?)?;
     assert_eq!(s["disk_direct_io"], false, "{s}");
-    assert_eq!(files(dir.path())?, 1, "only the stats directory is left");
+    assert_eq!(
+        std::fs::read_dir(dir.path())?.count(),
+        1,
+        "only the stats directory is left"
+    );
     // An unknown mode, and a mode without a directory, are clear errors.
     let o = llama(&[
         "--policy",

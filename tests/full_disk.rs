@@ -29,11 +29,11 @@ fn step(
         .flatten_all()?)
 }
 
-/// The sizes of the files in `dir`, sorted.
+/// The sizes of the disk tier's (unnamed) files in `dir`, sorted.
 fn sizes(dir: &std::path::Path) -> Result<Vec<u64>> {
     let mut v = Vec::new();
-    for e in std::fs::read_dir(dir)? {
-        v.push(e?.metadata()?.len());
+    for link in common::unnamed_files("self", dir)? {
+        v.push(std::fs::metadata(link)?.len());
     }
     v.sort();
     Ok(v)

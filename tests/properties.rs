@@ -7,6 +7,8 @@
 //! Policies are driven directly through [`AttnStep`]s, without a model. K and V are random;
 //! the layer input X is their concatenation, so the test's [`KvRegen`] (split X back into K
 //! and V) regenerates them exactly, as a model's projections would.
+mod common;
+
 use candle_core::{Device, Tensor};
 use kvpolicy::core::SeqLoad;
 use kvpolicy::{build_policy, AttnSpec, AttnStep, HeadGroup, KvPolicy, KvRegen, PolicyOptions};
@@ -322,9 +324,12 @@ fn check(c: &Case) -> Result<(), TestCaseError> {
         }
         if o.disk_dir.is_some() {
             p.reset();
-            let left = std::fs::read_dir(disk.path())
+            let left = common::unnamed_files("self", disk.path())
                 .map_err(|e| TestCaseError::fail(e.to_string()))?
-                .count();
+                .len()
+                + std::fs::read_dir(disk.path())
+                    .map_err(|e| TestCaseError::fail(e.to_string()))?
+                    .count();
             prop_assert_eq!(left, 0, "{} left disk-tier files after reset", name);
         }
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {

@@ -321,6 +321,9 @@ fn a_huge_block_size_is_bounded_by_the_run() -> Result<()> {
 #[allow(dead_code)] // the runner's other helpers
 #[path = "../examples/common/atomic.rs"]
 mod atomic;
+#[allow(dead_code)]
+#[path = "../examples/common/outpath.rs"]
+mod outpath;
 
 #[test]
 fn a_failing_output_leaves_none_of_the_others() -> Result<()> {
@@ -330,7 +333,7 @@ fn a_failing_output_leaves_none_of_the_others() -> Result<()> {
     let ids = dir.path().join("ids.json");
     let stats = dir.path().join("stats.json");
     let mut staged = atomic::Staged::new();
-    staged.add(&ids, |p| Ok(std::fs::write(p, "[1, 2]")?))?;
+    staged.add(&ids, |w| Ok(w.write_all(b"[1, 2]")?))?;
     let failed = staged.add(&stats, |_| anyhow::bail!("no space left on device"));
     assert!(failed.is_err());
     drop(staged);
@@ -339,15 +342,15 @@ fn a_failing_output_leaves_none_of_the_others() -> Result<()> {
 
     // Both written: both in place, no temporaries.
     let mut staged = atomic::Staged::new();
-    staged.add(&ids, |p| Ok(std::fs::write(p, "[1, 2]")?))?;
-    staged.add(&stats, |p| Ok(std::fs::write(p, "{}")?))?;
+    staged.add(&ids, |w| Ok(w.write_all(b"[1, 2]")?))?;
+    staged.add(&stats, |w| Ok(w.write_all(b"{}")?))?;
     staged.commit()?;
     assert_eq!(std::fs::read_to_string(&ids)?, "[1, 2]");
     assert_eq!(std::fs::read_dir(dir.path())?.count(), 2);
 
     // A file name at the file system's limit still gets a temporary (its name is bounded).
     let long = dir.path().join("x".repeat(250));
-    atomic::write_atomic(&long, |p| Ok(std::fs::write(p, "ok")?))?;
+    atomic::write_atomic(&long, |w| Ok(w.write_all(b"ok")?))?;
     assert_eq!(std::fs::read_to_string(&long)?, "ok");
     Ok(())
 }

@@ -2,7 +2,8 @@
 //! stops with exit code 130 and leaves no temporary and no output behind. The child is
 //! held at a known point of its final write — its `--stats-out` is a FIFO nobody reads, so
 //! putting the outputs in place blocks while `--ids-out`'s temporary exists — and the signal
-//! arrives there. With a disk tier, its files (alive until the run ends) go too.
+//! arrives there. With a disk tier, its files (alive until the run ends, unnamed from the
+//! start) leave nothing either — under SIGKILL too, which no handler sees.
 mod common;
 
 use std::os::unix::fs::FileTypeExt;
@@ -31,8 +32,6 @@ fn files(dir: &Path) -> Result<usize> {
 
 fn interrupted_while_writing(signal: &str, disk: bool) -> Result<()> {
     let dir = tempfile::tempdir()?;
-    let tmp = dir.path().join("tmp");
-    std::fs::create_dir(&tmp)?;
     let disk_dir = dir.path().join("disk");
     std::fs::create_dir(&disk_dir)?;
     let disk_args: Vec<String> = if disk {
@@ -62,14 +61,12 @@ fn interrupted_while_writing(signal: &str, disk: bool) -> Result<()> {
         .arg(&ids)
         .arg("--stats-out")
         .arg(&fifo)
-        // The FIFO's staged copy goes here, where the test can see it.
-        .env("TMPDIR", &tmp)
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()?;
     // Wait until the child holds its temporaries (blocked opening the FIFO).
     let start = Instant::now();
-    while temporaries(dir.path())?.is_empty() || temporaries(&tmp)?.is_empty() {
+    while temporaries(dir.path())?.is_empty() {
         ensure!(
             start.elapsed() < Duration::from_secs(60),
             "the child never staged its outputs"
@@ -81,11 +78,19 @@ fn interrupted_while_writing(signal: &str, disk: bool) -> Result<()> {
     }
     std::thread::sleep(Duration::from_millis(50));
     if disk {
-        // The policy is alive while the outputs are written: its layers' files exist.
+        // The policy is alive while the outputs are written: its layers' files are open,
+        // and have no name.
+        let open = common::unnamed_files(&child.id().to_string(), &disk_dir)?;
         ensure!(
-            files(&disk_dir)? > 0,
+            !open.is_empty(),
             "no disk-tier file while the run holds its cache"
         );
+        ensure!(files(&disk_dir)? == 0, "a disk-tier file has a name");
+        use std::os::unix::fs::PermissionsExt;
+        for link in open {
+            let mode = std::fs::metadata(link)?.permissions().mode() & 0o777;
+            ensure!(mode == 0o600, "a disk-tier file of mode {mode:o}, not 600");
+        }
     }
     let sent = Command::new("kill")
         .args([signal, &child.id().to_string()])
@@ -93,16 +98,17 @@ fn interrupted_while_writing(signal: &str, disk: bool) -> Result<()> {
     ensure!(sent.success(), "kill {signal} failed");
     let out = child.wait_with_output()?;
     let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(130), "{signal}: {err}");
-    assert!(err.contains("interrupted"), "{err}");
-    assert!(
-        temporaries(dir.path())?.is_empty(),
-        "{signal}: temporaries left beside the outputs"
-    );
-    assert!(
-        temporaries(&tmp)?.is_empty(),
-        "{signal}: temporaries left in TMPDIR"
-    );
+    if signal == "-KILL" {
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(out.status.signal(), Some(9), "{err}");
+    } else {
+        assert_eq!(out.status.code(), Some(130), "{signal}: {err}");
+        assert!(err.contains("interrupted"), "{err}");
+        assert!(
+            temporaries(dir.path())?.is_empty(),
+            "{signal}: temporaries left beside the outputs"
+        );
+    }
     assert!(
         !ids.exists(),
         "{signal}: --ids-out was put in place by an interrupted run"
@@ -129,4 +135,9 @@ fn sigterm_while_writing_leaves_nothing_behind() -> Result<()> {
 #[test]
 fn sigint_removes_the_disk_tiers_files() -> Result<()> {
     interrupted_while_writing("-INT", true)
+}
+
+#[test]
+fn sigkill_leaves_no_disk_tier_file() -> Result<()> {
+    interrupted_while_writing("-KILL", true)
 }

@@ -17,11 +17,13 @@ pub enum Prompts {
     Ids(Vec<Vec<u32>>),
 }
 
-/// Reads `path`: `.jsonl` → one JSON array of token ids per line, else plain text, one
+/// The most bytes read of a prompts file (a 512K-token prompt is a few MiB of text).
+const PROMPTS_CAP: u64 = 256 << 20;
+
+/// Reads `path` (a regular file of at most [`PROMPTS_CAP`] bytes): `.jsonl` → one JSON array of token ids per line, else plain text, one
 /// prompt per line; blank lines are skipped; no prompt at all is an error.
 pub fn read(path: &Path) -> Result<Prompts> {
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("cannot read --prompts-file {}", path.display()))?;
+    let text = kvpolicy::models::files::read_text_capped(path, "--prompts-file", PROMPTS_CAP)?;
     let lines: Vec<(usize, &str)> = text
         .lines()
         .enumerate()
@@ -84,6 +86,9 @@ pub fn run(
     };
     let longest = ids.iter().map(Vec::len).max().unwrap_or(0);
     warn_slow_link(args, model.info(), longest);
+    super::preflight::check_descriptors(args, model.info(), ids.len())?;
+    let lens: Vec<usize> = ids.iter().map(Vec::len).collect();
+    super::preflight::check_disk_room(args, model.info(), &lens)?;
     let cfg = generate_config(args);
     let out = generate_batch(model, policy, &ids, &cfg)?;
     let mut stdout = std::io::stdout().lock();
@@ -125,7 +130,7 @@ pub fn run(
             .iter()
             .map(|g| serde_json::json!({"prompt_ids": g.prompt_ids, "generated_ids": g.generated_ids}))
             .collect();
-        staged.add(path, |p| Ok(std::fs::write(p, serde_json::to_string(&v)?)?))?;
+        staged.add(path, |w| Ok(serde_json::to_writer(w, &v)?))?;
     }
     if let Some(path) = &args.stats_out {
         let info = model.info();
@@ -140,9 +145,7 @@ pub fn run(
             peak_rss_bytes: super::peak_rss_bytes(),
             steps: Some(out.step_stats),
         };
-        staged.add(path, |p| {
-            Ok(std::fs::write(p, serde_json::to_string_pretty(&st)?)?)
-        })?;
+        staged.add(path, |w| Ok(serde_json::to_writer_pretty(w, &st)?))?;
     }
     staged.commit()
 }

@@ -10,6 +10,9 @@ mod applies;
 mod atomic;
 mod batch;
 mod errors;
+mod npy;
+mod outpath;
+mod preflight;
 mod registry;
 mod summary;
 mod threads;
@@ -359,6 +362,8 @@ fn run(args: &Args, example: &str, archs: &[&str], default: Option<ModelSpec>) -
     };
 
     warn_slow_link(args, model.info(), prompt_ids.len());
+    preflight::check_descriptors(args, model.info(), 1)?;
+    preflight::check_disk_room(args, model.info(), &[prompt_ids.len()])?;
     let cfg = generate_config(args);
     let mut printer = Printer::new(tok.as_ref());
     let gen = generate(
@@ -381,10 +386,10 @@ fn run(args: &Args, example: &str, archs: &[&str], default: Option<ModelSpec>) -
     if let Some(path) = &args.ids_out {
         let v =
             serde_json::json!({"prompt_ids": gen.prompt_ids, "generated_ids": gen.generated_ids});
-        staged.add(path, |p| Ok(std::fs::write(p, serde_json::to_string(&v)?)?))?;
+        staged.add(path, |w| Ok(serde_json::to_writer(w, &v)?))?;
     }
     if let (Some(path), Some(logits)) = (&args.dump_logits, &gen.logits) {
-        staged.add(path, |p| Ok(logits.to_dtype(DType::F32)?.write_npy(p)?))?;
+        staged.add(path, |w| npy::write_f32_npy(logits, w))?;
     }
     if let Some(path) = &args.stats_out {
         let out = StatsOut {
@@ -398,9 +403,7 @@ fn run(args: &Args, example: &str, archs: &[&str], default: Option<ModelSpec>) -
             peak_rss_bytes: peak_rss_bytes(),
             steps: None,
         };
-        staged.add(path, |p| {
-            Ok(std::fs::write(p, serde_json::to_string_pretty(&out)?)?)
-        })?;
+        staged.add(path, |w| Ok(serde_json::to_writer_pretty(w, &out)?))?;
     }
     staged.commit()
 }

@@ -18,6 +18,8 @@ mod bandwidth;
 #[path = "../common/errors.rs"]
 mod errors;
 mod llamacpp;
+#[path = "../common/outpath.rs"]
+mod outpath;
 mod plot;
 #[path = "../common/registry.rs"]
 mod registry;
@@ -146,6 +148,7 @@ fn run(mut args: Args) -> Result<()> {
         args.repeats = 1;
     }
     anyhow::ensure!(args.steps > 0, "--steps must be at least 1");
+    anyhow::ensure!(args.repeats > 0, "--repeats must be at least 1");
     atomic::on_signals();
     // Outputs are checked before the sweep, not after it.
     if let Some(path) = &args.csv {
@@ -208,6 +211,11 @@ fn run(mut args: Args) -> Result<()> {
         args.steps,
         info.max_positions
     );
+    if args.synthetic_history {
+        for v in &variants {
+            synthetic::check(model, v)?;
+        }
+    }
     let mut stock = match &files {
         ModelFiles::Gguf(p)
             if !args.no_stock && !args.synthetic_history && info.architecture == "llama" =>

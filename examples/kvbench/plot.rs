@@ -56,7 +56,7 @@ pub fn draw(rows: &[Row], dir: &Path, model: &str) -> Result<Vec<std::path::Path
             root.present().map_err(|e| anyhow::anyhow!("{e}"))?;
         }
         let path = dir.join(chart.file);
-        write_atomic(&path, |p| Ok(std::fs::write(p, &svg)?))?;
+        write_atomic(&path, |w| Ok(w.write_all(svg.as_bytes())?))?;
         written.push(path);
     }
     Ok(written)
@@ -219,6 +219,6 @@ pub fn draw_budget_sweep(rows: &[Row], dir: &Path, model: &str) -> Result<Option
             .map_err(err)?;
         root.present().map_err(|e| anyhow::anyhow!("{e}"))?;
     }
-    write_atomic(&file, |p| Ok(std::fs::write(p, &svg)?))?;
+    write_atomic(&file, |w| Ok(w.write_all(svg.as_bytes())?))?;
     Ok(Some(file))
 }

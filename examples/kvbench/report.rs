@@ -124,7 +124,7 @@ pub fn write_csv(rows: &[Row], path: &Path) -> Result<()> {
             r.split,
         ));
     }
-    write_atomic(path, |p| Ok(std::fs::write(p, &out)?))
+    write_atomic(path, |w| Ok(w.write_all(out.as_bytes())?))
 }
 
 /// One line per row that used the disk tier: its files, the bytes read per decoded token,

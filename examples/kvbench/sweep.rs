@@ -22,10 +22,24 @@ pub struct Variant {
 impl Variant {
     /// Parses `name`, `headwise:GROUP` or `recompute:SPLIT` over the shared options.
     pub fn parse(label: &str, base: &PolicyOptions) -> Result<Self> {
-        let (policy, arg) = label.split_once(':').unwrap_or((label, ""));
+        let (policy, arg) = match label.split_once(':') {
+            Some((p, "")) => anyhow::bail!(
+                "`{label}`: the setting after `{p}:` is empty; give one (headwise:1, recompute:64, auto:64MiB) or leave out the colon"
+            ),
+            Some((p, a)) => (p, Some(a)),
+            None => (label, None),
+        };
         let mut opts = base.clone();
+        let Some(arg) = arg else {
+            // Fail on an unknown name before any model work.
+            crate::registry::registry().build(policy, &opts)?;
+            return Ok(Self {
+                label: label.to_string(),
+                policy: policy.to_string(),
+                opts,
+            });
+        };
         match (policy, arg) {
-            (_, "") => {}
             ("recompute", n) => {
                 opts.recompute_split = Some(n.parse().with_context(|| {
                     format!("`{label}`: recompute:SPLIT needs a number of tokens")

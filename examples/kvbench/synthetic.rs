@@ -51,8 +51,14 @@ pub fn fill(
 /// before decode, while right after a fill of seconds the first direct reads would wait for
 /// that writeback.
 pub fn settle() -> Result<()> {
-    for path in kvpolicy::core::tiered::disk_files() {
-        std::fs::File::open(&path)?.sync_data()?;
-    }
-    Ok(())
+    Ok(kvpolicy::core::tiered::sync_disk_files()?)
+}
+
+/// Checks, before any variant is measured, that `variant`'s policy takes a synthetic
+/// history (one token stored through `append_kv`): one that cannot fails the sweep before
+/// the others' results are computed and lost.
+pub fn check(model: &dyn CausalLm, variant: &crate::sweep::Variant) -> Result<()> {
+    let mut p = crate::registry::registry().build(&variant.policy, &variant.opts)?;
+    fill(model, p.as_mut(), 1, 1)
+        .map_err(|e| e.context(format!("--synthetic-history with `{}`", variant.label)))
 }

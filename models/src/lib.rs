@@ -12,6 +12,7 @@ pub mod attention;
 pub mod config;
 pub mod decoder;
 pub mod error;
+pub mod files;
 pub mod gemma;
 pub mod generate;
 pub mod gguf;

@@ -77,6 +77,11 @@ pub enum ModelFiles {
 /// The cache directory of this project: `$KVPOLICY_CACHE`, else `<user cache>/kvpolicy`.
 pub fn cache_dir() -> Result<PathBuf> {
     if let Some(d) = std::env::var_os("KVPOLICY_CACHE") {
+        if d.is_empty() {
+            return Err(ModelError::Fetch(
+                "KVPOLICY_CACHE is set but empty; set it to a directory, or unset it for the user cache directory".into(),
+            ));
+        }
         return Ok(PathBuf::from(d));
     }
     dirs::cache_dir()
@@ -238,9 +243,13 @@ pub fn default_files() -> Result<ModelFiles> {
         }
     }
     Err(ModelError::Fetch(format!(
-        "the default model (SmolLM2-135M-Instruct) is not cached at {} and every source failed:\n  {}\nplace the GGUF there, or pass --gguf/--model-dir",
+        "the default model (SmolLM2-135M-Instruct) is not cached at {} and every source failed ({}); place the GGUF there, or pass --gguf/--model-dir",
         cached.display(),
-        tried.join("\n  ")
+        tried
+            .iter()
+            .map(|t| t.split_whitespace().collect::<Vec<_>>().join(" "))
+            .collect::<Vec<_>>()
+            .join("; ")
     )))
 }
 
@@ -334,7 +343,7 @@ pub fn load(
             tokenizer,
             tokenizer_config,
         } => {
-            let text = std::fs::read_to_string(config).map_err(|e| ModelError::io(config, e))?;
+            let text = read_config(config)?;
             let cfg = ModelConfig::from_json(&text)?;
             for w in weights {
                 check_safetensors(w)?;
@@ -371,7 +380,7 @@ pub fn load(
             Ok(Loaded { model, tokenizer })
         }
         ModelFiles::Random { config, seed } => {
-            let text = std::fs::read_to_string(config).map_err(|e| ModelError::io(config, e))?;
+            let text = read_config(config)?;
             let cfg = ModelConfig::from_json(&text)?;
             cfg.validate_sizes()?;
             crate::sizes::check_random_fits(&cfg, dtype)?;
@@ -396,6 +405,11 @@ pub fn load(
     }
 }
 
+/// config.json's text (a regular file of at most [`crate::files::CONFIG_CAP`] bytes).
+fn read_config(config: &Path) -> Result<String> {
+    crate::files::read_text_capped(config, "config file", crate::files::CONFIG_CAP)
+}
+
 /// Checks that a safetensors file's header fits in the file and its tensors end inside it,
 /// so a truncated file is reported as such.
 pub fn check_safetensors(path: &Path) -> Result<()> {
@@ -404,7 +418,7 @@ pub fn check_safetensors(path: &Path) -> Result<()> {
         path: path.to_path_buf(),
         message: m,
     };
-    let mut f = std::fs::File::open(path).map_err(|e| ModelError::io(path, e))?;
+    let mut f = crate::files::open_regular(path, "the weight file")?;
     let len = f.metadata().map_err(|e| ModelError::io(path, e))?.len();
     let mut n = [0u8; 8];
     if f.read_exact(&mut n).is_err() {

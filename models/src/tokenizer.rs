@@ -105,7 +105,12 @@ fn special_text(v: Option<&serde_json::Value>) -> String {
 impl TextTokenizer {
     /// Loads `tokenizer.json`, with `tokenizer_config.json` (chat template, BOS/EOS) if given.
     pub fn from_files(tokenizer: &Path, config: Option<&Path>) -> Result<Self> {
-        let inner = Tokenizer::from_file(tokenizer).map_err(|e| {
+        let bytes = crate::files::read_capped(
+            tokenizer,
+            "the tokenizer file",
+            crate::files::TOKENIZER_CAP,
+        )?;
+        let inner = Tokenizer::from_bytes(bytes).map_err(|e| {
             ModelError::Tokenizer(format!("cannot load {}: {e}", tokenizer.display()))
         })?;
         let mut me = Self {
@@ -117,7 +122,11 @@ impl TextTokenizer {
             eos_text: String::new(),
         };
         if let Some(cfg) = config {
-            let text = std::fs::read_to_string(cfg).map_err(|e| ModelError::io(cfg, e))?;
+            let text = crate::files::read_text_capped(
+                cfg,
+                "tokenizer_config.json",
+                crate::files::TOKENIZER_CAP,
+            )?;
             let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
                 ModelError::Tokenizer(format!("{} is not valid JSON: {e}", cfg.display()))
             })?;

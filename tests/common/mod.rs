@@ -1,6 +1,9 @@
 //! Helpers shared by the integration tests: fixture locations, the default model, diffs.
 #![allow(dead_code)]
 pub mod cli;
+mod unnamed;
+#[allow(unused_imports)] // not every test file looks at the disk tier's files
+pub use unnamed::unnamed_files;
 
 use std::path::{Path, PathBuf};
 

@@ -89,7 +89,8 @@ impl Default for PolicyOptions {
 }
 
 impl PolicyOptions {
-    /// The disk tier the options ask for: `disk_dir` (an existing directory) with
+    /// The disk tier the options ask for: `disk_dir` (an existing directory where a file
+    /// can be created: probed now, so a read-only one fails before any work) with
     /// `host_kv_budget` bytes of RAM first (0 without one); `None` without `disk_dir`. A
     /// host budget without a directory is an error naming `policy`.
     pub fn disk_tier(&self, policy: &str) -> Result<Option<crate::tiered::DiskTier>> {
@@ -108,11 +109,22 @@ impl PolicyOptions {
                 PolicyOption::DiskDir,
                 format!("`disk_dir` {} is not an existing directory", dir.display()),
             )),
-            (Some(dir), budget) => Ok(Some(crate::tiered::DiskTier {
-                dir: dir.clone(),
-                host_budget: budget.unwrap_or(0),
-                io: self.disk_io,
-            })),
+            (Some(dir), budget) => {
+                crate::tiered::probe_disk_dir(dir).map_err(|e| {
+                    bad(
+                        PolicyOption::DiskDir,
+                        format!(
+                            "`disk_dir` {} cannot hold the disk tier's files ({e}); give a writable directory",
+                            dir.display()
+                        ),
+                    )
+                })?;
+                Ok(Some(crate::tiered::DiskTier {
+                    dir: dir.clone(),
+                    host_budget: budget.unwrap_or(0),
+                    io: self.disk_io,
+                }))
+            }
         }
     }
 }

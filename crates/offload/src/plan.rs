@@ -56,6 +56,8 @@ impl OffloadPolicy {
             },
             advice: match self.grouping {
                 Grouping::Layer => vec![Advice::Raise(PolicyOption::DeviceKvBudget), Advice::UsePolicy("headwise")],
+                // A group of one head is as small as a group gets: only the budget can change.
+                Grouping::Heads(_) | Grouping::Resident if g <= 1 => vec![Advice::Raise(PolicyOption::DeviceKvBudget), Advice::SmallerPrefillChunk],
                 Grouping::Heads(_) | Grouping::Resident => vec![Advice::Raise(PolicyOption::DeviceKvBudget), Advice::Lower(PolicyOption::HeadGroup)],
             },
         }

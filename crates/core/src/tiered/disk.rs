@@ -13,13 +13,15 @@
 //! store then stays as it was, usable at its previous length. Each block records the range
 //! of tokens written to it, in memory and in its on-disk header; reading a token outside it,
 //! or a block whose header disagrees, is an error: nothing unwritten is read back.
-//! The file is removed when the store is dropped (a reset, the end of a run, an unwinding
-//! error; the examples drop every policy on SIGINT before exiting).
-use std::fs::{File, OpenOptions};
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+//! The file has no name from the start: it is created unlinked (`O_TMPFILE`, or created
+//! by the `tempfile` crate and unlinked at once where the file system lacks it), mode 0600,
+//! so no kill — SIGKILL and the OOM killer included — can leave it behind, no other user
+//! can read the K/V, and no leftover name can collide. One descriptor per store: direct
+//! reads reopen it through `/proc/self/fd` for the length of one read.
+use std::fs::File;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 
 use candle_core::{DType, Tensor};
 
@@ -35,31 +37,93 @@ pub(super) const ALIGN: u64 = 4096;
 /// "KVD1", little-endian.
 pub(super) const MAGIC: u32 = 0x3144_564b;
 
-/// The files of every live store of the process (removed by [`remove_disk_files`]).
-static LIVE: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+/// The files of every live store of the process (synced by [`sync_disk_files`]).
+static LIVE: Mutex<Vec<Weak<File>>> = Mutex::new(Vec::new());
 
-/// The disk-tier files of the process now (each live store's).
-pub fn disk_files() -> Vec<PathBuf> {
-    LIVE.lock().map(|live| live.clone()).unwrap_or_default()
+/// Writes the dirty pages of every live store's file out to the disk (a benchmark's fill,
+/// before decode is timed).
+pub fn sync_disk_files() -> std::io::Result<()> {
+    let files: Vec<Arc<File>> = LIVE
+        .lock()
+        .map(|live| live.iter().filter_map(Weak::upgrade).collect())
+        .unwrap_or_default();
+    for f in files {
+        f.sync_data()?;
+    }
+    Ok(())
 }
 
-/// Removes every disk-tier file of the process: for a signal handler that exits without
-/// unwinding (the stores' own `Drop` removes them otherwise).
-pub fn remove_disk_files() {
-    if let Ok(live) = LIVE.lock() {
-        for p in live.iter() {
-            let _ = std::fs::remove_file(p);
+/// Open disk-tier files of the process now (each live store holds one descriptor).
+pub fn disk_file_count() -> usize {
+    LIVE.lock()
+        .map(|live| live.iter().filter(|w| w.strong_count() > 0).count())
+        .unwrap_or(0)
+}
+
+/// Checks that `dir` can hold the disk tier's files: an unnamed file is created there and
+/// dropped (a read-only file system or a directory without write permission fails here,
+/// before any work, not at the first spill).
+pub fn probe_disk_dir(dir: &Path) -> std::io::Result<()> {
+    unnamed_file(dir).map(drop)
+}
+
+/// A new file in `dir` without a name, mode 0600: `O_TMPFILE`, or, where the file system
+/// lacks it, an exclusive temporary (the `tempfile` crate) unlinked at once.
+fn unnamed_file(dir: &Path) -> std::io::Result<File> {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let tmpfile = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .mode(0o600)
+        .custom_flags(libc::O_TMPFILE)
+        .open(dir);
+    match tmpfile {
+        Ok(f) => Ok(f),
+        // Unsupported here (EOPNOTSUPP, EISDIR on kernels before 3.11): name it and unlink.
+        Err(e)
+            if matches!(
+                e.raw_os_error(),
+                Some(libc::EOPNOTSUPP) | Some(libc::EISDIR)
+            ) =>
+        {
+            let named = tempfile::Builder::new()
+                .prefix(".kvpolicy-")
+                .permissions(std::fs::Permissions::from_mode(0o600))
+                .tempfile_in(dir)?;
+            let (file, path) = named.into_parts();
+            path.close()?;
+            Ok(file)
         }
+        Err(e) => Err(e),
     }
+}
+
+/// Bytes free for an unprivileged user on the file system holding `dir`.
+pub fn free_disk_bytes(dir: &Path) -> std::io::Result<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes())
+        .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+    let mut st = std::mem::MaybeUninit::<libc::statvfs>::zeroed();
+    // SAFETY: `c` is a NUL-terminated path and `st` a writable statvfs.
+    if unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: statvfs succeeded and filled `st`.
+    let st = unsafe { st.assume_init() };
+    // `c_ulong` is 32 bits wide on 32-bit targets.
+    #[allow(clippy::unnecessary_cast)]
+    Ok((st.f_bavail as u64).saturating_mul(st.f_frsize as u64))
 }
 
 /// One layer's K/V in a file (see the module docs).
 #[derive(Debug)]
 pub struct DiskKv {
+    /// How messages name the file (it has no name on disk).
     path: PathBuf,
     file: Arc<File>,
-    /// The same file opened for direct reads ([`DiskIo::Direct`], where allowed).
-    direct: Option<Arc<File>>,
+    /// Whether reads bypass the page cache ([`DiskIo::Direct`], where the file system
+    /// allows it).
+    direct: bool,
     batch: usize,
     heads: usize,
     head_dim: usize,
@@ -107,8 +171,9 @@ pub fn raw_bytes(t: &Tensor) -> Result<Vec<u8>> {
 }
 
 impl DiskKv {
-    /// A new, empty store for `(batch, heads, ·, head_dim)` K/V of `dtype` in a file under
-    /// `dir` named after `name`, growing `chunk` tokens at a time, read as `io` says.
+    /// A new, empty store for `(batch, heads, ·, head_dim)` K/V of `dtype` in an unnamed
+    /// file under `dir` (shown as `dir/name` in messages), growing `chunk` tokens at a
+    /// time, read as `io` says.
     pub fn create(
         dir: &Path,
         name: &str,
@@ -117,30 +182,16 @@ impl DiskKv {
         chunk: usize,
         io: DiskIo,
     ) -> Result<Self> {
-        static NEXT: AtomicU64 = AtomicU64::new(0);
-        let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        let path = dir.join(format!("kvpolicy-{}-{n}-{name}.kv", std::process::id()));
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .open(&path)
-            .map_err(|e| disk_err("cannot create", &path, e))?;
+        let path = dir.join(format!("{name} (unnamed disk-tier file)"));
+        let file = Arc::new(unnamed_file(dir).map_err(|e| disk_err("cannot create", &path, e))?);
         if let Ok(mut live) = LIVE.lock() {
-            live.push(path.clone());
+            live.retain(|w| w.strong_count() > 0);
+            live.push(Arc::downgrade(&file));
         }
-        let direct = match io {
-            DiskIo::Direct => OpenOptions::new()
-                .read(true)
-                .custom_flags(libc::O_DIRECT)
-                .open(&path)
-                .ok()
-                .map(Arc::new),
-            DiskIo::Buffered => None,
-        };
+        let direct = io == DiskIo::Direct && super::disk_read::open_direct(&file).is_ok();
         Ok(Self {
             path,
-            file: Arc::new(file),
+            file,
             direct,
             batch,
             heads,
@@ -152,15 +203,20 @@ impl DiskKv {
         })
     }
 
-    /// The file.
+    /// How messages name the file (its directory and layer; it has no name on disk).
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// The file's descriptor (for tests that damage it).
+    pub fn file(&self) -> &File {
+        &self.file
     }
 
     /// Whether reads bypass the page cache ([`DiskIo::Direct`] on a file system that allows
     /// it).
     pub fn direct_io(&self) -> bool {
-        self.direct.is_some()
+        self.direct
     }
 
     /// Tokens the file holds room for.
@@ -337,21 +393,12 @@ impl DiskKv {
         }
         Ok(DiskRead {
             file: self.file.clone(),
-            direct: self.direct.clone(),
+            direct: self.direct,
             path: self.path.clone(),
             pieces,
             dims: [self.batch, g, len, self.head_dim],
             dtype: self.dtype,
         })
-    }
-}
-
-impl Drop for DiskKv {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
-        if let Ok(mut live) = LIVE.lock() {
-            live.retain(|p| p != &self.path);
-        }
     }
 }
 
@@ -372,7 +419,7 @@ mod tests {
     }
 
     #[test]
-    fn writes_read_back_across_chunks_and_the_file_goes_with_the_store() -> Result<()> {
+    fn writes_read_back_across_chunks_and_the_file_never_has_a_name() -> Result<()> {
         let dir = tempfile::tempdir().map_err(|e| KvError::invariant(e.to_string()))?;
         let mut d = store(dir.path())?;
         let (k, v) = kv(6, 0.0)?;
@@ -399,10 +446,17 @@ mod tests {
             .chain(k2.narrow(1, 1, 1)?.flatten_all()?.to_vec1::<f32>()?)
             .collect();
         assert_eq!(rk.flatten_all()?.to_vec1::<f32>()?, want);
-        let path = d.path().to_path_buf();
-        assert!(path.is_file());
+        // The file never had a name: nothing in the directory, before or after the drop.
+        assert_eq!(
+            std::fs::read_dir(dir.path()).map(Iterator::count).ok(),
+            Some(0)
+        );
+        let file = Arc::downgrade(&d.file);
         drop(d);
-        assert!(!path.exists());
+        assert!(
+            file.upgrade().is_none(),
+            "the descriptor is closed with the store"
+        );
         Ok(())
     }
 

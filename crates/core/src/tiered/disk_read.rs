@@ -40,6 +40,19 @@ impl std::str::FromStr for DiskIo {
     }
 }
 
+/// `file` opened anew for `O_DIRECT` reads through its `/proc/self/fd` link (the disk
+/// tier's files have no name; the link reaches them all the same): its own open file, so
+/// the store's descriptor keeps buffered writes. Fails where the file system refuses
+/// `O_DIRECT` (tmpfs) or `/proc` is not mounted.
+pub(super) fn open_direct(file: &File) -> std::io::Result<File> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(format!("/proc/self/fd/{}", file.as_raw_fd()))
+}
+
 /// `n` rounded up to whole pages.
 pub(super) fn round_up(n: u64) -> u64 {
     n.div_ceil(ALIGN) * ALIGN
@@ -66,7 +79,8 @@ pub(super) struct Piece {
 #[derive(Debug)]
 pub struct DiskRead {
     pub(super) file: Arc<File>,
-    pub(super) direct: Option<Arc<File>>,
+    /// Read past the page cache, through a descriptor opened for this read.
+    pub(super) direct: bool,
     pub(super) path: PathBuf,
     pub(super) pieces: Vec<Piece>,
     pub(super) dims: [usize; 4],
@@ -98,7 +112,11 @@ impl DiskRead {
     fn read_into(&self, kv: usize, buf: &mut ReadBuf) -> Result<()> {
         let io = |e| disk_err("cannot read", &self.path, e);
         let pieces = self.pieces.iter().filter(|p| p.kv == kv);
-        let Some(file) = &self.direct else {
+        let direct = match self.direct {
+            true => Some(open_direct(&self.file).map_err(io)?),
+            false => None,
+        };
+        let Some(file) = &direct else {
             for p in pieces {
                 let mut header = [0u8; HEADER];
                 self.file

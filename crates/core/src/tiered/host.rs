@@ -485,3 +485,10 @@ impl HostLayers {
         }
     }
 }
+
+impl Drop for HostLayers {
+    /// Joins the reads still ahead, so that the files they hold open close with the tier.
+    fn drop(&mut self) {
+        self.ahead.drain(..).for_each(ReadAhead::discard);
+    }
+}

@@ -26,7 +26,9 @@ mod link;
 mod pingpong;
 
 pub use codec::KvCodec;
-pub use disk::{disk_files, raw_bytes, remove_disk_files, DiskKv};
+pub use disk::{
+    disk_file_count, free_disk_bytes, probe_disk_dir, raw_bytes, sync_disk_files, DiskKv,
+};
 pub use disk_read::DiskIo;
 pub use host::{tensor_bytes, DiskTier, HostKv, HostLayers, HostStore, READ_AHEAD};
 pub use link::{report_device, Direction, Link};

@@ -1,0 +1,99 @@
+//! Checks made before any work, for what would otherwise fail after it: the disk tier's
+//! room (free bytes under `--disk-dir` against the K/V that must go there) and descriptors
+//! (one open file per layer on disk per request, against the open-file limit, raised to
+//! its hard limit first as a server would).
+use anyhow::{bail, Result};
+use kvpolicy::core::tiered::free_disk_bytes;
+use kvpolicy::core::{format_bytes, KvCodec};
+use kvpolicy::{ModelInfo, PolicyOption};
+
+use super::{registry, Args};
+
+/// Whether `args.policy` puts layers on the disk tier (it reads `--disk-dir`, and one is
+/// given).
+fn uses_disk(args: &Args) -> bool {
+    args.disk_dir.is_some()
+        && registry::registry()
+            .reads(&args.policy)
+            .is_ok_and(|r| r.contains(&PolicyOption::DiskDir))
+}
+
+/// Raises the soft open-file limit to the hard one and checks that `requests` requests
+/// with every layer on disk (the most the disk tier can open: one descriptor per layer
+/// file, plus reads in flight) fit under it.
+pub fn check_descriptors(args: &Args, info: &ModelInfo, requests: usize) -> Result<()> {
+    if !uses_disk(args) {
+        return Ok(());
+    }
+    let limit = rlimit::increase_nofile_limit(u64::MAX).unwrap_or(0);
+    let reads_in_flight = kvpolicy::core::tiered::READ_AHEAD + 1;
+    let needed = (requests as u64)
+        .saturating_mul((info.n_layers + reads_in_flight) as u64)
+        .saturating_add(64);
+    if limit > 0 && needed > limit {
+        bail!(
+            "the disk tier may hold up to {needed} files open ({requests} requests × {} layers, and reads in flight) but the open-file limit is {limit}; raise it (`ulimit -n {needed}`), pass fewer prompts, or raise --host-kv-budget and leave out --disk-dir",
+            info.n_layers
+        );
+    }
+    Ok(())
+}
+
+/// Bytes of K/V the disk tier must hold for `tokens` tokens in all (every request's
+/// prompt and generated tokens) past `--host-kv-budget`: a lower bound (windowed layers
+/// counted at their window, no block padding), so that a refusal is certain to be right.
+fn disk_bytes_needed(args: &Args, info: &ModelInfo, tokens: &[usize]) -> u64 {
+    let elem = |n: u64| match args.host_kv_dtype.unwrap_or_default() {
+        KvCodec::Model => n * info.dtype.size_in_bytes() as u64,
+        KvCodec::Float(dt) => n * dt.size_in_bytes() as u64,
+        KvCodec::Q8_0 => n * 34 / 32,
+    };
+    let per_token = 2 * (info.n_kv_heads * info.head_dim) as u64;
+    let total: u64 = tokens
+        .iter()
+        .map(|&t| {
+            (0..info.n_layers)
+                .map(|l| {
+                    let seen = match info.windows.get(l).copied().flatten() {
+                        Some(w) => t.min(w),
+                        None => t,
+                    };
+                    elem(per_token * seen as u64)
+                })
+                .sum::<u64>()
+        })
+        .sum();
+    total.saturating_sub(args.host_kv_budget.unwrap_or(0))
+}
+
+/// Checks that the file system under `--disk-dir` has room for the K/V that must go there
+/// for requests of `prompt_lens` tokens (each growing by `--max-new-tokens`).
+pub fn check_disk_room(args: &Args, info: &ModelInfo, prompt_lens: &[usize]) -> Result<()> {
+    let (true, Some(dir)) = (uses_disk(args), &args.disk_dir) else {
+        return Ok(());
+    };
+    let tokens: Vec<usize> = prompt_lens
+        .iter()
+        .map(|&p| {
+            p.saturating_add(args.max_new_tokens)
+                .min(info.max_positions)
+        })
+        .collect();
+    let needed = disk_bytes_needed(args, info, &tokens);
+    let free = free_disk_bytes(dir).map_err(|e| {
+        anyhow::anyhow!(
+            "--disk-dir {}: cannot query its free space: {e}",
+            dir.display()
+        )
+    })?;
+    if needed > free {
+        bail!(
+            "--disk-dir {} has {} free, but the disk tier needs at least {} for {} tokens past --host-kv-budget; free space there, raise --host-kv-budget, or point --disk-dir at a larger file system",
+            dir.display(),
+            format_bytes(free),
+            format_bytes(needed),
+            tokens.iter().sum::<usize>()
+        );
+    }
+    Ok(())
+}

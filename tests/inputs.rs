@@ -1,0 +1,180 @@
+//! Input files a careless user gives (issue "Hardening II", items 4, 5 and 10): user files
+//! are read only when regular and only up to a cap that names itself — `/dev/zero` as a
+//! prompts file or tokenizer, a FIFO as a weight file or tokenizer, a directory named
+//! `model.safetensors` — each a one-line error before any work; and the environment's
+//! empty `KVPOLICY_CACHE` is named.
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+use anyhow::{ensure, Result};
+
+/// Runs the llama example with `args`, killed if it takes a minute (a FIFO that blocks).
+fn llama(args: &[&str], env: &[(&str, &str)]) -> Result<Output> {
+    let mut cmd = Command::new(common::example_bin("llama"));
+    cmd.args(args).env("HF_HUB_OFFLINE", "1");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    let start = Instant::now();
+    while child.try_wait()?.is_none() {
+        if start.elapsed() > Duration::from_secs(60) {
+            child.kill()?;
+            anyhow::bail!("{args:?} still running after a minute (blocked?)");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(child.wait_with_output()?)
+}
+
+/// A one-line error containing every needle, exit code 1, no panic, nothing generated.
+fn one_line_error(o: &Output, needles: &[&str]) -> Result<()> {
+    let err = String::from_utf8_lossy(&o.stderr);
+    ensure!(
+        o.status.code() == Some(1),
+        "exit {:?}: {err}",
+        o.status.code()
+    );
+    for n in needles {
+        ensure!(err.contains(n), "stderr lacks {n:?}: {err}");
+    }
+    ensure!(err.lines().count() == 1, "not one line: {err}");
+    ensure!(
+        o.stdout.is_empty(),
+        "work was done: {}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+    Ok(())
+}
+
+fn mkfifo(p: &Path) -> Result<()> {
+    ensure!(
+        Command::new("mkfifo").arg(p).status()?.success(),
+        "mkfifo failed"
+    );
+    Ok(())
+}
+
+/// The fixture directory copied into `dir` without its weights.
+fn fixture_without_weights(dir: &Path) -> Result<()> {
+    for e in std::fs::read_dir(common::fixture("llama_gqa"))? {
+        let e = e?;
+        if e.path().extension().is_none_or(|x| x != "safetensors") && e.file_type()?.is_file() {
+            std::fs::copy(e.path(), dir.join(e.file_name()))?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn devices_and_fifos_are_refused_as_prompts_files_and_tokenizers() -> Result<()> {
+    let fixture = common::fixture("llama_gqa").to_string_lossy().into_owned();
+    let d = tempfile::tempdir()?;
+    let fifo = d.path().join("fifo");
+    mkfifo(&fifo)?;
+    let fifo = fifo.to_string_lossy().into_owned();
+    for file in ["/dev/zero", fifo.as_str()] {
+        let o = llama(&["--model-dir", &fixture, "--prompts-file", file], &[])?;
+        one_line_error(&o, &["--prompts-file", file, "not a regular file"])?;
+        let o = llama(
+            &[
+                "--model-dir",
+                &fixture,
+                "--tokenizer",
+                file,
+                "--prompt",
+                "hi",
+            ],
+            &[],
+        )?;
+        one_line_error(&o, &["tokenizer", file, "not a regular file"])?;
+    }
+    Ok(())
+}
+
+#[test]
+fn a_prompts_file_over_its_cap_is_refused_naming_the_cap() -> Result<()> {
+    let fixture = common::fixture("llama_gqa").to_string_lossy().into_owned();
+    let d = tempfile::tempdir()?;
+    let big = d.path().join("big.txt");
+    // Sparse: 257 MiB of zero bytes that take no disk.
+    std::fs::File::create(&big)?.set_len(257 << 20)?;
+    let o = llama(
+        &[
+            "--model-dir",
+            &fixture,
+            "--prompts-file",
+            &big.to_string_lossy(),
+        ],
+        &[],
+    )?;
+    one_line_error(&o, &["--prompts-file", "larger than 256 MiB"])
+}
+
+#[test]
+fn a_fifo_or_a_directory_as_the_weight_file_is_refused() -> Result<()> {
+    let d = tempfile::tempdir()?;
+    fixture_without_weights(d.path())?;
+    let weights = d.path().join("model.safetensors");
+    mkfifo(&weights)?;
+    let dir = d.path().to_string_lossy().into_owned();
+    let o = llama(&["--model-dir", &dir, "--prompt-ids", "1,2"], &[])?;
+    one_line_error(&o, &["model.safetensors", "not a regular file"])?;
+    std::fs::remove_file(&weights)?;
+    std::fs::create_dir(&weights)?;
+    let o = llama(&["--model-dir", &dir, "--prompt-ids", "1,2"], &[])?;
+    one_line_error(&o, &["model.safetensors", "is a directory"])?;
+    // A FIFO as config.json, too.
+    std::fs::remove_dir(&weights)?;
+    std::fs::copy(
+        common::fixture("llama_gqa").join("model.safetensors"),
+        &weights,
+    )?;
+    std::fs::remove_file(d.path().join("config.json"))?;
+    mkfifo(&d.path().join("config.json"))?;
+    let o = llama(&["--model-dir", &dir, "--prompt-ids", "1,2"], &[])?;
+    let err = String::from_utf8_lossy(&o.stderr);
+    ensure!(
+        o.status.code() == Some(1) && err.contains("config.json"),
+        "{err}"
+    );
+    Ok(())
+}
+
+#[test]
+fn an_empty_kvpolicy_cache_is_named() -> Result<()> {
+    let d = tempfile::tempdir()?;
+    let o = Command::new(common::example_bin("llama"))
+        .args(["--prompt-ids", "1,2", "--max-new-tokens", "1"])
+        .env("KVPOLICY_CACHE", "")
+        .env("HF_HUB_OFFLINE", "1")
+        .current_dir(d.path())
+        .output()?;
+    one_line_error(&o, &["KVPOLICY_CACHE is set but empty"])?;
+    ensure!(
+        std::fs::read_dir(d.path())?.count() == 0,
+        "files made in the current directory"
+    );
+    Ok(())
+}
+
+#[test]
+fn the_default_models_fetch_error_is_one_line() -> Result<()> {
+    // An empty cache, offline: every source fails.
+    let cache = tempfile::tempdir()?;
+    let hub = tempfile::tempdir()?;
+    let o = llama(
+        &["--prompt-ids", "1,2", "--max-new-tokens", "1"],
+        &[
+            ("KVPOLICY_CACHE", &cache.path().to_string_lossy()),
+            ("HF_HOME", &hub.path().to_string_lossy()),
+        ],
+    )?;
+    one_line_error(&o, &["could not obtain the model", "--gguf/--model-dir"])
+}
