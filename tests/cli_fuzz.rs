@@ -2,8 +2,12 @@
 //! repeated or missing their value, with values chosen to break things (zero, huge,
 //! negative, NaN, past 64 bits, empty, garbage, paths that are directories or do not
 //! exist, configs with one field made absurd) — on the test fixtures, each run as a child
-//! process. Every run must exit 0, 1 (an error of the run) or 2 (clap's usage error), never
-//! panic, abort or hang, print `error:` when it fails, and leave no temporary behind.
+//! process; and the hostile dimensions of `cli_fuzz/hostile.rs`: outputs that are streams,
+//! devices, descriptors, FIFOs and links, inputs that are devices, FIFOs and directories,
+//! the disk tier's flags, a broken `TMPDIR` or `KVPOLICY_CACHE`. Every run must exit 0, 1
+//! (an error of the run) or 2 (clap's usage error), never panic, abort or hang, print
+//! `error:` when it fails, leave no temporary behind, leave the victim that planted links
+//! point to untouched, and leave no named file in the disk tier's directory.
 //!
 //! `cargo test --release --test cli_fuzz` runs a fixed number of cases from a fixed seed;
 //! `KVPOLICY_CLI_FUZZ_SECS=600` runs for that long instead, `KVPOLICY_CLI_FUZZ_SEED` picks
@@ -11,6 +15,10 @@
 //! line of stderr. A failure prints its case number and argument vector;
 //! `KVPOLICY_CLI_FUZZ_CASES=674,1210` (with the same seed) replays just those cases.
 mod common;
+#[path = "cli_fuzz/hostile.rs"]
+mod hostile;
+#[path = "cli_fuzz/values.rs"]
+mod values;
 
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -26,6 +34,8 @@ const CASES: usize = 100;
 const HANG: Duration = Duration::from_secs(90);
 
 use common::Rng;
+use hostile::Hostile;
+use values::*;
 
 /// One of `v`, or one time in ten a value no flag accepts.
 fn value(rng: &mut Rng, v: &[&str]) -> String {
@@ -35,122 +45,6 @@ fn value(rng: &mut Rng, v: &[&str]) -> String {
         rng.pick(v).into()
     }
 }
-
-const COUNTS: &[&str] = &[
-    "0",
-    "1",
-    "2",
-    "3",
-    "7",
-    "16",
-    "64",
-    "127",
-    "128",
-    "129",
-    "1000",
-    "1000000000",
-    "4294967296",
-    "18446744073709551615",
-];
-/// Values no flag accepts (clap's usage errors), given one time in ten.
-const BAD: &[&str] = &[
-    "18446744073709551616",
-    "-1",
-    "1.5",
-    "",
-    "x",
-    "\u{661}",
-    "1e3",
-    "0x10",
-];
-const FLOATS: &[&str] = &[
-    "0",
-    "1",
-    "0.5",
-    "0.9",
-    "1.0000001",
-    "2",
-    "-1",
-    "-0",
-    "NaN",
-    "nan",
-    "inf",
-    "-inf",
-    "1e308",
-    "1e-320",
-];
-const SIZES: &[&str] = &[
-    "0",
-    "1",
-    "1B",
-    "4096",
-    "64KiB",
-    "1MiB",
-    "64MiB",
-    "1.5GB",
-    "1000000000000TiB",
-    "18446744073709551615",
-    "18446744073709551616",
-    "12 parsecs",
-];
-/// Link bandwidths: fast enough that a run ends (a slow link warns and then crawls by
-/// design), and malformed ones.
-const LINKS: &[&str] = &["1GB", "25GB", "1TiB", "0", "1000000000000TiB"];
-const IDS: &[&str] = &[
-    "1,2,3",
-    "1",
-    "0",
-    "383",
-    "384",
-    "4294967295",
-    "4294967296",
-    "1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20",
-];
-const POLICIES: &[&str] = &[
-    "full",
-    "layer",
-    "headwise",
-    "recompute",
-    "hybrid",
-    "auto",
-    "",
-    "FULL",
-];
-const TEXTS: &[&str] = &[
-    "The capital of France is",
-    "",
-    " ",
-    "\u{1F600}\u{7f}",
-    "a\nb",
-];
-const DTYPES: &[&str] = &["f32", "f16", "bf16", "f64", "u8", ""];
-const GROUPS: &[&str] = &[
-    "auto",
-    "1",
-    "2",
-    "3",
-    "4",
-    "0",
-    "99999999999999999999",
-    "AUTO",
-];
-/// Config fields set to an absurd value in a copy of the fixture's config.json.
-const FIELDS: &[&str] = &[
-    "num_hidden_layers",
-    "hidden_size",
-    "intermediate_size",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "vocab_size",
-    "max_position_embeddings",
-    "rope_theta",
-    "rms_norm_eps",
-    "sliding_window",
-    "tie_word_embeddings",
-    "rope_scaling",
-    "model_type",
-];
 
 /// One case's working directory: the files its paths may name.
 struct Scratch {
@@ -226,8 +120,10 @@ impl Scratch {
     }
 }
 
-/// A random argument vector for `llama`, using `s` for its files.
-fn argv(rng: &mut Rng, s: &Scratch) -> Result<Vec<String>> {
+/// A random argument vector for `llama`, using `s` for its files and `h` for the hostile
+/// ones.
+fn argv(rng: &mut Rng, s: &Scratch, h: &mut Hostile) -> Result<Vec<String>> {
+    let dir = s.dir.path().to_path_buf();
     let mut a: Vec<String> = Vec::new();
     let push = |a: &mut Vec<String>, flag: &str, value: String| {
         a.push(flag.to_string());
@@ -242,12 +138,22 @@ fn argv(rng: &mut Rng, s: &Scratch) -> Result<Vec<String>> {
             "--gguf",
             common::default_gguf()?.to_string_lossy().into_owned(),
         ),
-        2 => push(&mut a, "--gguf", s.config(rng)?),
+        2 => {
+            let v = match h.input(rng, &dir)? {
+                Some(p) => p,
+                None => s.config(rng)?,
+            };
+            push(&mut a, "--gguf", v)
+        }
         3 => push(&mut a, "--model-dir", s.path("")),
         4 => push(&mut a, "--model-id", "nobody/nothing".into()),
         5..=9 => {
             a.push("--random-weights".into());
-            push(&mut a, "--config", s.config(rng)?);
+            let v = match h.input(rng, &dir)? {
+                Some(p) => p,
+                None => s.config(rng)?,
+            };
+            push(&mut a, "--config", v);
         }
         10 | 11 => push(
             &mut a,
@@ -287,6 +193,11 @@ fn argv(rng: &mut Rng, s: &Scratch) -> Result<Vec<String>> {
             "--dump-logits",
             "--stats-out",
             "--revision",
+            "--disk-dir",
+            "--disk-dir",
+            "--host-kv-budget",
+            "--host-kv-dtype",
+            "--disk-io",
             "--bogus",
         ]);
         // A flag given twice is a usage error: now and then, not most of the time.
@@ -303,20 +214,36 @@ fn argv(rng: &mut Rng, s: &Scratch) -> Result<Vec<String>> {
             "--prompt-ids" | "--decode-ids" => value(rng, IDS),
             "--random-prompt" | "--max-new-tokens" | "--seed" | "--recompute-split"
             | "--block-size" | "--prefill-chunk" => value(rng, COUNTS),
-            "--prompts-file" => s.prompts(rng)?,
+            "--prompts-file" => match h.input(rng, &dir)? {
+                Some(p) => p,
+                None => s.prompts(rng)?,
+            },
             "--temperature" | "--top-p" | "--kv-act-ratio" => value(rng, FLOATS),
-            "--tokenizer" | "--profile" => match rng.below(3) {
-                0 => s.path("none.json"),
-                1 => s.config(rng)?,
-                _ => s.path(""),
+            "--tokenizer" | "--profile" => match (h.input(rng, &dir)?, rng.below(3)) {
+                (Some(p), _) => p,
+                (None, 0) => s.path("none.json"),
+                (None, 1) => s.config(rng)?,
+                (None, _) => s.path(""),
             },
             "--dtype" => rng.pick(DTYPES).into(),
             "--head-group" => value(rng, GROUPS),
             "--device-kv-budget" => value(rng, SIZES),
             "--link-bandwidth" => value(rng, LINKS),
-            "--ids-out" => s.output(rng, "ids.json")?,
-            "--dump-logits" => s.output(rng, "logits.npy")?,
-            "--stats-out" => s.output(rng, "stats.json")?,
+            "--ids-out" | "--dump-logits" | "--stats-out" => {
+                let name = match flag {
+                    "--ids-out" => "ids.json",
+                    "--dump-logits" => "logits.npy",
+                    _ => "stats.json",
+                };
+                match h.output(rng, &dir, name)? {
+                    Some(p) if rng.chance(2) => p,
+                    _ => s.output(rng, name)?,
+                }
+            }
+            "--disk-dir" => h.disk_dir(rng, &dir)?,
+            "--host-kv-budget" => value(rng, SIZES),
+            "--host-kv-dtype" => rng.pick(&["f16", "bf16", "q8_0", "f8", ""]).into(),
+            "--disk-io" => rng.pick(&["direct", "buffered", "mmap"]).into(),
             _ => rng.pick(COUNTS).into(),
         };
         // Now and then a flag without its value.
@@ -329,19 +256,35 @@ fn argv(rng: &mut Rng, s: &Scratch) -> Result<Vec<String>> {
     Ok(a)
 }
 
-/// Runs one argument vector; returns its exit code and what is wrong with the run, if
-/// anything.
-fn check(a: &[String], s: &Scratch) -> Result<(Option<i32>, Option<String>)> {
+/// Runs one argument vector in the environment `env` set up; returns its exit code and
+/// what is wrong with the run, if anything.
+fn check(
+    a: &[String],
+    s: &Scratch,
+    h: &mut Hostile,
+    env: impl FnOnce(&mut Command) -> Result<()>,
+) -> Result<(Option<i32>, Option<String>)> {
+    let mut cmd = Command::new(common::example_bin("llama"));
+    cmd.args(a)
+        .env("HF_HUB_OFFLINE", "1")
+        .env("RUST_BACKTRACE", "0")
+        // Two workers on this 2-core machine: one compute thread each, or a long real-model
+        // run of one case, slowed ten-fold by the other's threads, reads as a hang.
+        .env("RAYON_NUM_THREADS", "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    env(&mut cmd)?;
     let before: Vec<_> = std::fs::read_dir(s.dir.path())?
         .filter_map(|e| e.ok().map(|e| e.file_name()))
         .collect();
-    let mut child = Command::new(common::example_bin("llama"))
-        .args(a)
-        .env("HF_HUB_OFFLINE", "1")
-        .env("RUST_BACKTRACE", "0")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()?;
+    let mut child = cmd.spawn()?;
+    // stdout is a pipe (outputs named /dev/stdout go through it), drained meanwhile.
+    let stdout = child.stdout.take();
+    let drain = std::thread::spawn(move || {
+        if let Some(mut o) = stdout {
+            let _ = std::io::copy(&mut o, &mut std::io::sink());
+        }
+    });
     let stderr = child.stderr.take();
     let reader = std::thread::spawn(move || {
         let mut text = String::new();
@@ -363,6 +306,8 @@ fn check(a: &[String], s: &Scratch) -> Result<(Option<i32>, Option<String>)> {
         std::thread::sleep(Duration::from_millis(5));
     };
     let err = reader.join().unwrap_or_default();
+    let _ = drain.join();
+    let broken = h.broken()?;
     let Some(status) = status else {
         return Ok((None, Some(format!("hung for {HANG:?}"))));
     };
@@ -381,6 +326,7 @@ fn check(a: &[String], s: &Scratch) -> Result<(Option<i32>, Option<String>)> {
         Some(1 | 2) if !err.contains("error:") => Some("failed without `error:`".into()),
         _ => None,
     };
+    let problem = problem.or(broken);
     if problem.is_some() {
         return Ok((
             status.code(),
@@ -389,9 +335,11 @@ fn check(a: &[String], s: &Scratch) -> Result<(Option<i32>, Option<String>)> {
     }
     // No temporaries; a failed run adds no file at all.
     for e in std::fs::read_dir(s.dir.path())? {
-        let name = e?.file_name();
+        let e = e?;
+        let name = e.file_name();
         let n = name.to_string_lossy();
-        if n.ends_with(".partial") {
+        // (The links planted at old temporaries' names are the hostile setup's.)
+        if n.ends_with(".partial") && !e.file_type()?.is_symlink() {
             return Ok((status.code(), Some(format!("left the temporary {n}"))));
         }
         if !status.success() && !before.contains(&name) {
@@ -460,8 +408,12 @@ fn random_argument_vectors_never_panic_abort_or_hang() -> Result<()> {
                         let s = Scratch {
                             dir: tempfile::tempdir()?,
                         };
-                        let a = argv(&mut rng, &s)?;
-                        let (code, problem) = check(&a, &s)?;
+                        let mut h = Hostile::new(s.dir.path())?;
+                        let a = argv(&mut rng, &s, &mut h)?;
+                        let dir = s.dir.path().to_path_buf();
+                        let (code, problem) = check(&a, &s, &mut h, |cmd| {
+                            hostile::environment(&mut rng, &dir, cmd)
+                        })?;
                         let lock = |e| anyhow::anyhow!("a worker panicked: {e}");
                         if let Some(p) = problem {
                             failures

@@ -64,33 +64,43 @@ fn interrupted_while_writing(signal: &str, disk: bool) -> Result<()> {
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()?;
-    // Wait until the child holds its temporaries (blocked opening the FIFO).
-    let start = Instant::now();
-    while temporaries(dir.path())?.is_empty() {
-        ensure!(
-            start.elapsed() < Duration::from_secs(60),
-            "the child never staged its outputs"
-        );
-        if let Some(st) = child.try_wait()? {
-            anyhow::bail!("the child ended early: {st}");
+    // Until the signal, a failed check kills the child: it must not stay blocked on its
+    // FIFO after the test.
+    let held = (|| -> Result<()> {
+        // Wait until the child holds its temporaries (blocked opening the FIFO).
+        let start = Instant::now();
+        while temporaries(dir.path())?.is_empty() {
+            ensure!(
+                start.elapsed() < Duration::from_secs(60),
+                "the child never staged its outputs"
+            );
+            if let Some(st) = child.try_wait()? {
+                anyhow::bail!("the child ended early: {st}");
+            }
+            std::thread::sleep(Duration::from_millis(10));
         }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    std::thread::sleep(Duration::from_millis(50));
-    if disk {
-        // The policy is alive while the outputs are written: its layers' files are open,
-        // and have no name.
-        let open = common::unnamed_files(&child.id().to_string(), &disk_dir)?;
-        ensure!(
-            !open.is_empty(),
-            "no disk-tier file while the run holds its cache"
-        );
-        ensure!(files(&disk_dir)? == 0, "a disk-tier file has a name");
-        use std::os::unix::fs::PermissionsExt;
-        for link in open {
-            let mode = std::fs::metadata(link)?.permissions().mode() & 0o777;
-            ensure!(mode == 0o600, "a disk-tier file of mode {mode:o}, not 600");
+        std::thread::sleep(Duration::from_millis(50));
+        if disk {
+            // The policy is alive while the outputs are written: its layers' files are open,
+            // and have no name.
+            let open = common::unnamed_files(&child.id().to_string(), &disk_dir)?;
+            ensure!(
+                !open.is_empty(),
+                "no disk-tier file while the run holds its cache"
+            );
+            ensure!(files(&disk_dir)? == 0, "a disk-tier file has a name");
+            use std::os::unix::fs::PermissionsExt;
+            for link in open {
+                let mode = std::fs::metadata(link)?.permissions().mode() & 0o777;
+                ensure!(mode == 0o600, "a disk-tier file of mode {mode:o}, not 600");
+            }
         }
+        Ok(())
+    })();
+    if let Err(e) = held {
+        let _ = child.kill();
+        let _ = child.wait();
+        return Err(e);
     }
     let sent = Command::new("kill")
         .args([signal, &child.id().to_string()])

@@ -36,11 +36,14 @@ const SLOW_STEP_S: f64 = 60.0;
 /// A warning when `--link-bandwidth` makes one decode step take minutes: an offload
 /// policy may move the whole cache (`context` tokens of every layer's K and V) each step.
 pub fn slow_link(info: &ModelInfo, bandwidth: u64, context: usize) -> Option<String> {
-    let per_token = 2
-        * info.n_layers as u64
-        * info.n_kv_heads as u64
-        * info.head_dim as u64
-        * info.dtype.size_in_bytes() as u64;
+    let per_token = [
+        info.n_layers,
+        info.n_kv_heads,
+        info.head_dim,
+        info.dtype.size_in_bytes(),
+    ]
+    .iter()
+    .fold(2u64, |acc, &x| acc.saturating_mul(x as u64));
     let bytes = per_token.saturating_mul(context as u64);
     let step_s = bytes as f64 / bandwidth.max(1) as f64;
     (step_s >= SLOW_STEP_S).then(|| {

@@ -44,11 +44,13 @@ pub fn check_descriptors(args: &Args, info: &ModelInfo, requests: usize) -> Resu
 /// counted at their window, no block padding), so that a refusal is certain to be right.
 fn disk_bytes_needed(args: &Args, info: &ModelInfo, tokens: &[usize]) -> u64 {
     let elem = |n: u64| match args.host_kv_dtype.unwrap_or_default() {
-        KvCodec::Model => n * info.dtype.size_in_bytes() as u64,
-        KvCodec::Float(dt) => n * dt.size_in_bytes() as u64,
-        KvCodec::Q8_0 => n * 34 / 32,
+        KvCodec::Model => n.saturating_mul(info.dtype.size_in_bytes() as u64),
+        KvCodec::Float(dt) => n.saturating_mul(dt.size_in_bytes() as u64),
+        KvCodec::Q8_0 => n.saturating_mul(34) / 32,
     };
-    let per_token = 2 * (info.n_kv_heads * info.head_dim) as u64;
+    let per_token = 2u64
+        .saturating_mul(info.n_kv_heads as u64)
+        .saturating_mul(info.head_dim as u64);
     let total: u64 = tokens
         .iter()
         .map(|&t| {
@@ -58,11 +60,11 @@ fn disk_bytes_needed(args: &Args, info: &ModelInfo, tokens: &[usize]) -> u64 {
                         Some(w) => t.min(w),
                         None => t,
                     };
-                    elem(per_token * seen as u64)
+                    elem(per_token.saturating_mul(seen as u64))
                 })
-                .sum::<u64>()
+                .fold(0u64, u64::saturating_add)
         })
-        .sum();
+        .fold(0u64, u64::saturating_add);
     total.saturating_sub(args.host_kv_budget.unwrap_or(0))
 }
 

@@ -27,7 +27,7 @@ impl Stock {
         let model = ModelWeights::from_gguf(content, &mut file, device)?;
         Ok(Self {
             model,
-            vocab: vocab as u32,
+            vocab: u32::try_from(vocab).unwrap_or(u32::MAX).max(1),
             device: device.clone(),
         })
     }

@@ -165,7 +165,10 @@ pub fn measure(
         synthetic,
     } = how;
     let dev: &Device = &model.info().device;
-    let vocab = model.info().vocab_size as u32;
+    // Every u32 is a valid id of a vocabulary past u32's range (never 0: ids are `% vocab`).
+    let vocab = u32::try_from(model.info().vocab_size)
+        .unwrap_or(u32::MAX)
+        .max(1);
     let prompt = ids(context, 0, vocab);
     let mut prefill_rates = Vec::new();
     let mut rates = Vec::new();

@@ -6,6 +6,7 @@ use serde::Deserialize;
 
 use crate::error::{ModelError, Result};
 
+pub mod numbers;
 mod rope;
 pub use rope::{check_theta, rope_scaling_from, RopeParameters, RopeParams};
 
@@ -87,9 +88,10 @@ pub struct LlamaConfig {
     /// Longest sequence the model supports.
     #[serde(default = "default_max_pos")]
     pub max_position_embeddings: usize,
-    /// Whether the LM head shares the embedding matrix.
+    /// Whether the LM head shares the embedding matrix (absent: transformers' default for
+    /// the architecture — tied for Gemma, untied otherwise).
     #[serde(default)]
-    pub tie_word_embeddings: bool,
+    pub tie_word_embeddings: Option<bool>,
     /// Biases on the q/k/v/o projections.
     #[serde(default)]
     pub attention_bias: bool,
@@ -201,7 +203,7 @@ impl LlamaConfig {
 
     /// Parses config.json text.
     pub fn from_json(text: &str) -> Result<Self> {
-        typed(serde_json::from_str(text).map_err(syntax_error)?)
+        typed(text)
     }
 
     /// KV heads.
@@ -225,12 +227,7 @@ impl LlamaConfig {
                 ("head_dim", self.head_dim.unwrap_or(1)),
             ],
         )?;
-        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps >= 0.0) {
-            return Err(ModelError::config(
-                "rms_norm_eps",
-                format!("{} must be a finite number ≥ 0", self.rms_norm_eps),
-            ));
-        }
+        numbers::non_negative_f32(self.rms_norm_eps, "rms_norm_eps")?;
         let h = self.num_attention_heads;
         if h == 0 {
             return Err(ModelError::config(
@@ -402,10 +399,12 @@ fn syntax_error(e: serde_json::Error) -> ModelError {
     ModelError::config("config.json", format!("{e}; fix config.json"))
 }
 
-/// A config struct from parsed JSON; a value of the wrong type names its field (the dotted
-/// path), e.g. `hidden_size` for `"hidden_size": -64`.
-fn typed<T: serde::de::DeserializeOwned>(v: serde_json::Value) -> Result<T> {
-    serde_path_to_error::deserialize(v).map_err(|e| {
+/// A config struct parsed straight from config.json's text (no generic JSON tree: fields
+/// this code does not read are skipped, not held); a value of the wrong type names its
+/// field (the dotted path), e.g. `hidden_size` for `"hidden_size": -64`.
+fn typed<T: serde::de::DeserializeOwned>(text: &str) -> Result<T> {
+    let mut de = serde_json::Deserializer::from_str(text);
+    serde_path_to_error::deserialize(&mut de).map_err(|e| {
         let field = match e.path().to_string() {
             // A missing field has no path; serde names it in backticks.
             p if p == "." => e
@@ -424,9 +423,14 @@ fn typed<T: serde::de::DeserializeOwned>(v: serde_json::Value) -> Result<T> {
 impl ModelConfig {
     /// Parses config.json text; a missing or unsupported `model_type` is an error naming it.
     pub fn from_json(text: &str) -> Result<Self> {
-        let v: serde_json::Value = serde_json::from_str(text).map_err(syntax_error)?;
+        /// Just the architecture; every other field is skipped unread.
+        #[derive(Deserialize)]
+        struct Kind {
+            model_type: Option<serde_json::Value>,
+        }
+        let k: Kind = serde_json::from_str(text).map_err(syntax_error)?;
         let supported = MODEL_TYPES.join(", ");
-        let kind = match v.get("model_type").map(|t| t.as_str()) {
+        let kind = match k.model_type.as_ref().map(|t| t.as_str()) {
             None => {
                 return Err(ModelError::config(
                     "model_type",
@@ -445,13 +449,13 @@ impl ModelConfig {
             }
         };
         Ok(match kind.as_str() {
-            "mistral" => Self::Mistral(typed(v)?),
-            "qwen2" => Self::Qwen2(typed(v)?),
-            "gemma" => Self::Gemma(typed(v)?),
-            "gemma2" => Self::Gemma2(typed(v)?),
-            "gemma3_text" => Self::Gemma3(typed(v)?),
-            "opt" => Self::Opt(typed(v)?),
-            _ => Self::Llama(typed(v)?),
+            "mistral" => Self::Mistral(typed(text)?),
+            "qwen2" => Self::Qwen2(typed(text)?),
+            "gemma" => Self::Gemma(typed(text)?),
+            "gemma2" => Self::Gemma2(typed(text)?),
+            "gemma3_text" => Self::Gemma3(typed(text)?),
+            "opt" => Self::Opt(typed(text)?),
+            _ => Self::Llama(typed(text)?),
         })
     }
 }

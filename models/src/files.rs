@@ -1,11 +1,9 @@
-//! Reading the files a user names (config.json, tokenizer.json, tokenizer_config.json, a
-//! prompts file, safetensors headers): only regular files — a FIFO is refused at once
-//! instead of blocking, a device such as `/dev/zero` instead of filling memory — and whole
-//! files only up to a cap that names itself in the error.
+//! The model files a user names, read through [`kvpolicy_core::userfile`] (regular files
+//! only, under a cap that names itself), with its refusals as [`ModelError::Input`].
 use std::fs::File;
-use std::io::Read;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
+
+use kvpolicy_core::userfile;
 
 use crate::error::{ModelError, Result};
 
@@ -15,57 +13,26 @@ pub const CONFIG_CAP: u64 = 16 << 20;
 /// hub are tens of MiB).
 pub const TOKENIZER_CAP: u64 = 256 << 20;
 
-/// Opens `path` for reading when it is a regular file (symbolic links followed); `what`
-/// names it in the error (e.g. "--tokenizer", "the weight file").
+/// A refusal as it stands; another I/O error as one line naming `what` and `path` (its
+/// cause in the text, not as a source printed a second time).
+fn mapped(path: &Path, what: &str, e: std::io::Error) -> ModelError {
+    match e.kind() {
+        std::io::ErrorKind::InvalidInput => ModelError::Input(e.to_string()),
+        _ => ModelError::Input(format!("cannot read {what} {}: {e}", path.display())),
+    }
+}
+
+/// [`userfile::open_regular`].
 pub fn open_regular(path: &Path, what: &str) -> Result<File> {
-    // Non-blocking, so that opening a FIFO returns at once (to be refused below) instead of
-    // waiting for a writer; for a regular file the flag changes nothing.
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK)
-        .open(path)
-        .map_err(|e| ModelError::io(path, e))?;
-    let kind = f
-        .metadata()
-        .map_err(|e| ModelError::io(path, e))?
-        .file_type();
-    if kind.is_file() {
-        return Ok(f);
-    }
-    let is = if kind.is_dir() {
-        "is a directory"
-    } else {
-        "is not a regular file (a FIFO, socket or device)"
-    };
-    Err(ModelError::Input(format!(
-        "{what} {} {is}; give a regular file",
-        path.display()
-    )))
+    userfile::open_regular(path, what).map_err(|e| mapped(path, what, e))
 }
 
-/// The whole of the regular file `path`, refused when it holds more than `cap` bytes.
+/// [`userfile::read_capped`].
 pub fn read_capped(path: &Path, what: &str, cap: u64) -> Result<Vec<u8>> {
-    let f = open_regular(path, what)?;
-    let mut bytes = Vec::new();
-    f.take(cap + 1)
-        .read_to_end(&mut bytes)
-        .map_err(|e| ModelError::io(path, e))?;
-    if bytes.len() as u64 > cap {
-        return Err(ModelError::Input(format!(
-            "{what} {} is larger than {} MiB, the most read of such a file; give the right file",
-            path.display(),
-            cap >> 20
-        )));
-    }
-    Ok(bytes)
+    userfile::read_capped(path, what, cap).map_err(|e| mapped(path, what, e))
 }
 
-/// [`read_capped`] as UTF-8 text.
+/// [`userfile::read_text_capped`].
 pub fn read_text_capped(path: &Path, what: &str, cap: u64) -> Result<String> {
-    String::from_utf8(read_capped(path, what, cap)?).map_err(|_| {
-        ModelError::Input(format!(
-            "{what} {} is not UTF-8 text; give the right file",
-            path.display()
-        ))
-    })
+    userfile::read_text_capped(path, what, cap).map_err(|e| mapped(path, what, e))
 }

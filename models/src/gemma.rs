@@ -49,11 +49,8 @@ fn check_caps(cfg: &LlamaConfig) -> Result<()> {
         ("final_logit_softcapping", cfg.final_logit_softcapping),
         ("query_pre_attn_scalar", cfg.query_pre_attn_scalar),
     ] {
-        if let Some(v) = v.filter(|v| !(v.is_finite() && *v > 0.0)) {
-            return Err(ModelError::config(
-                field,
-                format!("{v} must be a positive number or null"),
-            ));
+        if let Some(v) = v {
+            crate::config::numbers::positive_f32(v, field)?;
         }
     }
     Ok(())

@@ -29,6 +29,7 @@ pub mod rope;
 pub mod sizes;
 pub mod source;
 pub mod tokenizer;
+pub mod weights;
 
 pub use config::{LlamaConfig, ModelConfig, OptConfig};
 pub use decoder::Decoder;

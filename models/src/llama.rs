@@ -198,10 +198,15 @@ pub fn from_varbuilder(
         });
     }
     let norm = norm_at(&m, "norm")?;
-    let lm_head = if cfg.tie_word_embeddings || !vb.contains_tensor("lm_head.weight") {
+    let tied = cfg
+        .tie_word_embeddings
+        .unwrap_or(recipe.architecture.starts_with("gemma"));
+    let lm_head = if tied {
         Linear::Dense(candle_nn::Linear::new(embed.embeddings().clone(), None))
-    } else {
+    } else if vb.contains_tensor("lm_head.weight") {
         dense(&vb, h, cfg.vocab_size, false, "lm_head").map_err(&err)?
+    } else {
+        return Err(untied_without_head());
     };
     let info = ModelInfo {
         architecture: recipe.architecture.into(),
@@ -232,4 +237,13 @@ pub fn from_varbuilder(
         final_softcap: recipe.final_softcap,
         info,
     })
+}
+
+/// An untied model (`tie_word_embeddings` false, or absent for a non-Gemma model) whose
+/// weights lack `lm_head.weight`: refused rather than tied behind the config's back.
+pub(crate) fn untied_without_head() -> ModelError {
+    ModelError::config(
+        "tie_word_embeddings",
+        "is false (the LM head is a matrix of its own) but the weights hold no lm_head.weight; set it to true if the head shares the embeddings, or give the complete weights",
+    )
 }

@@ -91,8 +91,10 @@ pub fn from_varbuilder(
     } else {
         Some(ln(&d, "final_layer_norm")?)
     };
-    let lm_head = if cfg.tie_word_embeddings || !vb.contains_tensor("lm_head.weight") {
+    let lm_head = if cfg.tie_word_embeddings {
         Linear::Dense(candle_nn::Linear::new(embed.embeddings().clone(), None))
+    } else if !vb.contains_tensor("lm_head.weight") {
+        return Err(crate::llama::untied_without_head());
     } else {
         Linear::Dense(candle_nn::linear_no_bias(h, cfg.vocab_size, vb.pp("lm_head")).map_err(err)?)
     };

@@ -62,7 +62,9 @@ impl ModelConfig {
                 max_position_embeddings: p,
                 ..
             }) => per_layer_and_rest(
-                m(4 * h, *h)?.checked_add(m(2 * h, *f)?),
+                m(*h, *h)?
+                    .checked_mul(4)?
+                    .checked_add(m(*h, *f)?.checked_mul(2)?),
                 m(*v, *h)?.checked_add(m(p.saturating_add(2), *h)?),
             ),
             _ => {
@@ -70,9 +72,9 @@ impl ModelConfig {
                 let (h, d) = (c.hidden_size, c.head_dim());
                 let q = m(c.num_attention_heads, d)?;
                 let kv = m(c.n_kv_heads(), d)?;
-                let attn = (2 * q).checked_add(2 * kv)?.checked_mul(h as u64)?;
-                let mlp = m(3 * h, c.intermediate_size)?;
-                per_layer_and_rest(attn.checked_add(mlp), m(2 * c.vocab_size, h))
+                let attn = q.checked_add(kv)?.checked_mul(2)?.checked_mul(h as u64)?;
+                let mlp = m(h, c.intermediate_size)?.checked_mul(3)?;
+                per_layer_and_rest(attn.checked_add(mlp), m(c.vocab_size, h)?.checked_mul(2))
             }
         }
     }
@@ -106,18 +108,26 @@ pub fn check_layers_present(
 }
 
 /// Memory the machine can still give (Linux `MemAvailable`), if known.
-fn available_bytes() -> Option<u64> {
+pub fn available_bytes() -> Option<u64> {
     let info = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     kib.checked_mul(1024)
 }
 
-/// Checks that random weights for `cfg` in `dtype` fit in memory before drawing them.
+/// Bytes a decoder layer costs beyond its weight values (bounded above).
+const LAYER_OVERHEAD_BYTES: u64 = 4096;
+
+/// Checks that random weights for `cfg` in `dtype` fit in memory before drawing them,
+/// counting [`LAYER_OVERHEAD_BYTES`] per layer besides the values.
 pub fn check_random_fits(cfg: &ModelConfig, dtype: DType) -> Result<()> {
+    // Each layer costs more than its values: a dozen tensors, their storage and the
+    // layer's own structures (measured ~750 bytes on a model of 10^7 one-wide layers).
+    let overhead = (cfg.num_layers() as u64).checked_mul(LAYER_OVERHEAD_BYTES);
     let bytes = cfg
         .weight_values()
-        .and_then(|v| v.checked_mul(dtype.size_in_bytes() as u64));
+        .and_then(|v| v.checked_mul(dtype.size_in_bytes() as u64))
+        .and_then(|b| b.checked_add(overhead?));
     let avail = available_bytes();
     match (bytes, avail) {
         (Some(b), Some(a)) if b <= a => Ok(()),

@@ -345,9 +345,7 @@ pub fn load(
         } => {
             let text = read_config(config)?;
             let cfg = ModelConfig::from_json(&text)?;
-            for w in weights {
-                check_safetensors(w)?;
-            }
+            crate::weights::check_weight_files(weights)?;
             // SAFETY: the weight files are mapped read-only and not modified while loaded.
             let vb = unsafe { VarBuilder::from_mmaped_safetensors(weights, dtype, device) }
                 .map_err(|e| ModelError::Weights {
@@ -408,51 +406,4 @@ pub fn load(
 /// config.json's text (a regular file of at most [`crate::files::CONFIG_CAP`] bytes).
 fn read_config(config: &Path) -> Result<String> {
     crate::files::read_text_capped(config, "config file", crate::files::CONFIG_CAP)
-}
-
-/// Checks that a safetensors file's header fits in the file and its tensors end inside it,
-/// so a truncated file is reported as such.
-pub fn check_safetensors(path: &Path) -> Result<()> {
-    use std::io::Read;
-    let bad = |m: String| ModelError::Weights {
-        path: path.to_path_buf(),
-        message: m,
-    };
-    let mut f = crate::files::open_regular(path, "the weight file")?;
-    let len = f.metadata().map_err(|e| ModelError::io(path, e))?.len();
-    let mut n = [0u8; 8];
-    if f.read_exact(&mut n).is_err() {
-        return Err(bad("is truncated or not a safetensors file (shorter than its 8-byte header length); download it again".into()));
-    }
-    let header_len = u64::from_le_bytes(n);
-    if header_len > len.saturating_sub(8) || header_len > 100_000_000 {
-        return Err(bad(format!(
-            "is truncated or not a safetensors file (header of {header_len} bytes in a {len}-byte file); download it again"
-        )));
-    }
-    let mut header = vec![0u8; header_len as usize];
-    f.read_exact(&mut header)
-        .map_err(|e| ModelError::io(path, e))?;
-    let v: serde_json::Value = serde_json::from_slice(&header).map_err(|e| {
-        bad(format!(
-            "has a header that is not JSON ({e}); it is not a safetensors file"
-        ))
-    })?;
-    let data_len = len - 8 - header_len;
-    let max_end = v
-        .as_object()
-        .map(|o| {
-            o.iter()
-                .filter(|(k, _)| *k != "__metadata__")
-                .filter_map(|(_, t)| t.get("data_offsets")?.get(1)?.as_u64())
-                .max()
-                .unwrap_or(0)
-        })
-        .unwrap_or(0);
-    if max_end > data_len {
-        return Err(bad(format!(
-            "is truncated: its tensors need {max_end} data bytes but the file holds {data_len}; download it again"
-        )));
-    }
-    Ok(())
 }

@@ -20,10 +20,17 @@ use tokenizers::{AddedToken, SplitDelimiterBehavior, Tokenizer};
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
 
+mod guard;
 mod spm;
 
 const LLAMA3_REGEX: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const QWEN2_REGEX: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// Instructions a chat template may run (minijinja's fuel): a real template takes a few
+/// thousand for one message.
+pub const CHAT_TEMPLATE_FUEL: u64 = 10_000_000;
+/// Bytes a chat template may render for one message (its text included).
+pub const CHAT_TEMPLATE_OUTPUT: usize = 64 << 20;
 
 /// A tokenizer with the model's special tokens and chat template.
 pub struct TextTokenizer {
@@ -105,11 +112,15 @@ fn special_text(v: Option<&serde_json::Value>) -> String {
 impl TextTokenizer {
     /// Loads `tokenizer.json`, with `tokenizer_config.json` (chat template, BOS/EOS) if given.
     pub fn from_files(tokenizer: &Path, config: Option<&Path>) -> Result<Self> {
-        let bytes = crate::files::read_capped(
+        let bytes = kvpolicy_core::userfile::read_capped(
             tokenizer,
             "the tokenizer file",
             crate::files::TOKENIZER_CAP,
-        )?;
+        )
+        .map_err(|e| match e.kind() {
+            std::io::ErrorKind::InvalidInput => ModelError::Tokenizer(e.to_string()),
+            _ => ModelError::Tokenizer(format!("cannot load {}: {e}", tokenizer.display())),
+        })?;
         let inner = Tokenizer::from_bytes(bytes).map_err(|e| {
             ModelError::Tokenizer(format!("cannot load {}: {e}", tokenizer.display()))
         })?;
@@ -198,10 +209,7 @@ impl TextTokenizer {
 
     /// Token ids of `text`, with the special tokens the model expects at the start.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self
-            .inner
-            .encode(text, self.post_process)
-            .map_err(tok_err)?;
+        let enc = self.guarded_encode(text, self.post_process)?;
         let mut ids = Vec::with_capacity(enc.len() + 1);
         ids.extend(self.bos_prepend);
         ids.extend_from_slice(enc.get_ids());
@@ -211,8 +219,15 @@ impl TextTokenizer {
     /// Token ids of text that already holds its special tokens (a rendered chat template,
     /// which writes BOS itself when the model wants one, as HF's `apply_chat_template` does).
     pub fn encode_raw(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self.inner.encode(text, false).map_err(tok_err)?;
+        let enc = self.guarded_encode(text, false)?;
         Ok(enc.get_ids().to_vec())
+    }
+
+    /// `tokenizers`' encode, within bounds a hostile tokenizer file cannot break: the
+    /// normalizer's expansion is checked first, a panic of the regex engine is an error.
+    fn guarded_encode(&self, text: &str, special: bool) -> Result<tokenizers::Encoding> {
+        guard::check_expansion(self.inner.get_normalizer(), text)?;
+        guard::quietly("encoding the text", || self.inner.encode(text, special))?.map_err(tok_err)
     }
 
     /// Text of `ids` (special tokens skipped).
@@ -230,7 +245,8 @@ impl TextTokenizer {
         self.chat_template.is_some()
     }
 
-    /// Renders the chat template for one user message, ready for generation.
+    /// Renders the chat template for one user message, ready for generation, within
+    /// [`CHAT_TEMPLATE_FUEL`] instructions and [`CHAT_TEMPLATE_OUTPUT`] bytes.
     pub fn apply_chat_template(&self, user: &str) -> Result<String> {
         let Some(tpl) = &self.chat_template else {
             return Err(ModelError::Tokenizer(
@@ -238,6 +254,9 @@ impl TextTokenizer {
             ));
         };
         let mut env = minijinja::Environment::new();
+        // A compute limit: a real chat template runs a few thousand instructions; nested
+        // loops over a hostile template would otherwise run for ever while memory grows.
+        env.set_fuel(Some(CHAT_TEMPLATE_FUEL));
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function(
             "raise_exception",
@@ -259,6 +278,14 @@ impl TextTokenizer {
                 eos_token => self.eos_text.clone(),
             })
             .map_err(|e| ModelError::Tokenizer(format!("the chat template failed: {e}")))?;
+        if text.len() > CHAT_TEMPLATE_OUTPUT {
+            return Err(ModelError::Tokenizer(format!(
+                "the chat template rendered {} bytes for a {}-byte message, more than the {} MiB allowed; the template is broken",
+                text.len(),
+                user.len(),
+                CHAT_TEMPLATE_OUTPUT >> 20
+            )));
+        }
         Ok(text)
     }
 }

@@ -36,6 +36,7 @@ pub mod size;
 pub mod stats;
 pub mod tiered;
 pub mod transfer;
+pub mod userfile;
 
 pub use attention::{attend, attend_partial, merge_partials, AttnSpec, Partial};
 pub use batch::{PerSequence, PolicyFactory};

@@ -96,7 +96,9 @@ impl Profile {
     /// Reads and validates a JSON profile file.
     pub fn load(path: &Path) -> Result<Self> {
         let origin = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|e| bad(&origin, e.to_string()))?;
+        // A profile is a few numbers: 1 MiB is far more than one holds.
+        let text = crate::userfile::read_text_capped(path, "the profile", 1 << 20)
+            .map_err(|e| bad(&origin, e.to_string()))?;
         Self::from_json(&text, &origin)
     }
 

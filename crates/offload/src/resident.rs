@@ -105,6 +105,14 @@ impl Residency {
             let u = self.units.len();
             let tokens = match self.preset.get(&u) {
                 Some(planned) => *planned,
+                // Under a budget a resident unit is allocated at its planned capacity once
+                // (growth would hold old and new buffers at once, past the charge); without
+                // one it grows as `full`'s layers do, never reserving the whole run ahead
+                // (a `--max-new-tokens` of 10^9 must not allocate for 10^9 tokens).
+                None if self.remaining.is_none() => {
+                    self.take_room(u, self.unit_bytes);
+                    Some(grow_tokens)
+                }
                 None => self
                     .take_room(u, self.unit_bytes)
                     .then_some(self.plan_cap.max(grow_tokens)),

@@ -299,9 +299,9 @@ impl<T: Elem> Kernel<'_, T> {
             // Online softmax: rescale what was accumulated to the new running max.
             for r in 0..rows {
                 let row = &mut s[r * nk..(r + 1) * nk];
-                let tile_max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let tile_max = row.iter().copied().fold(f32::NEG_INFINITY, nan_max);
                 let m_old = ws.m.buf[r];
-                let m_new = m_old.max(tile_max);
+                let m_new = nan_max(m_old, tile_max);
                 if m_new == f32::NEG_INFINITY {
                     row.fill(0.0);
                     continue;
@@ -394,11 +394,25 @@ impl Sink {
     }
 }
 
+/// The larger of `a` and `b`, NaN when either is (`f32::max` returns the other, so a score
+/// row that is all NaN — a NaN weight upstream — would look like a row that saw no key and
+/// be zeroed, hiding it from the non-finite check on the logits).
+fn nan_max(a: f32, b: f32) -> f32 {
+    if a.is_nan() || b.is_nan() {
+        f32::NAN
+    } else {
+        a.max(b)
+    }
+}
+
 /// Normalises one row's accumulated `o` (d values) by its sum `l`, appending the
 /// log-sum-exp; a row that saw no key is 0 with log-sum-exp `-inf`.
 fn finish_row(o: &[f32], m: f32, l: f32, row: &mut [f32]) {
     let d = o.len();
-    if m == f32::NEG_INFINITY || l <= 0.0 {
+    if m.is_nan() || l.is_nan() {
+        // A NaN upstream stays NaN: the non-finite check on the logits reports it.
+        row.fill(f32::NAN);
+    } else if m == f32::NEG_INFINITY || l <= 0.0 {
         row[..d].fill(0.0);
         row[d] = f32::NEG_INFINITY;
     } else {
@@ -527,10 +541,10 @@ pub(super) fn compute<T: Elem>(
             let at = |slot: usize| slot * slot_len;
             let m = (first..end)
                 .map(|sl| partial[at(sl) + rows * d + r])
-                .fold(f32::NEG_INFINITY, f32::max);
+                .fold(f32::NEG_INFINITY, nan_max);
             o.fill(0.0);
             let mut l = 0f32;
-            if m > f32::NEG_INFINITY {
+            if m > f32::NEG_INFINITY || m.is_nan() {
                 for sl in first..end {
                     let w = (partial[at(sl) + rows * d + r] - m).exp();
                     if w == 0.0 {

@@ -81,14 +81,7 @@ impl LlamaConfig {
 
 /// A RoPE base must be a finite number above 0 (θ ≤ 0 makes every angle NaN or infinite).
 pub fn check_theta(theta: f64, field: &str) -> Result<()> {
-    if theta.is_finite() && theta > 0.0 {
-        Ok(())
-    } else {
-        Err(ModelError::config(
-            field,
-            format!("{theta} must be a finite number > 0"),
-        ))
-    }
+    super::numbers::positive_f32(theta, field).map(drop)
 }
 
 /// Interprets a `rope_scaling` / `rope_parameters` block.
@@ -101,24 +94,44 @@ pub fn rope_scaling_from(p: &RopeParams, prefix: &str) -> Result<RopeScaling> {
             )
         })
     };
+    // Every factor divides or scales a frequency: above 0 in f32, where it is used.
+    let factor = |v: Option<f64>, name: &str| -> Result<f64> {
+        let v = need(v, name)?;
+        super::numbers::positive_f32(v, &format!("{prefix}.{name}"))?;
+        Ok(v)
+    };
     match p.rope_type.as_deref().unwrap_or("default") {
         "default" => Ok(RopeScaling::None),
         "linear" => Ok(RopeScaling::Linear {
-            factor: need(p.factor, "factor")?,
+            factor: factor(p.factor, "factor")?,
         }),
-        "llama3" => Ok(RopeScaling::Llama3 {
-            factor: need(p.factor, "factor")?,
-            low_freq_factor: need(p.low_freq_factor, "low_freq_factor")?,
-            high_freq_factor: need(p.high_freq_factor, "high_freq_factor")?,
-            original_max_position_embeddings: p.original_max_position_embeddings.ok_or_else(
-                || {
-                    ModelError::config(
-                        format!("{prefix}.original_max_position_embeddings"),
-                        "required by rope_type llama3 but missing",
-                    )
-                },
-            )?,
-        }),
+        "llama3" => {
+            let (low, high) = (
+                factor(p.low_freq_factor, "low_freq_factor")?,
+                factor(p.high_freq_factor, "high_freq_factor")?,
+            );
+            // Llama 3's smoothing divides by high − low.
+            if high <= low {
+                return Err(ModelError::config(
+                    format!("{prefix}.high_freq_factor"),
+                    format!("{high} must be above low_freq_factor {low}"),
+                ));
+            }
+            Ok(RopeScaling::Llama3 {
+                factor: factor(p.factor, "factor")?,
+                low_freq_factor: low,
+                high_freq_factor: high,
+                original_max_position_embeddings: p
+                    .original_max_position_embeddings
+                    .filter(|&n| n > 0)
+                    .ok_or_else(|| {
+                        ModelError::config(
+                            format!("{prefix}.original_max_position_embeddings"),
+                            "required by rope_type llama3 (a positive number) but missing or 0",
+                        )
+                    })?,
+            })
+        }
         other => Err(ModelError::config(
             format!("{prefix}.rope_type"),
             format!(

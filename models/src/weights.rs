@@ -1,0 +1,112 @@
+//! The safetensors weight files of a model directory, checked before they are mapped: each
+//! header fits its file and its tensors end inside it (a truncated download is named as
+//! such); no tensor name is held by two files (candle's loader would silently take the one
+//! that sorts last); no parameter (`*.weight`, `*.bias`) is stored as integers (they would be
+//! silently cast to floats: a GPTQ/AWQ checkpoint, or a damaged one).
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use crate::error::{ModelError, Result};
+
+/// One tensor of a safetensors header.
+#[derive(Debug, Clone)]
+pub struct HeaderTensor {
+    /// Its name.
+    pub name: String,
+    /// Its dtype as the header spells it (`F32`, `BF16`, `I64`, …).
+    pub dtype: String,
+}
+
+/// The safetensors dtypes that hold integers (or booleans).
+const INTEGER_DTYPES: &[&str] = &["BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64"];
+
+/// Checks every weight file and the set of them (see the module docs).
+pub fn check_weight_files(files: &[PathBuf]) -> Result<()> {
+    let mut owner: HashMap<String, &Path> = HashMap::new();
+    for file in files {
+        for t in check_safetensors(file)? {
+            if let Some(first) = owner.insert(t.name.clone(), file) {
+                return Err(ModelError::Weights {
+                    path: file.clone(),
+                    message: format!(
+                        "holds tensor `{}`, which {} holds too; remove the stray file (two checkpoints in one directory?)",
+                        t.name,
+                        first.display()
+                    ),
+                });
+            }
+            let parameter = t.name.ends_with(".weight") || t.name.ends_with(".bias");
+            if parameter && INTEGER_DTYPES.contains(&t.dtype.as_str()) {
+                return Err(ModelError::Weights {
+                    path: file.clone(),
+                    message: format!(
+                        "stores the parameter `{}` as {} integers; only float weights (F32, F16, BF16) load here — quantized safetensors (GPTQ, AWQ) are not supported, use a GGUF file (--gguf)",
+                        t.name, t.dtype
+                    ),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Checks that a safetensors file's header fits in the file and its tensors end inside it,
+/// so a truncated file is reported as such; returns the header's tensors.
+pub fn check_safetensors(path: &Path) -> Result<Vec<HeaderTensor>> {
+    use std::io::Read;
+    let bad = |m: String| ModelError::Weights {
+        path: path.to_path_buf(),
+        message: m,
+    };
+    let mut f = crate::files::open_regular(path, "the weight file")?;
+    let len = f.metadata().map_err(|e| ModelError::io(path, e))?.len();
+    let mut n = [0u8; 8];
+    if f.read_exact(&mut n).is_err() {
+        return Err(bad("is truncated or not a safetensors file (shorter than its 8-byte header length); download it again".into()));
+    }
+    let header_len = u64::from_le_bytes(n);
+    if header_len > len.saturating_sub(8) || header_len > 100_000_000 {
+        return Err(bad(format!(
+            "is truncated or not a safetensors file (header of {header_len} bytes in a {len}-byte file); download it again"
+        )));
+    }
+    let mut header = vec![0u8; header_len as usize];
+    f.read_exact(&mut header)
+        .map_err(|e| ModelError::io(path, e))?;
+    let v: serde_json::Value = serde_json::from_slice(&header).map_err(|e| {
+        bad(format!(
+            "has a header that is not JSON ({e}); it is not a safetensors file"
+        ))
+    })?;
+    let data_len = len - 8 - header_len;
+    let max_end = v
+        .as_object()
+        .map(|o| {
+            o.iter()
+                .filter(|(k, _)| *k != "__metadata__")
+                .filter_map(|(_, t)| t.get("data_offsets")?.get(1)?.as_u64())
+                .max()
+                .unwrap_or(0)
+        })
+        .unwrap_or(0);
+    if max_end > data_len {
+        return Err(bad(format!(
+            "is truncated: its tensors need {max_end} data bytes but the file holds {data_len}; download it again"
+        )));
+    }
+    Ok(v.as_object()
+        .map(|o| {
+            o.iter()
+                .filter(|(k, _)| *k != "__metadata__")
+                .map(|(k, t)| HeaderTensor {
+                    name: k.clone(),
+                    dtype: t
+                        .get("dtype")
+                        .and_then(|d| d.as_str())
+                        .unwrap_or_default()
+                        .to_string(),
+                })
+                .collect()
+        })
+        .unwrap_or_default())
+}
