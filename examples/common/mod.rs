@@ -34,8 +34,8 @@ pub struct Args {
     /// Prompt text (tokenized with the model's tokenizer).
     #[arg(long, conflicts_with_all = ["prompt_ids", "prompts_file", "random_prompt"])]
     pub prompt: Option<String>,
-    /// Wrap the prompt in the model's chat template as one user message.
-    #[arg(long, requires = "prompt")]
+    /// Wrap the prompt in the model's chat template as one user message (text prompts only: not with --prompt-ids, --random-prompt or --prompts-file).
+    #[arg(long, requires = "prompt", conflicts_with_all = ["prompt_ids", "random_prompt", "prompts_file"])]
     pub chat: bool,
     /// Prompt as comma-separated token ids, e.g. 1,2,3 (no tokenizer needed).
     #[arg(long, value_delimiter = ',', conflicts_with = "prompts_file")]

@@ -17,6 +17,16 @@ pub struct HeaderTensor {
     pub dtype: String,
 }
 
+/// What this code reads of a header entry (other fields, and `__metadata__`'s, are
+/// skipped unread).
+#[derive(serde::Deserialize)]
+struct Entry {
+    #[serde(default)]
+    dtype: Option<String>,
+    #[serde(default)]
+    data_offsets: Option<[u64; 2]>,
+}
+
 /// The safetensors dtypes that hold integers (or booleans).
 const INTEGER_DTYPES: &[&str] = &["BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64"];
 
@@ -73,40 +83,32 @@ pub fn check_safetensors(path: &Path) -> Result<Vec<HeaderTensor>> {
     let mut header = vec![0u8; header_len as usize];
     f.read_exact(&mut header)
         .map_err(|e| ModelError::io(path, e))?;
-    let v: serde_json::Value = serde_json::from_slice(&header).map_err(|e| {
+    // Parsed typed (name → dtype and offsets; `__metadata__`'s strings are skipped), so a
+    // header costs about its own size in memory, not a generic JSON tree's many times that.
+    let entries: HashMap<String, Entry> = serde_json::from_slice(&header).map_err(|e| {
         bad(format!(
-            "has a header that is not JSON ({e}); it is not a safetensors file"
+            "has a header that is not a safetensors header ({e}); it is not a safetensors file"
         ))
     })?;
+    drop(header);
     let data_len = len - 8 - header_len;
-    let max_end = v
-        .as_object()
-        .map(|o| {
-            o.iter()
-                .filter(|(k, _)| *k != "__metadata__")
-                .filter_map(|(_, t)| t.get("data_offsets")?.get(1)?.as_u64())
-                .max()
-                .unwrap_or(0)
-        })
+    let max_end = entries
+        .iter()
+        .filter(|(k, _)| *k != "__metadata__")
+        .filter_map(|(_, t)| t.data_offsets.map(|o| o[1]))
+        .max()
         .unwrap_or(0);
     if max_end > data_len {
         return Err(bad(format!(
             "is truncated: its tensors need {max_end} data bytes but the file holds {data_len}; download it again"
         )));
     }
-    Ok(v.as_object()
-        .map(|o| {
-            o.iter()
-                .filter(|(k, _)| *k != "__metadata__")
-                .map(|(k, t)| HeaderTensor {
-                    name: k.clone(),
-                    dtype: t
-                        .get("dtype")
-                        .and_then(|d| d.as_str())
-                        .unwrap_or_default()
-                        .to_string(),
-                })
-                .collect()
+    Ok(entries
+        .into_iter()
+        .filter(|(k, _)| k != "__metadata__")
+        .map(|(name, t)| HeaderTensor {
+            name,
+            dtype: t.dtype.unwrap_or_default(),
         })
-        .unwrap_or_default())
+        .collect())
 }

@@ -1,0 +1,284 @@
+//! Hostile model directories (issue "Hardening III"): weights, configs and tokenizers that
+//! used to give silent wrong output (NaN hidden by the attention kernel, config numbers that
+//! pass as f64 but break as f32, weights taken from the wrong file or cast from integers, a
+//! missing LM head tied behind the config's back), panics (wrapped size arithmetic, a
+//! regex engine's retry limit) or unbounded work (nested template loops, an expanding
+//! normalizer, `auto` reserving for `--max-new-tokens`, ten million tiny layers) — each now a
+//! one-line error naming the field, tensor or file, exit code 1, before heavy work.
+mod common;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Output;
+
+use anyhow::{ensure, Result};
+use candle_core::{DType, Device, Tensor};
+
+/// A copy of fixture `name` in a new directory (config, weights, ids).
+fn copy_fixture(name: &str) -> Result<tempfile::TempDir> {
+    let d = tempfile::tempdir()?;
+    for e in std::fs::read_dir(common::fixture(name))? {
+        let e = e?;
+        std::fs::copy(e.path(), d.path().join(e.file_name()))?;
+    }
+    Ok(d)
+}
+
+/// Rewrites `dir`'s config.json with `edit`.
+fn edit_config(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) -> Result<()> {
+    let p = dir.join("config.json");
+    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&p)?)?;
+    edit(&mut v);
+    std::fs::write(p, v.to_string())?;
+    Ok(())
+}
+
+/// Rewrites `dir`'s model.safetensors with `edit` over its tensors.
+fn edit_weights(
+    dir: &Path,
+    edit: impl FnOnce(&mut HashMap<String, Tensor>) -> Result<()>,
+) -> Result<()> {
+    let p = dir.join("model.safetensors");
+    let mut t = candle_core::safetensors::load(&p, &Device::Cpu)?;
+    edit(&mut t)?;
+    candle_core::safetensors::save(&t, &p)?;
+    Ok(())
+}
+
+/// `t` with its first element set to NaN.
+fn with_nan(t: &Tensor) -> Result<Tensor> {
+    let mut v = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+    v[0] = f32::NAN;
+    Ok(Tensor::from_vec(v, t.shape(), &Device::Cpu)?.to_dtype(t.dtype())?)
+}
+
+/// Runs the example for `dir`'s architecture (`qwen` for Qwen2, `gemma` for Gemma, else
+/// `llama`) on it.
+fn run(dir: &Path, extra: &[&str]) -> Result<Output> {
+    let cfg = std::fs::read_to_string(dir.join("config.json"))?;
+    let example = match () {
+        _ if cfg.contains("\"qwen2\"") => "qwen",
+        _ if cfg.contains("\"gemma") => "gemma",
+        _ => "llama",
+    };
+    Ok(std::process::Command::new(common::example_bin(example))
+        .arg("--model-dir")
+        .arg(dir)
+        .args(["--max-new-tokens", "4"])
+        .args(extra)
+        .env("HF_HUB_OFFLINE", "1")
+        .output()?)
+}
+
+/// Exit code 1, a one-line error holding every needle, no panic.
+fn one_line_error(o: &Output, needles: &[&str]) -> Result<()> {
+    let err = String::from_utf8_lossy(&o.stderr);
+    ensure!(
+        o.status.code() == Some(1),
+        "exit {:?}: {err}",
+        o.status.code()
+    );
+    for n in needles {
+        ensure!(err.contains(n), "stderr lacks {n:?}: {err}");
+    }
+    ensure!(!err.contains("panicked"), "{err}");
+    ensure!(err.lines().count() == 1, "not one line: {err}");
+    Ok(())
+}
+
+#[test]
+fn a_nan_weight_is_an_error_not_confident_tokens() -> Result<()> {
+    for (fixture, tensor) in [
+        ("llama_gqa", "model.layers.0.self_attn.q_proj.weight"),
+        ("qwen2", "model.layers.0.self_attn.k_proj.bias"),
+    ] {
+        let d = copy_fixture(fixture)?;
+        edit_weights(d.path(), |t| {
+            let w = t
+                .get(tensor)
+                .ok_or_else(|| anyhow::anyhow!("no {tensor}"))?;
+            let nan = with_nan(w)?;
+            t.insert(tensor.to_string(), nan);
+            Ok(())
+        })?;
+        for policy in ["full", "headwise", "auto"] {
+            let o = run(d.path(), &["--prompt-ids", "1,2,3", "--policy", policy])?;
+            one_line_error(&o, &["non-finite logits"])
+                .map_err(|e| e.context(format!("{fixture} {tensor} {policy}")))?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn config_numbers_are_checked_as_the_f32_they_become() -> Result<()> {
+    use serde_json::json;
+    let cases: [(&str, &str, serde_json::Value, &str); 6] = [
+        ("llama_gqa", "rope_theta", json!(1e39), "rope_theta"),
+        ("llama_gqa", "rms_norm_eps", json!(1e39), "rms_norm_eps"),
+        (
+            "llama_gqa",
+            "rope_scaling",
+            json!({"rope_type": "linear", "factor": 0.0}),
+            "rope_scaling.factor",
+        ),
+        (
+            "llama_gqa",
+            "rope_scaling",
+            json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
+                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+            "rope_scaling.high_freq_factor",
+        ),
+        (
+            "gemma2",
+            "query_pre_attn_scalar",
+            json!(1e-50),
+            "query_pre_attn_scalar",
+        ),
+        (
+            "gemma2",
+            "attn_logit_softcapping",
+            json!(1e300),
+            "attn_logit_softcapping",
+        ),
+    ];
+    for (fixture, field, value, named) in cases {
+        let d = copy_fixture(fixture)?;
+        edit_config(d.path(), |c| c[field] = value.clone())?;
+        let o = run(d.path(), &["--prompt-ids", "1,2,3"])?;
+        one_line_error(&o, &[&format!("`{named}`")])
+            .map_err(|e| e.context(format!("{fixture} {field} = {value}")))?;
+    }
+    Ok(())
+}
+
+#[test]
+fn weights_that_are_not_what_they_seem_are_refused() -> Result<()> {
+    // The same tensor in a second file: candle would take the one that sorts last.
+    let d = copy_fixture("llama_gqa")?;
+    let name = "model.norm.weight";
+    let t = candle_core::safetensors::load(d.path().join("model.safetensors"), &Device::Cpu)?;
+    let other: HashMap<String, Tensor> = [(name.to_string(), (t[name].clone() * 2.0)?)].into();
+    candle_core::safetensors::save(&other, d.path().join("zz-extra.safetensors"))?;
+    let o = run(d.path(), &["--prompt-ids", "1,2,3"])?;
+    one_line_error(&o, &["zz-extra.safetensors", name, "model.safetensors"])?;
+
+    // A parameter stored as integers.
+    let d = copy_fixture("llama_gqa")?;
+    let name = "model.layers.0.mlp.up_proj.weight";
+    edit_weights(d.path(), |t| {
+        let w = t[name].to_dtype(DType::I64)?;
+        t.insert(name.to_string(), w);
+        Ok(())
+    })?;
+    let o = run(d.path(), &["--prompt-ids", "1,2,3"])?;
+    one_line_error(&o, &[name, "I64"])?;
+
+    // Untied, without an LM head.
+    let d = copy_fixture("llama_gqa")?;
+    edit_weights(d.path(), |t| {
+        t.remove("lm_head.weight");
+        Ok(())
+    })?;
+    let o = run(d.path(), &["--prompt-ids", "1,2,3"])?;
+    one_line_error(&o, &["`tie_word_embeddings`", "lm_head.weight"])?;
+    Ok(())
+}
+
+/// A config for random weights in a new directory.
+fn random_config(v: serde_json::Value) -> Result<(tempfile::TempDir, PathBuf)> {
+    let d = tempfile::tempdir()?;
+    let p = d.path().join("config.json");
+    std::fs::write(&p, v.to_string())?;
+    Ok((d, p))
+}
+
+#[test]
+fn sizes_that_overflow_or_exceed_memory_are_refused_before_allocating() -> Result<()> {
+    use serde_json::json;
+    let base = json!({"model_type": "llama", "hidden_size": 8, "intermediate_size": 8,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "num_hidden_layers": 1,
+        "vocab_size": 16, "max_position_embeddings": 64, "rms_norm_eps": 1e-5});
+    let with = |k: &str, v: serde_json::Value| {
+        let mut c = base.clone();
+        c[k] = v;
+        c
+    };
+    for (cfg, needle) in [
+        // 2 × vocab × hidden wrapped around u64 and passed the memory check.
+        (
+            with("vocab_size", json!(1u64 << 62)),
+            "need more than 2^64 bytes",
+        ),
+        (
+            {
+                let mut c = with("num_attention_heads", json!(1u64 << 31));
+                c["num_key_value_heads"] = json!(1);
+                c["head_dim"] = json!(1u64 << 31);
+                c
+            },
+            "need more than 2^64 bytes",
+        ),
+        // Ten million one-wide layers: tiny weights, gigabytes of structures.
+        (
+            json!({"model_type": "llama", "hidden_size": 2, "intermediate_size": 1,
+                "num_attention_heads": 1, "num_hidden_layers": 10_000_000, "head_dim": 2,
+                "vocab_size": 2, "max_position_embeddings": 64, "rms_norm_eps": 1e-5}),
+            "available",
+        ),
+    ] {
+        let (_d, p) = random_config(cfg.clone())?;
+        let o = common::cli::llama(&[
+            "--random-weights",
+            "--config",
+            &p.to_string_lossy(),
+            "--prompt-ids",
+            "1",
+        ])?;
+        one_line_error(&o, &[needle]).map_err(|e| e.context(cfg.to_string()))?;
+    }
+    // A random prompt longer than memory can hold as ids, on a model with 2^40 positions.
+    let (_d, p) = random_config(with("max_position_embeddings", json!(1u64 << 40)))?;
+    let o = common::cli::llama(&[
+        "--random-weights",
+        "--config",
+        &p.to_string_lossy(),
+        "--random-prompt",
+        "1000000000000",
+    ])?;
+    one_line_error(&o, &["--random-prompt", "for its ids alone"])
+}
+
+#[test]
+fn auto_grows_its_resident_units_instead_of_reserving_the_run() -> Result<()> {
+    use kvpolicy::models::generate::kv_shape;
+    // A run declared 10^9 tokens long: `auto` without a budget must hold what `full` holds
+    // after the same steps, not 10^9 tokens' worth.
+    let loaded = common::load_fixture("llama_gqa")?;
+    let model = loaded.model.as_ref();
+    let (prompt, decode) = common::fixture_ids("llama_gqa")?;
+    let mut peaks = Vec::new();
+    for policy in ["full", "auto"] {
+        let mut p = kvpolicy::build_policy(policy, &kvpolicy::PolicyOptions::default())?;
+        p.prepare(&kv_shape(model.info(), 1, 1_000_000_000, prompt.len()))?;
+        kvpolicy::models::prefill(model, p.as_mut(), &prompt, 0, false)?;
+        for (i, &id) in decode.iter().enumerate() {
+            let ids = Tensor::new(&[id], &Device::Cpu)?.unsqueeze(0)?;
+            model.forward(
+                &ids,
+                prompt.len() + i,
+                p.as_mut(),
+                kvpolicy::LogitsMode::Last,
+            )?;
+        }
+        peaks.push(p.stats().device_kv_peak_bytes);
+    }
+    ensure!(
+        peaks[1] == peaks[0],
+        "auto {} vs full {} bytes",
+        peaks[1],
+        peaks[0]
+    );
+    ensure!(peaks[0] < 1 << 20, "{peaks:?}");
+    Ok(())
+}
