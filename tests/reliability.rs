@@ -192,7 +192,8 @@ fn nan_weights_are_an_error_not_token_zero() -> Result<()> {
             "--temperature",
             "0",
         ],
-        "non-finite logits",
+        // Named at load, with its tensor (models/src/weights.rs), before any token.
+        "holds a NaN or an infinity in `model.norm.weight`",
     )
 }
 

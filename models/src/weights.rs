@@ -2,7 +2,9 @@
 //! header fits its file and its tensors end inside it (a truncated download is named as
 //! such); no tensor name is held by two files (candle's loader would silently take the one
 //! that sorts last); no parameter (`*.weight`, `*.bias`) is stored as integers (they would be
-//! silently cast to floats: a GPTQ/AWQ checkpoint, or a damaged one).
+//! silently cast to floats: a GPTQ/AWQ checkpoint, or a damaged one); no float tensor holds
+//! a NaN or an infinity (one would reach the logits — or, through a score row that is all
+//! `-inf`, silently zero a head — so it is named at load, with its tensor).
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -15,6 +17,8 @@ pub struct HeaderTensor {
     pub name: String,
     /// Its dtype as the header spells it (`F32`, `BF16`, `I64`, …).
     pub dtype: String,
+    /// Its bytes in the file's data section.
+    pub data_offsets: [u64; 2],
 }
 
 /// What this code reads of a header entry (other fields, and `__metadata__`'s, are
@@ -103,12 +107,69 @@ pub fn check_safetensors(path: &Path) -> Result<Vec<HeaderTensor>> {
             "is truncated: its tensors need {max_end} data bytes but the file holds {data_len}; download it again"
         )));
     }
-    Ok(entries
+    let tensors: Vec<HeaderTensor> = entries
         .into_iter()
         .filter(|(k, _)| k != "__metadata__")
         .map(|(name, t)| HeaderTensor {
             name,
             dtype: t.dtype.unwrap_or_default(),
+            data_offsets: t.data_offsets.unwrap_or_default(),
         })
-        .collect())
+        .collect();
+    check_finite(&f, path, 8 + header_len, &tensors)?;
+    Ok(tensors)
+}
+
+/// Whether one element's little-endian bytes are NaN or infinite.
+type NonFinite = fn(&[u8]) -> bool;
+
+/// Whether a float of the safetensors dtype `dtype`, as little-endian bytes, is NaN or
+/// infinite (all exponent bits set); `None` for a dtype that is not a float.
+fn non_finite_test(dtype: &str) -> Option<(usize, NonFinite)> {
+    Some(match dtype {
+        "F32" => (4, |b| {
+            u32::from_le_bytes([b[0], b[1], b[2], b[3]]) & 0x7f80_0000 == 0x7f80_0000
+        }),
+        "F16" => (2, |b| u16::from_le_bytes([b[0], b[1]]) & 0x7c00 == 0x7c00),
+        "BF16" => (2, |b| u16::from_le_bytes([b[0], b[1]]) & 0x7f80 == 0x7f80),
+        "F64" => (8, |b| {
+            let x = u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]);
+            x & 0x7ff0_0000_0000_0000 == 0x7ff0_0000_0000_0000
+        }),
+        _ => return None,
+    })
+}
+
+/// Scans every float tensor of the file (its data section starts at `data_start`) for a
+/// NaN or an infinity, in 8 MiB reads; the first found is an error naming its tensor.
+fn check_finite(
+    f: &std::fs::File,
+    path: &Path,
+    data_start: u64,
+    tensors: &[HeaderTensor],
+) -> Result<()> {
+    use std::os::unix::fs::FileExt;
+    let mut buf = vec![0u8; 8 << 20];
+    for t in tensors {
+        let Some((width, bad)) = non_finite_test(&t.dtype) else {
+            continue;
+        };
+        let [mut at, end] = t.data_offsets;
+        while at < end {
+            let n = (end - at).min(buf.len() as u64) as usize;
+            f.read_exact_at(&mut buf[..n], data_start + at)
+                .map_err(|e| ModelError::io(path, e))?;
+            if buf[..n].chunks_exact(width).any(bad) {
+                return Err(ModelError::Weights {
+                    path: path.to_path_buf(),
+                    message: format!(
+                        "holds a NaN or an infinity in `{}`; the weights are damaged (download them again)",
+                        t.name
+                    ),
+                });
+            }
+            at += n as u64;
+        }
+    }
+    Ok(())
 }
