@@ -14,26 +14,6 @@ fn fixture() -> String {
     common::fixture("llama_gqa").to_string_lossy().into_owned()
 }
 
-/// A one-line error containing every needle, exit code 1, nothing generated.
-fn one_line_error(o: &Output, needles: &[&str]) -> Result<()> {
-    let err = String::from_utf8_lossy(&o.stderr);
-    ensure!(
-        o.status.code() == Some(1),
-        "exit {:?}: {err}",
-        o.status.code()
-    );
-    for n in needles {
-        ensure!(err.contains(n), "stderr lacks {n:?}: {err}");
-    }
-    ensure!(err.lines().count() == 1, "not one line: {err}");
-    ensure!(
-        o.stdout.is_empty(),
-        "work was done: {}",
-        String::from_utf8_lossy(&o.stdout)
-    );
-    Ok(())
-}
-
 #[test]
 fn a_disk_dir_where_no_file_can_be_made_fails_before_any_work() -> Result<()> {
     // /proc takes no new files (a read-only file system answers the same way, EROFS);
@@ -48,8 +28,9 @@ fn a_disk_dir_where_no_file_can_be_made_fails_before_any_work() -> Result<()> {
         "--disk-dir",
         "/proc",
     ])?;
-    one_line_error(
+    common::cli::one_line_error(
         &o,
+        true,
         &[
             "--disk-dir /proc cannot hold the disk tier's files",
             "writable",
@@ -88,8 +69,9 @@ fn a_disk_without_room_fails_before_any_work() -> Result<()> {
         "--disk-dir",
         &disk.to_string_lossy(),
     ])?;
-    one_line_error(
+    common::cli::one_line_error(
         &o,
+        true,
         &[
             "--disk-dir",
             "free, but the disk tier needs at least",
@@ -141,7 +123,7 @@ fn batch_under(ulimit: &str) -> Result<Output> {
 fn an_open_file_limit_too_low_for_the_batch_fails_before_any_work() -> Result<()> {
     // The hard limit itself is low: 17 requests × 3 layers cannot be held open.
     let o = batch_under("ulimit -n 100")?;
-    one_line_error(&o, &["open-file limit is 100", "ulimit -n"])
+    common::cli::one_line_error(&o, true, &["open-file limit is 100", "ulimit -n"])
 }
 
 #[test]

@@ -36,16 +36,6 @@ fn dir_bytes(dir: &Path) -> Result<u64> {
     Ok(n)
 }
 
-/// The llama_gqa fixture, copied.
-fn fixture_copy() -> Result<tempfile::TempDir> {
-    let d = tempfile::tempdir()?;
-    for e in std::fs::read_dir(common::fixture("llama_gqa"))? {
-        let e = e?;
-        std::fs::copy(e.path(), d.path().join(e.file_name()))?;
-    }
-    Ok(d)
-}
-
 fn run(dir: &Path, extra: &[&str]) -> Result<Output> {
     Ok(std::process::Command::new(common::example_bin("llama"))
         .arg("--model-dir")
@@ -107,7 +97,7 @@ fn hostile_directories_stay_within_the_stated_memory_bound() -> Result<()> {
     };
 
     // config.json at its cap: 900,000 layer types, for 900,000 layers the weights lack.
-    let d = fixture_copy()?;
+    let d = common::copy_fixture("llama_gqa")?;
     let n = 900_000;
     let mut cfg: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(d.path().join("config.json"))?)?;
@@ -120,7 +110,7 @@ fn hostile_directories_stay_within_the_stated_memory_bound() -> Result<()> {
     check("config.json of 900,000 layer types", d.path(), o, true)?;
 
     // One past the cap: refused unread.
-    let d = fixture_copy()?;
+    let d = common::copy_fixture("llama_gqa")?;
     let mut big = text.clone();
     big.push_str(&" ".repeat((16 << 20) + 1 - big.len()));
     std::fs::write(d.path().join("config.json"), big)?;
@@ -129,13 +119,13 @@ fn hostile_directories_stay_within_the_stated_memory_bound() -> Result<()> {
 
     // A weight file whose header lists 600,000 tensors (~50 MiB of header) the model does
     // not read: it loads, and the run completes.
-    let d = fixture_copy()?;
+    let d = common::copy_fixture("llama_gqa")?;
     wide_header(&d.path().join("zz-wide.safetensors"), 600_000)?;
     let o = run(d.path(), &["--prompt-ids", "1"])?;
     check("a 50 MiB safetensors header", d.path(), o, false)?;
 
     // A tokenizer of two million words: it loads, and the run completes.
-    let d = fixture_copy()?;
+    let d = common::copy_fixture("llama_gqa")?;
     let vocab: serde_json::Map<String, serde_json::Value> = (0..2_000_000)
         .map(|i| (format!("w{i}"), json!(i % 384)))
         .collect();

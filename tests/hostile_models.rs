@@ -14,16 +14,6 @@ use std::process::Output;
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor};
 
-/// A copy of fixture `name` in a new directory (config, weights, ids).
-fn copy_fixture(name: &str) -> Result<tempfile::TempDir> {
-    let d = tempfile::tempdir()?;
-    for e in std::fs::read_dir(common::fixture(name))? {
-        let e = e?;
-        std::fs::copy(e.path(), d.path().join(e.file_name()))?;
-    }
-    Ok(d)
-}
-
 /// Rewrites `dir`'s config.json with `edit`.
 fn edit_config(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) -> Result<()> {
     let p = dir.join("config.json");
@@ -70,29 +60,13 @@ fn run(dir: &Path, extra: &[&str]) -> Result<Output> {
         .output()?)
 }
 
-/// Exit code 1, a one-line error holding every needle, no panic.
-fn one_line_error(o: &Output, needles: &[&str]) -> Result<()> {
-    let err = String::from_utf8_lossy(&o.stderr);
-    ensure!(
-        o.status.code() == Some(1),
-        "exit {:?}: {err}",
-        o.status.code()
-    );
-    for n in needles {
-        ensure!(err.contains(n), "stderr lacks {n:?}: {err}");
-    }
-    ensure!(!err.contains("panicked"), "{err}");
-    ensure!(err.lines().count() == 1, "not one line: {err}");
-    Ok(())
-}
-
 #[test]
 fn a_nan_weight_is_an_error_not_confident_tokens() -> Result<()> {
     for (fixture, tensor) in [
         ("llama_gqa", "model.layers.0.self_attn.q_proj.weight"),
         ("qwen2", "model.layers.0.self_attn.k_proj.bias"),
     ] {
-        let d = copy_fixture(fixture)?;
+        let d = common::copy_fixture(fixture)?;
         edit_weights(d.path(), |t| {
             let w = t
                 .get(tensor)
@@ -103,7 +77,7 @@ fn a_nan_weight_is_an_error_not_confident_tokens() -> Result<()> {
         })?;
         // Named at load, with its tensor, before any policy runs.
         let o = run(d.path(), &["--prompt-ids", "1,2,3", "--policy", "headwise"])?;
-        one_line_error(&o, &["holds a NaN or an infinity", tensor])
+        common::cli::one_line_error(&o, false, &["holds a NaN or an infinity", tensor])
             .map_err(|e| e.context(format!("{fixture} {tensor}")))?;
     }
     Ok(())
@@ -166,10 +140,10 @@ fn config_numbers_are_checked_as_the_f32_they_become() -> Result<()> {
         ),
     ];
     for (fixture, field, value, named) in cases {
-        let d = copy_fixture(fixture)?;
+        let d = common::copy_fixture(fixture)?;
         edit_config(d.path(), |c| c[field] = value.clone())?;
         let o = run(d.path(), &["--prompt-ids", "1,2,3"])?;
-        one_line_error(&o, &[&format!("`{named}`")])
+        common::cli::one_line_error(&o, false, &[&format!("`{named}`")])
             .map_err(|e| e.context(format!("{fixture} {field} = {value}")))?;
     }
     Ok(())
@@ -178,16 +152,20 @@ fn config_numbers_are_checked_as_the_f32_they_become() -> Result<()> {
 #[test]
 fn weights_that_are_not_what_they_seem_are_refused() -> Result<()> {
     // The same tensor in a second file: candle would take the one that sorts last.
-    let d = copy_fixture("llama_gqa")?;
+    let d = common::copy_fixture("llama_gqa")?;
     let name = "model.norm.weight";
     let t = candle_core::safetensors::load(d.path().join("model.safetensors"), &Device::Cpu)?;
     let other: HashMap<String, Tensor> = [(name.to_string(), (t[name].clone() * 2.0)?)].into();
     candle_core::safetensors::save(&other, d.path().join("zz-extra.safetensors"))?;
     let o = run(d.path(), &["--prompt-ids", "1,2,3"])?;
-    one_line_error(&o, &["zz-extra.safetensors", name, "model.safetensors"])?;
+    common::cli::one_line_error(
+        &o,
+        false,
+        &["zz-extra.safetensors", name, "model.safetensors"],
+    )?;
 
     // A parameter stored as integers.
-    let d = copy_fixture("llama_gqa")?;
+    let d = common::copy_fixture("llama_gqa")?;
     let name = "model.layers.0.mlp.up_proj.weight";
     edit_weights(d.path(), |t| {
         let w = t[name].to_dtype(DType::I64)?;
@@ -195,16 +173,16 @@ fn weights_that_are_not_what_they_seem_are_refused() -> Result<()> {
         Ok(())
     })?;
     let o = run(d.path(), &["--prompt-ids", "1,2,3"])?;
-    one_line_error(&o, &[name, "I64"])?;
+    common::cli::one_line_error(&o, false, &[name, "I64"])?;
 
     // Untied, without an LM head.
-    let d = copy_fixture("llama_gqa")?;
+    let d = common::copy_fixture("llama_gqa")?;
     edit_weights(d.path(), |t| {
         t.remove("lm_head.weight");
         Ok(())
     })?;
     let o = run(d.path(), &["--prompt-ids", "1,2,3"])?;
-    one_line_error(&o, &["`tie_word_embeddings`", "lm_head.weight"])?;
+    common::cli::one_line_error(&o, false, &["`tie_word_embeddings`", "lm_head.weight"])?;
     Ok(())
 }
 
@@ -258,7 +236,8 @@ fn sizes_that_overflow_or_exceed_memory_are_refused_before_allocating() -> Resul
             "--prompt-ids",
             "1",
         ])?;
-        one_line_error(&o, &[needle]).map_err(|e| e.context(cfg.to_string()))?;
+        common::cli::one_line_error(&o, false, &[needle])
+            .map_err(|e| e.context(cfg.to_string()))?;
     }
     // A random prompt longer than memory can hold as ids, on a model with 2^40 positions.
     let (_d, p) = random_config(with("max_position_embeddings", json!(1u64 << 40)))?;
@@ -269,7 +248,7 @@ fn sizes_that_overflow_or_exceed_memory_are_refused_before_allocating() -> Resul
         "--random-prompt",
         "1000000000000",
     ])?;
-    one_line_error(&o, &["--random-prompt", "for its ids alone"])
+    common::cli::one_line_error(&o, false, &["--random-prompt", "for its ids alone"])
 }
 
 #[test]

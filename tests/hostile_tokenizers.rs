@@ -6,7 +6,7 @@ mod common;
 
 use std::path::Path;
 use std::process::Output;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{ensure, Result};
 use serde_json::json;
@@ -24,11 +24,7 @@ fn tokenizer(normalizer: serde_json::Value, pre_tokenizer: serde_json::Value) ->
 
 /// The llama_gqa fixture with `tokenizer.json` and, if given, a chat template.
 fn model_dir(tok: &str, chat_template: Option<&str>) -> Result<tempfile::TempDir> {
-    let d = tempfile::tempdir()?;
-    for e in std::fs::read_dir(common::fixture("llama_gqa"))? {
-        let e = e?;
-        std::fs::copy(e.path(), d.path().join(e.file_name()))?;
-    }
+    let d = common::copy_fixture("llama_gqa")?;
     std::fs::write(d.path().join("tokenizer.json"), tok)?;
     if let Some(t) = chat_template {
         std::fs::write(
@@ -41,39 +37,13 @@ fn model_dir(tok: &str, chat_template: Option<&str>) -> Result<tempfile::TempDir
 
 /// Runs the llama example on `dir`, killed after two minutes.
 fn run(dir: &Path, extra: &[&str]) -> Result<Output> {
-    let mut child = std::process::Command::new(common::example_bin("llama"))
-        .arg("--model-dir")
+    let mut cmd = std::process::Command::new(common::example_bin("llama"));
+    cmd.arg("--model-dir")
         .arg(dir)
         .args(["--max-new-tokens", "2"])
         .args(extra)
-        .env("HF_HUB_OFFLINE", "1")
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()?;
-    let start = Instant::now();
-    while child.try_wait()?.is_none() {
-        if start.elapsed() > Duration::from_secs(120) {
-            child.kill()?;
-            anyhow::bail!("{extra:?} still running after two minutes");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    Ok(child.wait_with_output()?)
-}
-
-fn one_line_error(o: &Output, needles: &[&str]) -> Result<()> {
-    let err = String::from_utf8_lossy(&o.stderr);
-    ensure!(
-        o.status.code() == Some(1),
-        "exit {:?}: {err}",
-        o.status.code()
-    );
-    for n in needles {
-        ensure!(err.contains(n), "stderr lacks {n:?}: {err}");
-    }
-    ensure!(!err.contains("panicked"), "{err}");
-    ensure!(err.lines().count() == 1, "not one line: {err}");
-    Ok(())
+        .env("HF_HUB_OFFLINE", "1");
+    common::cli::output_within(&mut cmd, Duration::from_secs(120))
 }
 
 #[test]
@@ -91,7 +61,7 @@ fn a_backtracking_regex_is_an_error_not_a_panic() -> Result<()> {
     let d = model_dir(&tokenizer(json!(null), split), None)?;
     let text = format!("{}c", "a".repeat(5000));
     let o = run(d.path(), &["--prompt", &text])?;
-    one_line_error(&o, &["encoding the text failed"])
+    common::cli::one_line_error(&o, false, &["encoding the text failed"])
 }
 
 #[test]
@@ -100,7 +70,7 @@ fn an_expanding_normalizer_is_refused_before_it_runs() -> Result<()> {
     let normalizer = json!({"type": "Sequence", "normalizers": [step, step, step, step]});
     let d = model_dir(&tokenizer(normalizer, json!({"type": "Whitespace"})), None)?;
     let o = run(d.path(), &["--prompt", "a a a a"])?;
-    one_line_error(&o, &["normalizer", "`Replace`", "1000×"])
+    common::cli::one_line_error(&o, false, &["normalizer", "`Replace`", "1000×"])
 }
 
 #[test]
@@ -112,7 +82,7 @@ fn a_chat_template_of_nested_loops_runs_out_of_fuel() -> Result<()> {
         Some(template),
     )?;
     let o = run(d.path(), &["--prompt", "hi", "--chat"])?;
-    one_line_error(&o, &["chat template failed", "fuel"])
+    common::cli::one_line_error(&o, false, &["chat template failed", "fuel"])
 }
 
 #[test]

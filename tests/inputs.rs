@@ -7,7 +7,7 @@ mod common;
 
 use std::path::Path;
 use std::process::{Command, Output};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{ensure, Result};
 
@@ -18,39 +18,7 @@ fn llama(args: &[&str], env: &[(&str, &str)]) -> Result<Output> {
     for (k, v) in env {
         cmd.env(k, v);
     }
-    let mut child = cmd
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()?;
-    let start = Instant::now();
-    while child.try_wait()?.is_none() {
-        if start.elapsed() > Duration::from_secs(60) {
-            child.kill()?;
-            anyhow::bail!("{args:?} still running after a minute (blocked?)");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    Ok(child.wait_with_output()?)
-}
-
-/// A one-line error containing every needle, exit code 1, no panic, nothing generated.
-fn one_line_error(o: &Output, needles: &[&str]) -> Result<()> {
-    let err = String::from_utf8_lossy(&o.stderr);
-    ensure!(
-        o.status.code() == Some(1),
-        "exit {:?}: {err}",
-        o.status.code()
-    );
-    for n in needles {
-        ensure!(err.contains(n), "stderr lacks {n:?}: {err}");
-    }
-    ensure!(err.lines().count() == 1, "not one line: {err}");
-    ensure!(
-        o.stdout.is_empty(),
-        "work was done: {}",
-        String::from_utf8_lossy(&o.stdout)
-    );
-    Ok(())
+    common::cli::output_within(&mut cmd, Duration::from_secs(60))
 }
 
 fn mkfifo(p: &Path) -> Result<()> {
@@ -81,7 +49,7 @@ fn devices_and_fifos_are_refused_as_prompts_files_and_tokenizers() -> Result<()>
     let fifo = fifo.to_string_lossy().into_owned();
     for file in ["/dev/zero", fifo.as_str()] {
         let o = llama(&["--model-dir", &fixture, "--prompts-file", file], &[])?;
-        one_line_error(&o, &["--prompts-file", file, "not a regular file"])?;
+        common::cli::one_line_error(&o, true, &["--prompts-file", file, "not a regular file"])?;
         let o = llama(
             &[
                 "--model-dir",
@@ -93,7 +61,7 @@ fn devices_and_fifos_are_refused_as_prompts_files_and_tokenizers() -> Result<()>
             ],
             &[],
         )?;
-        one_line_error(&o, &["tokenizer", file, "not a regular file"])?;
+        common::cli::one_line_error(&o, true, &["tokenizer", file, "not a regular file"])?;
     }
     Ok(())
 }
@@ -114,7 +82,7 @@ fn a_prompts_file_over_its_cap_is_refused_naming_the_cap() -> Result<()> {
         ],
         &[],
     )?;
-    one_line_error(&o, &["--prompts-file", "larger than 256 MiB"])
+    common::cli::one_line_error(&o, true, &["--prompts-file", "larger than 256 MiB"])
 }
 
 #[test]
@@ -125,11 +93,11 @@ fn a_fifo_or_a_directory_as_the_weight_file_is_refused() -> Result<()> {
     mkfifo(&weights)?;
     let dir = d.path().to_string_lossy().into_owned();
     let o = llama(&["--model-dir", &dir, "--prompt-ids", "1,2"], &[])?;
-    one_line_error(&o, &["model.safetensors", "not a regular file"])?;
+    common::cli::one_line_error(&o, true, &["model.safetensors", "not a regular file"])?;
     std::fs::remove_file(&weights)?;
     std::fs::create_dir(&weights)?;
     let o = llama(&["--model-dir", &dir, "--prompt-ids", "1,2"], &[])?;
-    one_line_error(&o, &["model.safetensors", "is a directory"])?;
+    common::cli::one_line_error(&o, true, &["model.safetensors", "is a directory"])?;
     // A FIFO as config.json, too.
     std::fs::remove_dir(&weights)?;
     std::fs::copy(
@@ -156,7 +124,7 @@ fn an_empty_kvpolicy_cache_is_named() -> Result<()> {
         .env("HF_HUB_OFFLINE", "1")
         .current_dir(d.path())
         .output()?;
-    one_line_error(&o, &["KVPOLICY_CACHE is set but empty"])?;
+    common::cli::one_line_error(&o, true, &["KVPOLICY_CACHE is set but empty"])?;
     ensure!(
         std::fs::read_dir(d.path())?.count() == 0,
         "files made in the current directory"
@@ -176,5 +144,9 @@ fn the_default_models_fetch_error_is_one_line() -> Result<()> {
             ("HF_HOME", &hub.path().to_string_lossy()),
         ],
     )?;
-    one_line_error(&o, &["could not obtain the model", "--gguf/--model-dir"])
+    common::cli::one_line_error(
+        &o,
+        true,
+        &["could not obtain the model", "--gguf/--model-dir"],
+    )
 }

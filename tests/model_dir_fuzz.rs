@@ -45,11 +45,7 @@ struct Outcome {
 /// One generated case, run.
 fn case(rng: &mut Rng) -> Result<Outcome> {
     let (fixture, example) = gen::FIXTURES[rng.below(gen::FIXTURES.len())];
-    let d = tempfile::tempdir()?;
-    for e in std::fs::read_dir(common::fixture(fixture))? {
-        let e = e?;
-        std::fs::copy(e.path(), d.path().join(e.file_name()))?;
-    }
+    let d = common::copy_fixture(fixture)?;
     gen::config(rng, d.path())?;
     let change = gen::weights(rng, d.path())?;
     let has_tokenizer = gen::tokenizer(rng, d.path())?;

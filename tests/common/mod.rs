@@ -22,6 +22,18 @@ pub fn fixture(name: &str) -> PathBuf {
         .join(name)
 }
 
+/// A copy of fixture `name`'s files in a new temporary directory (to edit).
+pub fn copy_fixture(name: &str) -> Result<tempfile::TempDir> {
+    let d = tempfile::tempdir()?;
+    for e in std::fs::read_dir(fixture(name))? {
+        let e = e?;
+        if e.file_type()?.is_file() {
+            std::fs::copy(e.path(), d.path().join(e.file_name()))?;
+        }
+    }
+    Ok(d)
+}
+
 /// Names of the HF reference fixtures (directories with config.json).
 pub fn hf_fixtures() -> Vec<String> {
     let mut v: Vec<String> = std::fs::read_dir(fixture(""))

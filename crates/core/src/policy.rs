@@ -197,12 +197,24 @@ impl KvShape {
 
     /// The model's activation bytes for a step of `t` tokens per sequence.
     pub fn activation_bytes(&self, t: usize) -> u64 {
-        (self.batch * t) as u64 * self.activation_bytes_per_token
+        (self.batch as u64)
+            .saturating_mul(t as u64)
+            .saturating_mul(self.activation_bytes_per_token)
     }
 
-    /// Bytes of K and V for `tokens` tokens of `heads` heads (one layer).
+    /// Bytes of K and V for `tokens` tokens of `heads` heads (one layer); saturating, so
+    /// that a run declared absurdly long (`--max-new-tokens` 10^18) compares as too large
+    /// against a budget instead of wrapping around to a small number.
     pub fn kv_bytes(&self, heads: usize, tokens: usize) -> u64 {
-        (2 * self.batch * heads * tokens * self.head_dim * self.dtype.size_in_bytes()) as u64
+        [
+            self.batch,
+            heads,
+            tokens,
+            self.head_dim,
+            self.dtype.size_in_bytes(),
+        ]
+        .iter()
+        .fold(2u64, |acc, &x| acc.saturating_mul(x as u64))
     }
 }
 

@@ -13,8 +13,9 @@ use tokenizers::{NormalizedString, Normalizer};
 
 use crate::error::{ModelError, Result};
 
-/// The most bytes normalization may produce from one text.
-pub const NORMALIZED_CAP: f64 = (256u64 << 20) as f64;
+/// The most bytes normalization may produce from one text: a 512K-token prompt is a few
+/// MiB, and `tokenizers` keeps two alignment words per normalized byte (~17× the text).
+pub const NORMALIZED_CAP: f64 = (16u64 << 20) as f64;
 
 thread_local! {
     /// Set while [`quietly`] runs: its panics are caught and reported as errors, so the
