@@ -97,8 +97,9 @@ fn a_disk_without_room_fails_before_any_work() -> Result<()> {
     Ok(())
 }
 
-/// Runs 17 prompts as a batch under `headwise` with every layer on disk, after `ulimit`.
-fn batch_under(ulimit: &str) -> Result<Output> {
+/// Runs 17 prompts as a batch under `headwise` with the disk tier (every layer on disk,
+/// unless `extra` gives a host budget), after `ulimit`.
+fn batch_under(ulimit: &str, extra: &[&str]) -> Result<Output> {
     let d = tempfile::tempdir()?;
     let prompts = d.path().join("p.jsonl");
     std::fs::write(&prompts, "[1, 2, 3]\n".repeat(17))?;
@@ -114,6 +115,7 @@ fn batch_under(ulimit: &str) -> Result<Output> {
         .arg(&disk)
         .arg("--prompts-file")
         .arg(&prompts)
+        .args(extra)
         .output()?;
     ensure!(std::fs::read_dir(&disk)?.count() == 0, "files left on disk");
     Ok(o)
@@ -122,7 +124,7 @@ fn batch_under(ulimit: &str) -> Result<Output> {
 #[test]
 fn an_open_file_limit_too_low_for_the_batch_fails_before_any_work() -> Result<()> {
     // The hard limit itself is low: 17 requests × 3 layers cannot be held open.
-    let o = batch_under("ulimit -n 100")?;
+    let o = batch_under("ulimit -n 100", &[])?;
     common::cli::one_line_error(&o, true, &["open-file limit is 100", "ulimit -n"])
 }
 
@@ -130,9 +132,13 @@ fn an_open_file_limit_too_low_for_the_batch_fails_before_any_work() -> Result<()
 fn a_low_soft_open_file_limit_is_raised() -> Result<()> {
     // Only the soft limit is low (the common `ulimit -Sn 1024`, scaled to this fixture):
     // the run raises it to the hard one and completes.
-    let o = batch_under("ulimit -Sn 60")?;
+    let o = batch_under("ulimit -Sn 60", &[])?;
     let err = String::from_utf8_lossy(&o.stderr);
     ensure!(o.status.success(), "{err}");
     ensure!(String::from_utf8_lossy(&o.stdout).lines().count() == 17);
+    // A host budget that holds every layer: no file will be opened, nothing is refused.
+    let o = batch_under("ulimit -n 100", &["--host-kv-budget", "1GiB"])?;
+    let err = String::from_utf8_lossy(&o.stderr);
+    ensure!(o.status.success(), "{err}");
     Ok(())
 }

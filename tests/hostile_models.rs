@@ -206,14 +206,15 @@ fn sizes_that_overflow_or_exceed_memory_are_refused_before_allocating() -> Resul
         c
     };
     for (cfg, needle) in [
-        // 2 × vocab × hidden wrapped around u64 and passed the memory check.
+        // `2 * vocab` wrapped around to 0 and passed the memory check.
         (
-            with("vocab_size", json!(1u64 << 62)),
+            with("vocab_size", json!(1u64 << 63)),
             "need more than 2^64 bytes",
         ),
         (
             {
-                let mut c = with("num_attention_heads", json!(1u64 << 31));
+                // heads × head_dim = 2^63: `2 * q` wrapped around to 0.
+                let mut c = with("num_attention_heads", json!(1u64 << 32));
                 c["num_key_value_heads"] = json!(1);
                 c["head_dim"] = json!(1u64 << 31);
                 c
@@ -229,13 +230,17 @@ fn sizes_that_overflow_or_exceed_memory_are_refused_before_allocating() -> Resul
         ),
     ] {
         let (_d, p) = random_config(cfg.clone())?;
-        let o = common::cli::llama(&[
-            "--random-weights",
-            "--config",
-            &p.to_string_lossy(),
-            "--prompt-ids",
-            "1",
-        ])?;
+        // Under a 4 GiB address-space limit, on any machine: ten million layers' values
+        // (880 MB) fit it, their structures (~7.5 GB) do not.
+        let o = std::process::Command::new("sh")
+            .arg("-c")
+            .arg("ulimit -v 4194304 && exec \"$@\"")
+            .arg("sh")
+            .arg(common::example_bin("llama"))
+            .args(["--random-weights", "--config"])
+            .arg(&p)
+            .args(["--prompt-ids", "1"])
+            .output()?;
         common::cli::one_line_error(&o, false, &[needle])
             .map_err(|e| e.context(cfg.to_string()))?;
     }

@@ -86,6 +86,18 @@ fn a_chat_template_of_nested_loops_runs_out_of_fuel() -> Result<()> {
 }
 
 #[test]
+fn a_chat_template_that_writes_without_end_is_stopped_at_its_cap() -> Result<()> {
+    // Cheap in fuel (a few instructions a pass), 100 MB of output.
+    let template = "{% set x = 'y' * 1000 %}{% for i in range(100000) %}{{ x }}{% endfor %}";
+    let d = model_dir(
+        &tokenizer(json!(null), json!({"type": "Whitespace"})),
+        Some(template),
+    )?;
+    let o = run(d.path(), &["--prompt", "hi", "--chat"])?;
+    common::cli::one_line_error(&o, false, &["chat template rendered more than 64 MiB"])
+}
+
+#[test]
 fn chat_without_prompt_text_is_a_usage_error() -> Result<()> {
     let d = model_dir(&tokenizer(json!(null), json!({"type": "Whitespace"})), None)?;
     for extra in [

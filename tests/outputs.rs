@@ -104,7 +104,12 @@ fn stdout_redirected_to_a_file_keeps_its_contents_and_gets_the_output() -> Resul
     let d = tempfile::tempdir()?;
     let res = d.path().join("res.txt");
     std::fs::write(&res, "earlier\n")?;
-    for path in ["/dev/stdout", "/proc/self/fd/1", "/dev/fd/1"] {
+    for path in [
+        "/dev/stdout",
+        "/proc/self/fd/1",
+        "/dev/fd/1",
+        "/proc/self/task/$$/fd/1",
+    ] {
         let o = sh(
             &format!("exec {RUN} --ids-out {path} >>\"$1\""),
             &[&res.to_string_lossy()],
@@ -224,6 +229,9 @@ fn descriptor_paths_are_recognised_lexically() {
         ("/dev/./fd/63".to_string(), Some(63)),
         ("/proc/self/fd/4".to_string(), Some(4)),
         ("/proc/thread-self/fd/4".to_string(), Some(4)),
+        ("/proc/self/task/77/fd/1".to_string(), Some(1)),
+        (format!("/proc/{me}/task/{me}/fd/2"), Some(2)),
+        ("/proc/1/task/1/fd/2".to_string(), None),
         (format!("/proc/{me}/fd/5"), Some(5)),
         ("/proc/1/fd/5".to_string(), None),
         ("/proc/self/fdinfo/5".to_string(), None),

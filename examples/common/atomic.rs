@@ -61,9 +61,7 @@ fn register(tmp: &Path, on: bool) {
 /// a descriptor open for writing. Touches nothing.
 pub fn check_output(path: &Path, flag: &str) -> Result<()> {
     let p = match target(path).with_context(|| flag.to_string())? {
-        // Opening a FIFO would hand its reader an empty stream, and a device needs no
-        // check: both are written when the run ends.
-        Target::Special(_) => return Ok(()),
+        Target::Special(p) => return check_special(&p, path, flag),
         Target::Descriptor(fd) => {
             writable_descriptor(fd, path).with_context(|| flag.to_string())?;
             return Ok(());
@@ -84,6 +82,39 @@ pub fn check_output(path: &Path, flag: &str) -> Result<()> {
             path.display(),
             dir.display()
         );
+    }
+    // Where the temporary and the file will be made: asked of the kernel, which also
+    // answers for a read-only file system (EROFS), without making anything.
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes())?;
+    // SAFETY: `c` is a NUL-terminated path; access only reads it.
+    if unsafe { libc::access(c.as_ptr(), libc::W_OK | libc::X_OK) } != 0 {
+        bail!(
+            "{flag} {}: cannot create files in {} ({}); give a writable directory",
+            path.display(),
+            dir.display(),
+            std::io::Error::last_os_error()
+        );
+    }
+    Ok(())
+}
+
+/// A device, FIFO or socket named as an output: a socket cannot be written through its
+/// path, a device must open for writing now; a FIFO is left alone (opening it would hand
+/// its reader an empty stream; it is written when the run ends).
+fn check_special(p: &Path, shown: &Path, flag: &str) -> Result<()> {
+    use std::os::unix::fs::FileTypeExt;
+    let kind = std::fs::metadata(p)
+        .with_context(|| format!("{flag} {}", shown.display()))?
+        .file_type();
+    if kind.is_socket() {
+        bail!("{flag} {} is a socket; give a file path", shown.display());
+    }
+    if kind.is_char_device() || kind.is_block_device() {
+        OpenOptions::new()
+            .append(true)
+            .open(p)
+            .with_context(|| format!("{flag} {}: cannot write", shown.display()))?;
     }
     Ok(())
 }

@@ -86,8 +86,8 @@ pub fn run(
     };
     let longest = ids.iter().map(Vec::len).max().unwrap_or(0);
     warn_slow_link(args, model.info(), longest);
-    super::preflight::check_descriptors(args, model.info(), ids.len())?;
     let lens: Vec<usize> = ids.iter().map(Vec::len).collect();
+    super::preflight::check_descriptors(args, model.info(), &lens)?;
     super::preflight::check_disk_room(args, model.info(), &lens)?;
     let cfg = generate_config(args);
     let out = generate_batch(model, policy, &ids, &cfg)?;

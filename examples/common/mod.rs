@@ -373,7 +373,7 @@ fn run(args: &Args, example: &str, archs: &[&str], default: Option<ModelSpec>) -
     };
 
     warn_slow_link(args, model.info(), prompt_ids.len());
-    preflight::check_descriptors(args, model.info(), 1)?;
+    preflight::check_descriptors(args, model.info(), &[prompt_ids.len()])?;
     preflight::check_disk_room(args, model.info(), &[prompt_ids.len()])?;
     let cfg = generate_config(args);
     let mut printer = Printer::new(tok.as_ref());

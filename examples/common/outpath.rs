@@ -22,8 +22,8 @@ pub enum Target {
 }
 
 /// The descriptor a path names lexically, if it is one of this process's:
-/// `/dev/stdin|stdout|stderr`, `/dev/fd/N`, `/proc/self/fd/N`, `/proc/thread-self/fd/N`
-/// or `/proc/PID/fd/N` with this process's PID. Repeated and `.` separators are ignored.
+/// `/dev/stdin|stdout|stderr`, `/dev/fd/N`, `/proc/self/fd/N`, `/proc/thread-self/fd/N`,
+/// `/proc/PID/fd/N` with this process's PID, or `/proc/{self,PID}/task/TID/fd/N`. Repeated and `.` separators are ignored.
 pub fn descriptor_of(path: &Path) -> Option<RawFd> {
     let parts: Vec<String> = path
         .components()
@@ -32,28 +32,33 @@ pub fn descriptor_of(path: &Path) -> Option<RawFd> {
         .collect();
     let parts: Vec<&str> = parts.iter().map(String::as_str).collect();
     let number = |s: &str| s.parse::<RawFd>().ok().filter(|n| *n >= 0);
+    let ours = |who: &str| {
+        who == "self" || who == "thread-self" || who.parse::<u32>().ok() == Some(std::process::id())
+    };
     match parts.as_slice() {
         ["/", "dev", "stdin"] => Some(0),
         ["/", "dev", "stdout"] => Some(1),
         ["/", "dev", "stderr"] => Some(2),
         ["/", "dev", "fd", n] => number(n),
-        ["/", "proc", who, "fd", n]
-            if *who == "self"
-                || *who == "thread-self"
-                || who.parse::<u32>().ok() == Some(std::process::id()) =>
-        {
-            number(n)
-        }
+        ["/", "proc", who, "fd", n] if ours(who) => number(n),
+        // A thread's view of the same descriptor table.
+        ["/", "proc", who, "task", _, "fd", n] if ours(who) => number(n),
         _ => None,
     }
 }
 
-/// Whether `path` is `/proc/PID/fd/N` of another process.
+/// Whether `path` is `/proc/PID/fd/N` (or `/proc/PID/task/TID/fd/N`) of another process.
 fn another_process_descriptor(path: &Path) -> bool {
     let parts: Vec<Component> = path.components().collect();
-    matches!(parts.as_slice(), [Component::RootDir, proc, _, fd, _]
-        if proc.as_os_str() == "proc" && fd.as_os_str() == "fd")
-        && descriptor_of(path).is_none()
+    let is = |c: &Component, s: &str| c.as_os_str() == s;
+    let fd_path = match parts.as_slice() {
+        [Component::RootDir, proc, _, fd, _] => is(proc, "proc") && is(fd, "fd"),
+        [Component::RootDir, proc, _, task, _, fd, _] => {
+            is(proc, "proc") && is(task, "task") && is(fd, "fd")
+        }
+        _ => false,
+    };
+    fd_path && descriptor_of(path).is_none()
 }
 
 /// Resolves `path`: the user's symbolic links are followed to the file they name (which may

@@ -18,31 +18,50 @@ fn uses_disk(args: &Args) -> bool {
             .is_ok_and(|r| r.contains(&PolicyOption::DiskDir))
 }
 
-/// Raises the soft open-file limit to the hard one and checks that `requests` requests
-/// with every layer on disk (the most the disk tier can open: one descriptor per layer
-/// file, plus reads in flight) fit under it.
-pub fn check_descriptors(args: &Args, info: &ModelInfo, requests: usize) -> Result<()> {
+/// Raises the soft open-file limit to the hard one and checks that requests of
+/// `prompt_lens` tokens fit under it: one descriptor per layer that can go to disk (those
+/// `--host-kv-budget` cannot hold at the request's final length, each request having its
+/// own host tier), plus reads in flight.
+pub fn check_descriptors(args: &Args, info: &ModelInfo, prompt_lens: &[usize]) -> Result<()> {
     if !uses_disk(args) {
         return Ok(());
     }
     let limit = rlimit::increase_nofile_limit(u64::MAX).unwrap_or(0);
-    let reads_in_flight = kvpolicy::core::tiered::READ_AHEAD + 1;
-    let needed = (requests as u64)
-        .saturating_mul((info.n_layers + reads_in_flight) as u64)
-        .saturating_add(64);
+    let reads_in_flight = (kvpolicy::core::tiered::READ_AHEAD + 1) as u64;
+    let budget = args.host_kv_budget.unwrap_or(0);
+    let mut on_disk = 0u64;
+    for &p in prompt_lens {
+        // Host buffers grow in chunks: a layer may hold up to a few thousand tokens more
+        // than the request's length, so fewer layers fit than the length alone says.
+        let bytes = layer_bytes(args, info, final_len(args, info, p).saturating_add(4096));
+        let widest = bytes.iter().copied().max().unwrap_or(0).max(1);
+        let in_ram = (budget / widest).min(info.n_layers as u64);
+        let files = info.n_layers as u64 - in_ram;
+        if files > 0 {
+            on_disk = on_disk.saturating_add(files + reads_in_flight);
+        }
+    }
+    let needed = on_disk.saturating_add(64);
     if limit > 0 && needed > limit {
         bail!(
-            "the disk tier may hold up to {needed} files open ({requests} requests × {} layers, and reads in flight) but the open-file limit is {limit}; raise it (`ulimit -n {needed}`), pass fewer prompts, or raise --host-kv-budget and leave out --disk-dir",
+            "the disk tier may hold up to {needed} files open ({} requests, up to {} layers each past --host-kv-budget, and reads in flight) but the open-file limit is {limit}; raise it (`ulimit -n {needed}`), pass fewer prompts, or raise --host-kv-budget",
+            prompt_lens.len(),
             info.n_layers
         );
     }
     Ok(())
 }
 
-/// Bytes of K/V the disk tier must hold for `tokens` tokens in all (every request's
-/// prompt and generated tokens) past `--host-kv-budget`: a lower bound (windowed layers
-/// counted at their window, no block padding), so that a refusal is certain to be right.
-fn disk_bytes_needed(args: &Args, info: &ModelInfo, tokens: &[usize]) -> u64 {
+/// Tokens a request of `prompt` tokens reaches.
+fn final_len(args: &Args, info: &ModelInfo, prompt: usize) -> usize {
+    prompt
+        .saturating_add(args.max_new_tokens)
+        .min(info.max_positions)
+}
+
+/// Each layer's K/V bytes at `t` tokens in the form the host tier stores (windowed layers
+/// at their window).
+fn layer_bytes(args: &Args, info: &ModelInfo, t: usize) -> Vec<u64> {
     let elem = |n: u64| match args.host_kv_dtype.unwrap_or_default() {
         KvCodec::Model => n.saturating_mul(info.dtype.size_in_bytes() as u64),
         KvCodec::Float(dt) => n.saturating_mul(dt.size_in_bytes() as u64),
@@ -51,17 +70,26 @@ fn disk_bytes_needed(args: &Args, info: &ModelInfo, tokens: &[usize]) -> u64 {
     let per_token = 2u64
         .saturating_mul(info.n_kv_heads as u64)
         .saturating_mul(info.head_dim as u64);
-    let total: u64 = tokens
+    (0..info.n_layers)
+        .map(|l| {
+            let seen = match info.windows.get(l).copied().flatten() {
+                Some(w) => t.min(w),
+                None => t,
+            };
+            elem(per_token.saturating_mul(seen as u64))
+        })
+        .collect()
+}
+
+/// Bytes of K/V the disk tier must hold for requests of `prompt_lens` tokens past
+/// `--host-kv-budget`: a lower bound (windowed layers counted at their window, no block
+/// padding), so that a refusal is certain to be right.
+fn disk_bytes_needed(args: &Args, info: &ModelInfo, prompt_lens: &[usize]) -> u64 {
+    let total = prompt_lens
         .iter()
-        .map(|&t| {
-            (0..info.n_layers)
-                .map(|l| {
-                    let seen = match info.windows.get(l).copied().flatten() {
-                        Some(w) => t.min(w),
-                        None => t,
-                    };
-                    elem(per_token.saturating_mul(seen as u64))
-                })
+        .map(|&p| {
+            layer_bytes(args, info, final_len(args, info, p))
+                .into_iter()
                 .fold(0u64, u64::saturating_add)
         })
         .fold(0u64, u64::saturating_add);
@@ -74,14 +102,7 @@ pub fn check_disk_room(args: &Args, info: &ModelInfo, prompt_lens: &[usize]) -> 
     let (true, Some(dir)) = (uses_disk(args), &args.disk_dir) else {
         return Ok(());
     };
-    let tokens: Vec<usize> = prompt_lens
-        .iter()
-        .map(|&p| {
-            p.saturating_add(args.max_new_tokens)
-                .min(info.max_positions)
-        })
-        .collect();
-    let needed = disk_bytes_needed(args, info, &tokens);
+    let needed = disk_bytes_needed(args, info, prompt_lens);
     let free = free_disk_bytes(dir).map_err(|e| {
         anyhow::anyhow!(
             "--disk-dir {}: cannot query its free space: {e}",
@@ -89,12 +110,15 @@ pub fn check_disk_room(args: &Args, info: &ModelInfo, prompt_lens: &[usize]) -> 
         )
     })?;
     if needed > free {
+        let tokens: usize = prompt_lens
+            .iter()
+            .map(|&p| final_len(args, info, p))
+            .fold(0usize, usize::saturating_add);
         bail!(
-            "--disk-dir {} has {} free, but the disk tier needs at least {} for {} tokens past --host-kv-budget; free space there, raise --host-kv-budget, or point --disk-dir at a larger file system",
+            "--disk-dir {} has {} free, but the disk tier needs at least {} for {tokens} tokens past --host-kv-budget; free space there, raise --host-kv-budget, or point --disk-dir at a larger file system",
             dir.display(),
             format_bytes(free),
             format_bytes(needed),
-            tokens.iter().sum::<usize>()
         );
     }
     Ok(())

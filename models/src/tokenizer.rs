@@ -270,22 +270,29 @@ impl TextTokenizer {
         env.add_template("chat", tpl)
             .map_err(|e| ModelError::Tokenizer(format!("the chat template does not parse: {e}")))?;
         let t = env.get_template("chat").map_err(tok_err)?;
-        let text = t
-            .render(minijinja::context! {
+        // Rendered into a writer that refuses bytes past the cap, so output that grows
+        // within the fuel stops at the cap rather than after it.
+        let mut out = guard::Capped::new(CHAT_TEMPLATE_OUTPUT);
+        let rendered = t.render_captured_to(
+            minijinja::context! {
                 messages => vec![minijinja::context!{ role => "user", content => user }],
                 add_generation_prompt => true,
                 bos_token => self.bos_text.clone(),
                 eos_token => self.eos_text.clone(),
-            })
-            .map_err(|e| ModelError::Tokenizer(format!("the chat template failed: {e}")))?;
-        if text.len() > CHAT_TEMPLATE_OUTPUT {
+            },
+            &mut out,
+        );
+        if out.overflowed() {
             return Err(ModelError::Tokenizer(format!(
-                "the chat template rendered {} bytes for a {}-byte message, more than the {} MiB allowed; the template is broken",
-                text.len(),
+                "the chat template rendered more than {} MiB for a {}-byte message; the template is broken",
+                CHAT_TEMPLATE_OUTPUT >> 20,
                 user.len(),
-                CHAT_TEMPLATE_OUTPUT >> 20
             )));
         }
+        rendered.map_err(|e| ModelError::Tokenizer(format!("the chat template failed: {e}")))?;
+        let text = out.into_string().map_err(|_| {
+            ModelError::Tokenizer("the chat template rendered text that is not UTF-8".into())
+        })?;
         Ok(text)
     }
 }

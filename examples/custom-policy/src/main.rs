@@ -16,7 +16,10 @@ fn main() -> Result<()> {
     let files = resolve(&ModelSpec::Default)?;
     let loaded = load(&files, &Device::Cpu, DType::F32, None)?;
     let model = loaded.model.as_ref();
-    let vocab = model.info().vocab_size as u32;
+    // Every u32 is a valid id past u32's range; never 0 (the ids are `% vocab`).
+    let vocab = u32::try_from(model.info().vocab_size)
+        .unwrap_or(u32::MAX)
+        .max(1);
     let ids: Vec<u32> = (0..n as u32).map(|i| (i * 7919 + 13) % vocab).collect();
     let (prompt, decode) = ids.split_at(n / 2);
     let cfg = GenerateConfig {

@@ -110,8 +110,8 @@ pub fn rope_scaling_from(p: &RopeParams, prefix: &str) -> Result<RopeScaling> {
                 factor(p.low_freq_factor, "low_freq_factor")?,
                 factor(p.high_freq_factor, "high_freq_factor")?,
             );
-            // Llama 3's smoothing divides by high − low.
-            if high <= low {
+            // Llama 3's smoothing divides by high − low, in f32.
+            if !((high as f32 - low as f32).is_normal() && high > low) {
                 return Err(ModelError::config(
                     format!("{prefix}.high_freq_factor"),
                     format!("{high} must be above low_freq_factor {low}"),

@@ -114,3 +114,46 @@ pub fn check_expansion(normalizer: Option<&NormalizerWrapper>, text: &str) -> Re
     }
     Ok(())
 }
+
+/// A writer that keeps at most `cap` bytes and fails past them (a chat template's output).
+pub struct Capped {
+    buf: Vec<u8>,
+    cap: usize,
+    overflowed: bool,
+}
+
+impl Capped {
+    /// Empty, holding at most `cap` bytes.
+    pub fn new(cap: usize) -> Self {
+        Self {
+            buf: Vec::new(),
+            cap,
+            overflowed: false,
+        }
+    }
+
+    /// Whether a write went past the cap (and failed).
+    pub fn overflowed(&self) -> bool {
+        self.overflowed
+    }
+
+    /// What was written, as text.
+    pub fn into_string(self) -> std::result::Result<String, std::string::FromUtf8Error> {
+        String::from_utf8(self.buf)
+    }
+}
+
+impl std::io::Write for Capped {
+    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
+        if self.buf.len() + data.len() > self.cap {
+            self.overflowed = true;
+            return Err(std::io::Error::other("output cap reached"));
+        }
+        self.buf.extend_from_slice(data);
+        Ok(data.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
