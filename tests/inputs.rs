@@ -1,8 +1,8 @@
 //! Input files a careless user gives (issue "Hardening II", items 4, 5 and 10): user files
 //! are read only when regular and only up to a cap that names itself — `/dev/zero` as a
 //! prompts file or tokenizer, a FIFO as a weight file or tokenizer, a directory named
-//! `model.safetensors` — each a one-line error before any work; and the environment's
-//! empty `KVPOLICY_CACHE` is named.
+//! `model.safetensors` — each a one-line error before any work; the environment's empty
+//! `KVPOLICY_CACHE` is named; a budget error for a one-head group advises no smaller group.
 mod common;
 
 use std::path::Path;
@@ -149,4 +149,29 @@ fn the_default_models_fetch_error_is_one_line() -> Result<()> {
         true,
         &["could not obtain the model", "--gguf/--model-dir"],
     )
+}
+
+#[test]
+fn a_budget_too_small_for_one_head_does_not_advise_a_smaller_group() -> Result<()> {
+    // The group is already one head: only the budget (or the chunk) can change.
+    let fixture = common::fixture("llama_gqa").to_string_lossy().into_owned();
+    let o = llama(
+        &[
+            "--model-dir",
+            &fixture,
+            "--prompt-ids",
+            "1,2,3",
+            "--policy",
+            "headwise",
+            "--head-group",
+            "1",
+            "--device-kv-budget",
+            "1KiB",
+        ],
+        &[],
+    )?;
+    common::cli::one_line_error(&o, false, &["--device-kv-budget"])?;
+    let err = String::from_utf8_lossy(&o.stderr);
+    ensure!(!err.contains("smaller head group"), "{err}");
+    Ok(())
 }

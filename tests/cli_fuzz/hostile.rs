@@ -2,8 +2,10 @@
 //! streams, devices, FIFOs, descriptors or links; input files that are devices, FIFOs or
 //! directories; the disk tier's flags over directories that are missing, files or take no
 //! files; and an environment whose `TMPDIR` or `KVPOLICY_CACHE` is missing, empty or a
-//! file. A victim file outside the case's paths, with links to it planted where temporaries
-//! once went, must never change, and the disk directory must hold no file after a run.
+//! file. A victim file outside the case's paths, with links to it planted at names like
+//! those temporaries once took (the exact hijack, with the child's own PID, is
+//! `tests/outputs.rs`'s), must never change, and the disk directory must hold no file after
+//! a run.
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
