@@ -345,17 +345,7 @@ fn run(args: &Args, example: &str, archs: &[&str], default: Option<ModelSpec>) -
                     "--random-prompt {n} exceeds the model's {positions} positions; ask for at most {positions} tokens"
                 );
             }
-            // And what the machine can hold: its ids alone take 4 bytes each.
-            let ids = (n as u64).saturating_mul(4);
-            if let Some(avail) = kvpolicy::models::sizes::available_bytes() {
-                if ids > avail / 2 {
-                    anyhow::bail!(
-                        "--random-prompt {n} needs {} for its ids alone, more than half the {} this machine has available; ask for fewer tokens",
-                        kvpolicy::core::format_bytes(ids),
-                        kvpolicy::core::format_bytes(avail)
-                    );
-                }
-            }
+            preflight::check_random_prompt(n)?;
             random_prompt(n, model.info().vocab_size, args.seed)
         }
         (Some(ids), _, _) => ids.clone(),

@@ -1,7 +1,7 @@
 //! Checks made before any work, for what would otherwise fail after it: the disk tier's
-//! room (free bytes under `--disk-dir` against the K/V that must go there) and descriptors
+//! room (free bytes under `--disk-dir` against the K/V that must go there), descriptors
 //! (one open file per layer on disk per request, against the open-file limit, raised to
-//! its hard limit first as a server would).
+//! its hard limit first as a server would) and a `--random-prompt` that memory cannot hold.
 use anyhow::{bail, Result};
 use kvpolicy::core::tiered::free_disk_bytes;
 use kvpolicy::core::{format_bytes, KvCodec};
@@ -120,6 +120,22 @@ pub fn check_disk_room(args: &Args, info: &ModelInfo, prompt_lens: &[usize]) -> 
             format_bytes(free),
             format_bytes(needed),
         );
+    }
+    Ok(())
+}
+
+/// Checks that `--random-prompt N`'s ids (4 bytes each) take at most half the memory this
+/// process can still get, before they are drawn.
+pub fn check_random_prompt(n: usize) -> Result<()> {
+    let ids = (n as u64).saturating_mul(4);
+    if let Some(avail) = kvpolicy::models::sizes::available_bytes() {
+        if ids > avail / 2 {
+            bail!(
+                "--random-prompt {n} needs {} for its ids alone, more than half the {} this machine has available; ask for fewer tokens",
+                format_bytes(ids),
+                format_bytes(avail)
+            );
+        }
     }
     Ok(())
 }

@@ -21,7 +21,7 @@
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
 
@@ -36,84 +36,6 @@ pub(super) const ALIGN: u64 = 4096;
 
 /// "KVD1", little-endian.
 pub(super) const MAGIC: u32 = 0x3144_564b;
-
-/// The files of every live store of the process (synced by [`sync_disk_files`]).
-static LIVE: Mutex<Vec<Weak<File>>> = Mutex::new(Vec::new());
-
-/// Writes the dirty pages of every live store's file out to the disk (a benchmark's fill,
-/// before decode is timed).
-pub fn sync_disk_files() -> std::io::Result<()> {
-    let files: Vec<Arc<File>> = LIVE
-        .lock()
-        .map(|live| live.iter().filter_map(Weak::upgrade).collect())
-        .unwrap_or_default();
-    for f in files {
-        f.sync_data()?;
-    }
-    Ok(())
-}
-
-/// Open disk-tier files of the process now (each live store holds one descriptor).
-pub fn disk_file_count() -> usize {
-    LIVE.lock()
-        .map(|live| live.iter().filter(|w| w.strong_count() > 0).count())
-        .unwrap_or(0)
-}
-
-/// Checks that `dir` can hold the disk tier's files: an unnamed file is created there and
-/// dropped (a read-only file system or a directory without write permission fails here,
-/// before any work, not at the first spill).
-pub fn probe_disk_dir(dir: &Path) -> std::io::Result<()> {
-    unnamed_file(dir).map(drop)
-}
-
-/// A new file in `dir` without a name, mode 0600: `O_TMPFILE`, or, where the file system
-/// lacks it, an exclusive temporary (the `tempfile` crate) unlinked at once.
-fn unnamed_file(dir: &Path) -> std::io::Result<File> {
-    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
-    let tmpfile = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .mode(0o600)
-        .custom_flags(libc::O_TMPFILE)
-        .open(dir);
-    match tmpfile {
-        Ok(f) => Ok(f),
-        // Unsupported here (EOPNOTSUPP, EISDIR on kernels before 3.11): name it and unlink.
-        Err(e)
-            if matches!(
-                e.raw_os_error(),
-                Some(libc::EOPNOTSUPP) | Some(libc::EISDIR)
-            ) =>
-        {
-            let named = tempfile::Builder::new()
-                .prefix(".kvpolicy-")
-                .permissions(std::fs::Permissions::from_mode(0o600))
-                .tempfile_in(dir)?;
-            let (file, path) = named.into_parts();
-            path.close()?;
-            Ok(file)
-        }
-        Err(e) => Err(e),
-    }
-}
-
-/// Bytes free for an unprivileged user on the file system holding `dir`.
-pub fn free_disk_bytes(dir: &Path) -> std::io::Result<u64> {
-    use std::os::unix::ffi::OsStrExt;
-    let c = std::ffi::CString::new(dir.as_os_str().as_bytes())
-        .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
-    let mut st = std::mem::MaybeUninit::<libc::statvfs>::zeroed();
-    // SAFETY: `c` is a NUL-terminated path and `st` a writable statvfs.
-    if unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: statvfs succeeded and filled `st`.
-    let st = unsafe { st.assume_init() };
-    // `c_ulong` is 32 bits wide on 32-bit targets.
-    #[allow(clippy::unnecessary_cast)]
-    Ok((st.f_bavail as u64).saturating_mul(st.f_frsize as u64))
-}
 
 /// One layer's K/V in a file (see the module docs).
 #[derive(Debug)]
@@ -183,11 +105,10 @@ impl DiskKv {
         io: DiskIo,
     ) -> Result<Self> {
         let path = dir.join(format!("{name} (unnamed disk-tier file)"));
-        let file = Arc::new(unnamed_file(dir).map_err(|e| disk_err("cannot create", &path, e))?);
-        if let Ok(mut live) = LIVE.lock() {
-            live.retain(|w| w.strong_count() > 0);
-            live.push(Arc::downgrade(&file));
-        }
+        let file =
+            super::disk_fs::unnamed_file(dir).map_err(|e| disk_err("cannot create", &path, e))?;
+        let file = Arc::new(file);
+        super::disk_fs::register(&file);
         let direct = io == DiskIo::Direct && super::disk_read::open_direct(&file).is_ok();
         Ok(Self {
             path,

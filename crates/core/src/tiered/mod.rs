@@ -16,19 +16,20 @@
 //! only what is theirs next to these.
 //!
 //! Files: `link` the engine and its accounting, `host` the host tier (RAM, then disk past
-//! a host budget), `disk` the disk tier's files, `disk_read` their reads, `codec` the
+//! a host budget), `disk` the disk tier's file layout, `disk_fs` its files as file-system
+//! objects (unnamed, 0600) and the directory checks, `disk_read` their reads, `codec` the
 //! stored forms (lossy opt-ins), `pingpong` the device buffers.
 mod codec;
 mod disk;
+mod disk_fs;
 mod disk_read;
 mod host;
 mod link;
 mod pingpong;
 
 pub use codec::KvCodec;
-pub use disk::{
-    disk_file_count, free_disk_bytes, probe_disk_dir, raw_bytes, sync_disk_files, DiskKv,
-};
+pub use disk::{raw_bytes, DiskKv};
+pub use disk_fs::{disk_file_count, free_disk_bytes, probe_disk_dir, sync_disk_files};
 pub use disk_read::DiskIo;
 pub use host::{tensor_bytes, DiskTier, HostKv, HostLayers, HostStore, READ_AHEAD};
 pub use link::{report_device, Direction, Link};
