@@ -21,8 +21,6 @@ mod hostile;
 mod values;
 
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
@@ -372,84 +370,24 @@ fn quoted(a: &[String]) -> String {
 
 #[test]
 fn random_argument_vectors_never_panic_abort_or_hang() -> Result<()> {
-    let secs: Option<u64> = std::env::var("KVPOLICY_CLI_FUZZ_SECS")
-        .ok()
-        .and_then(|v| v.parse().ok());
-    let seed: u64 = std::env::var("KVPOLICY_CLI_FUZZ_SEED")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0x5EED_C11F_u64);
-    let start = Instant::now();
-    let done = AtomicUsize::new(0);
-    let codes = Mutex::new([0usize; 3]);
-    let failures = Mutex::new(Vec::<String>::new());
-    // KVPOLICY_CLI_FUZZ_CASES=674,1210 replays those cases of the seed, and only them.
-    let only: Option<Vec<usize>> = std::env::var("KVPOLICY_CLI_FUZZ_CASES")
-        .ok()
-        .map(|v| v.split(',').filter_map(|c| c.trim().parse().ok()).collect());
-    let more = |i: usize| match (&only, secs) {
-        (Some(list), _) => i < list.len(),
-        (None, Some(s)) => start.elapsed() < Duration::from_secs(s),
-        (None, None) => i < CASES,
-    };
-    let next = AtomicUsize::new(0);
-    std::thread::scope(|scope| -> Result<()> {
-        let workers: Vec<_> = (0..2)
-            .map(|_| {
-                scope.spawn(|| -> Result<()> {
-                    loop {
-                        let i = next.fetch_add(1, Ordering::Relaxed);
-                        if !more(i) {
-                            return Ok(());
-                        }
-                        let i = only.as_ref().map_or(i, |list| list[i]);
-                        let mut rng =
-                            Rng((seed ^ (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)) | 1);
-                        let s = Scratch {
-                            dir: tempfile::tempdir()?,
-                        };
-                        let mut h = Hostile::new(s.dir.path())?;
-                        let a = argv(&mut rng, &s, &mut h)?;
-                        let dir = s.dir.path().to_path_buf();
-                        let (code, problem) = check(&a, &s, &mut h, |cmd| {
-                            hostile::environment(&mut rng, &dir, cmd)
-                        })?;
-                        let lock = |e| anyhow::anyhow!("a worker panicked: {e}");
-                        if let Some(p) = problem {
-                            failures
-                                .lock()
-                                .map_err(|e| lock(e.to_string()))?
-                                .push(format!("case {i}: {p}\n  llama {}", quoted(&a)));
-                        }
-                        if let Some(c @ 0..=2) = code {
-                            codes.lock().map_err(|e| lock(e.to_string()))?[c as usize] += 1;
-                        }
-                        done.fetch_add(1, Ordering::Relaxed);
-                    }
-                })
+    common::fuzz::run(
+        "cli fuzz",
+        "KVPOLICY_CLI_FUZZ",
+        0x5EED_C11F,
+        CASES,
+        |_, rng| {
+            let s = Scratch {
+                dir: tempfile::tempdir()?,
+            };
+            let mut h = Hostile::new(s.dir.path())?;
+            let a = argv(rng, &s, &mut h)?;
+            let dir = s.dir.path().to_path_buf();
+            let (code, problem) =
+                check(&a, &s, &mut h, |cmd| hostile::environment(rng, &dir, cmd))?;
+            Ok(common::fuzz::CaseReport {
+                code,
+                failure: problem.map(|p| format!("{p}\n  llama {}", quoted(&a))),
             })
-            .collect();
-        for w in workers {
-            w.join()
-                .map_err(|_| anyhow::anyhow!("a fuzz worker panicked"))??;
-        }
-        Ok(())
-    })?;
-    let failures = failures
-        .into_inner()
-        .map_err(|_| anyhow::anyhow!("poisoned"))?;
-    let codes = codes
-        .into_inner()
-        .map_err(|_| anyhow::anyhow!("poisoned"))?;
-    eprintln!(
-        "cli fuzz: {} cases in {:.0}s (seed {seed:#x}): {} succeeded, {} run errors, {} usage errors, {} failing",
-        done.load(Ordering::Relaxed),
-        start.elapsed().as_secs_f64(),
-        codes[0],
-        codes[1],
-        codes[2],
-        failures.len()
-    );
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
-    Ok(())
+        },
+    )
 }

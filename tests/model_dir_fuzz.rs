@@ -16,8 +16,6 @@ mod common;
 mod gen;
 
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
@@ -129,75 +127,19 @@ fn case(rng: &mut Rng) -> Result<Outcome> {
 
 #[test]
 fn generated_model_directories_never_panic_abort_hang_or_pass_bad_weights() -> Result<()> {
-    let env = |k: &str| std::env::var(k).ok();
-    let secs: Option<u64> = env("KVPOLICY_DIR_FUZZ_SECS").and_then(|v| v.parse().ok());
-    let seed: u64 = env("KVPOLICY_DIR_FUZZ_SEED")
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0xD1E5_F022);
-    let only: Option<Vec<usize>> = env("KVPOLICY_DIR_FUZZ_CASES")
-        .map(|v| v.split(',').filter_map(|c| c.trim().parse().ok()).collect());
-    let start = Instant::now();
-    let more = |i: usize| match (&only, secs) {
-        (Some(list), _) => i < list.len(),
-        (None, Some(s)) => start.elapsed() < Duration::from_secs(s),
-        (None, None) => i < CASES,
-    };
-    let (next, done) = (AtomicUsize::new(0), AtomicUsize::new(0));
-    let codes = Mutex::new([0usize; 3]);
-    let failures = Mutex::new(Vec::<String>::new());
-    std::thread::scope(|scope| -> Result<()> {
-        let workers: Vec<_> = (0..2)
-            .map(|_| {
-                scope.spawn(|| -> Result<()> {
-                    loop {
-                        let i = next.fetch_add(1, Ordering::Relaxed);
-                        if !more(i) {
-                            return Ok(());
-                        }
-                        let i = only.as_ref().map_or(i, |list| list[i]);
-                        let mut rng =
-                            Rng((seed ^ (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)) | 1);
-                        let Outcome {
-                            what,
-                            argv: a,
-                            code,
-                            problem,
-                        } = case(&mut rng)?;
-                        if let Some(p) = problem {
-                            failures
-                                .lock()
-                                .map_err(|_| anyhow::anyhow!("poisoned"))?
-                                .push(format!("case {i} ({what}): {p}\n  {}", a.join(" ")));
-                        }
-                        if let Some(c @ 0..=2) = code {
-                            codes.lock().map_err(|_| anyhow::anyhow!("poisoned"))?[c as usize] += 1;
-                        }
-                        done.fetch_add(1, Ordering::Relaxed);
-                    }
-                })
+    common::fuzz::run(
+        "model-dir fuzz",
+        "KVPOLICY_DIR_FUZZ",
+        0xD1E5_F022,
+        CASES,
+        |_, rng| {
+            let o = case(rng)?;
+            Ok(common::fuzz::CaseReport {
+                code: o.code,
+                failure: o
+                    .problem
+                    .map(|p| format!("({}): {p}\n  {}", o.what, o.argv.join(" "))),
             })
-            .collect();
-        for w in workers {
-            w.join()
-                .map_err(|_| anyhow::anyhow!("a worker panicked"))??;
-        }
-        Ok(())
-    })?;
-    let failures = failures
-        .into_inner()
-        .map_err(|_| anyhow::anyhow!("poisoned"))?;
-    let codes = codes
-        .into_inner()
-        .map_err(|_| anyhow::anyhow!("poisoned"))?;
-    eprintln!(
-        "model-dir fuzz: {} cases in {:.0}s (seed {seed:#x}): {} succeeded, {} run errors, {} usage errors, {} failing",
-        done.load(Ordering::Relaxed),
-        start.elapsed().as_secs_f64(),
-        codes[0],
-        codes[1],
-        codes[2],
-        failures.len()
-    );
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
-    Ok(())
+        },
+    )
 }

@@ -1,6 +1,7 @@
 //! Helpers shared by the integration tests: fixture locations, the default model, diffs.
 #![allow(dead_code)]
 pub mod cli;
+pub mod fuzz;
 mod unnamed;
 #[allow(unused_imports)] // not every test file looks at the disk tier's files
 pub use unnamed::unnamed_files;
