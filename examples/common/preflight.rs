@@ -3,8 +3,8 @@
 //! (one open file per layer on disk per request, against the open-file limit, raised to
 //! its hard limit first as a server would) and a `--random-prompt` that memory cannot hold.
 use anyhow::{bail, Result};
+use kvpolicy::core::format_bytes;
 use kvpolicy::core::tiered::free_disk_bytes;
-use kvpolicy::core::{format_bytes, KvCodec};
 use kvpolicy::{ModelInfo, PolicyOption};
 
 use super::{registry, Args};
@@ -62,21 +62,20 @@ fn final_len(args: &Args, info: &ModelInfo, prompt: usize) -> usize {
 /// Each layer's K/V bytes at `t` tokens in the form the host tier stores (windowed layers
 /// at their window).
 fn layer_bytes(args: &Args, info: &ModelInfo, t: usize) -> Vec<u64> {
-    let elem = |n: u64| match args.host_kv_dtype.unwrap_or_default() {
-        KvCodec::Model => n.saturating_mul(info.dtype.size_in_bytes() as u64),
-        KvCodec::Float(dt) => n.saturating_mul(dt.size_in_bytes() as u64),
-        KvCodec::Q8_0 => n.saturating_mul(34) / 32,
-    };
+    let row = args
+        .host_kv_dtype
+        .unwrap_or_default()
+        .row_bytes(info.dtype, info.head_dim);
     let per_token = 2u64
         .saturating_mul(info.n_kv_heads as u64)
-        .saturating_mul(info.head_dim as u64);
+        .saturating_mul(row);
     (0..info.n_layers)
         .map(|l| {
             let seen = match info.windows.get(l).copied().flatten() {
                 Some(w) => t.min(w),
                 None => t,
             };
-            elem(per_token.saturating_mul(seen as u64))
+            per_token.saturating_mul(seen as u64)
         })
         .collect()
 }

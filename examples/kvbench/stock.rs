@@ -12,7 +12,7 @@ use crate::sweep::{ids, median, Row};
 /// The stock model.
 pub struct Stock {
     model: ModelWeights,
-    vocab: u32,
+    vocab: usize,
     device: Device,
 }
 
@@ -27,7 +27,7 @@ impl Stock {
         let model = ModelWeights::from_gguf(content, &mut file, device)?;
         Ok(Self {
             model,
-            vocab: u32::try_from(vocab).unwrap_or(u32::MAX).max(1),
+            vocab,
             device: device.clone(),
         })
     }

@@ -131,7 +131,9 @@ impl Row {
 }
 
 /// Deterministic prompt ids.
-pub fn ids(n: usize, offset: usize, vocab: u32) -> Vec<u32> {
+pub fn ids(n: usize, offset: usize, vocab: usize) -> Vec<u32> {
+    // Every u32 is a valid id of a vocabulary past u32's range (never 0: ids are `% vocab`).
+    let vocab = u32::try_from(vocab).unwrap_or(u32::MAX).max(1);
     (0..n)
         .map(|i| ((i + offset) as u32 * 7919 + 13) % vocab)
         .collect()
@@ -165,10 +167,7 @@ pub fn measure(
         synthetic,
     } = how;
     let dev: &Device = &model.info().device;
-    // Every u32 is a valid id of a vocabulary past u32's range (never 0: ids are `% vocab`).
-    let vocab = u32::try_from(model.info().vocab_size)
-        .unwrap_or(u32::MAX)
-        .max(1);
+    let vocab = model.info().vocab_size;
     let prompt = ids(context, 0, vocab);
     let mut prefill_rates = Vec::new();
     let mut rates = Vec::new();

@@ -27,11 +27,6 @@ pub fn open_regular(path: &Path, what: &str) -> Result<File> {
     userfile::open_regular(path, what).map_err(|e| mapped(path, what, e))
 }
 
-/// [`userfile::read_capped`].
-pub fn read_capped(path: &Path, what: &str, cap: u64) -> Result<Vec<u8>> {
-    userfile::read_capped(path, what, cap).map_err(|e| mapped(path, what, e))
-}
-
 /// [`userfile::read_text_capped`].
 pub fn read_text_capped(path: &Path, what: &str, cap: u64) -> Result<String> {
     userfile::read_text_capped(path, what, cap).map_err(|e| mapped(path, what, e))

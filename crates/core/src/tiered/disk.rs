@@ -129,11 +129,6 @@ impl DiskKv {
         &self.path
     }
 
-    /// The file's descriptor (for tests that damage it).
-    pub fn file(&self) -> &File {
-        &self.file
-    }
-
     /// Whether reads bypass the page cache ([`DiskIo::Direct`] on a file system that allows
     /// it).
     pub fn direct_io(&self) -> bool {

@@ -23,13 +23,6 @@ pub fn sync_disk_files() -> std::io::Result<()> {
     Ok(())
 }
 
-/// Open disk-tier files of the process now (each live store holds one descriptor).
-pub fn disk_file_count() -> usize {
-    LIVE.lock()
-        .map(|live| live.iter().filter(|w| w.strong_count() > 0).count())
-        .unwrap_or(0)
-}
-
 /// Checks that `dir` can hold the disk tier's files: an unnamed file is created there and
 /// dropped (a read-only file system or a directory without write permission fails here,
 /// before any work, not at the first spill).

@@ -29,7 +29,7 @@ mod pingpong;
 
 pub use codec::KvCodec;
 pub use disk::{raw_bytes, DiskKv};
-pub use disk_fs::{disk_file_count, free_disk_bytes, probe_disk_dir, sync_disk_files};
+pub use disk_fs::{free_disk_bytes, probe_disk_dir, sync_disk_files};
 pub use disk_read::DiskIo;
 pub use host::{tensor_bytes, DiskTier, HostKv, HostLayers, HostStore, READ_AHEAD};
 pub use link::{report_device, Direction, Link};
