@@ -19,7 +19,7 @@ use criterion::{
 };
 use kvpolicy::core::{engine_for, CopyJob, CpuTransferEngine, SyncTransferEngine, TransferEngine};
 use kvpolicy::models::{load, prefill, resolve, ModelSpec};
-use kvpolicy::{build_policy, CausalLm, HeadGroup, KvPolicy, LogitsMode, PolicyOptions};
+use kvpolicy::{build_policy, CausalLm, KvPolicy, LogitsMode, PolicyOptions};
 
 const POLICIES: [&str; 4] = ["full", "layer", "headwise:1", "recompute"];
 const CHUNK: usize = 256;
@@ -45,15 +45,11 @@ fn model(dev: &Device) -> Box<dyn CausalLm> {
 }
 
 fn policy(label: &str, dev: &Device) -> Box<dyn KvPolicy> {
-    let (name, arg) = label.split_once(':').unwrap_or((label, ""));
-    let mut opts = PolicyOptions {
+    let opts = PolicyOptions {
         device: dev.clone(),
         ..PolicyOptions::default()
     };
-    if let Ok(g) = arg.parse::<HeadGroup>() {
-        opts.head_group = g;
-    }
-    build_policy(name, &opts).unwrap_or_else(|e| panic!("{label}: {e}"))
+    build_policy(label, &opts).unwrap_or_else(|e| panic!("{label}: {e}"))
 }
 
 fn ids(n: usize, offset: usize, vocab: u32) -> Vec<u32> {

@@ -23,13 +23,16 @@ pub use kvpolicy_offload as offload;
 pub use kvpolicy_recompute as recompute;
 
 pub use kvpolicy_core::{
-    attend, attend_partial, merge_partials, parse_bytes, AttnSpec, AttnStep, HeadGroup, KvError,
-    KvPolicy, KvRegen, KvShape, KvStats, NoRegen, PolicyOption, PolicyOptions, PolicyRegistry,
-    Profile,
+    attend, attend_partial, merge_partials, parse_bytes, AttnSpec, AttnStep, Knob, KvError,
+    KvPolicy, KvRegen, KvShape, KvStats, NoRegen, NoSettings, PolicyMetric, PolicyOption,
+    PolicyOptions, PolicyRegistry, PolicySpec, Profile,
 };
+pub use kvpolicy_hybrid::HybridSettings;
 pub use kvpolicy_models::{
     CausalLm, GenerateConfig, Generation, LogitsMode, ModelError, ModelInfo, ModelSpec,
 };
+pub use kvpolicy_offload::{HeadGroup, HeadwiseSettings};
+pub use kvpolicy_recompute::RecomputeSettings;
 
 /// A registry holding every policy of this workspace.
 pub fn registry() -> PolicyRegistry {
@@ -41,20 +44,20 @@ pub fn registry() -> PolicyRegistry {
     reg
 }
 
-/// Builds the policy called `name` (e.g. `"full"`); an unknown name is an error listing the
-/// valid ones.
-pub fn build_policy(name: &str, opts: &PolicyOptions) -> Result<Box<dyn KvPolicy>, KvError> {
-    registry().build(name, opts)
+/// Builds the policy `spec` names (e.g. `"full"`, `"headwise:group=1"`); an unknown name is
+/// an error listing the valid ones, an unknown setting one listing the policy's keys.
+pub fn build_policy(spec: &str, opts: &PolicyOptions) -> Result<Box<dyn KvPolicy>, KvError> {
+    registry().build(spec, opts)
 }
 
-/// Builds the policy called `name` for ragged batches of requests
+/// Builds the policy `spec` names for ragged batches of requests
 /// ([`models::generate_batch`]): `hybrid` as it is, every other policy as one instance per
 /// request ([`core::PerSequence`]).
 pub fn build_policy_batched(
-    name: &str,
+    spec: &str,
     opts: &PolicyOptions,
 ) -> Result<Box<dyn KvPolicy>, KvError> {
-    registry().build_batched(name, opts)
+    registry().build_batched(spec, opts)
 }
 
 /// Names of every policy of this workspace.

@@ -131,7 +131,8 @@ fn every_fixture_under_every_policy_matches_hf_through_the_cli() -> Result<()> {
                     // The budget left some units resident and streamed the others.
                     let st: serde_json::Value =
                         serde_json::from_str(&std::fs::read_to_string(&stats)?)?;
-                    let (r, s) = (&st["resident_units"], &st["streamed_units"]);
+                    let m = &st["policy_metrics"];
+                    let (r, s) = (&m["resident_units"]["value"], &m["streamed_units"]["value"]);
                     assert!(
                         r.as_u64() > Some(0) && s.as_u64() > Some(0),
                         "{name} chunk {chunk}: resident {r}, streamed {s}"

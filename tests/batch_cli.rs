@@ -113,8 +113,8 @@ fn stats_out_has_per_step_block_counts() -> Result<()> {
     // is not cached yet) tokens = 2+1+3 blocks, half of them K/V.
     let first = &steps[0];
     assert_eq!(first["sequences"], 3);
-    let blocks =
-        first["act_blocks"].as_u64().unwrap_or(0) + first["kv_blocks"].as_u64().unwrap_or(0);
+    let metric = |name: &str| first["policy_metrics"][name]["value"].as_u64().unwrap_or(0);
+    let blocks = metric("act_blocks") + metric("kv_blocks");
     assert_eq!(blocks, 6);
     assert!(first["recompute_tokens"].is_u64());
     assert_eq!(steps[3]["sequences"], 0, "finished requests are released");

@@ -9,7 +9,7 @@ use anyhow::Result;
 use candle_core::{DType, Device};
 use kvpolicy::core::KvCodec;
 use kvpolicy::models::{load, resolve, ModelSpec};
-use kvpolicy::{build_policy, CausalLm, HeadGroup, KvStats, PolicyOptions};
+use kvpolicy::{build_policy, CausalLm, KvStats, PolicyOptions};
 
 /// Twice the largest |Δ logit| against `full` measured when this test was written: f16
 /// 1.43e-2 and bf16 1.14e-1 over the fixtures (both on `llama_mha`; per fixture in README
@@ -36,12 +36,11 @@ fn run(
     let want = common::full_logits(model, prompt, decode, 5)?;
     let opts = PolicyOptions {
         grow_tokens: 4,
-        head_group: HeadGroup::Fixed(1),
         host_kv_dtype: codec,
         disk_dir: disk.map(|d| d.to_path_buf()),
         ..PolicyOptions::default()
     };
-    let mut p = build_policy("headwise", &opts)?;
+    let mut p = build_policy("headwise:1", &opts)?;
     let got = common::teacher_forced_logits(model, p.as_mut(), prompt, decode, 5)?;
     Ok((common::max_abs_diff(&got, &want)?, p.stats()))
 }

@@ -92,7 +92,6 @@ fn every_policy_on_the_gpu_equals_full() -> Result<()> {
     let opts = PolicyOptions {
         device: dev.clone(),
         grow_tokens: 4,
-        head_group: HeadGroup::Fixed(1),
         ..PolicyOptions::default()
     };
     for name in common::hf_fixtures() {
@@ -117,7 +116,7 @@ fn every_policy_on_the_gpu_equals_full() -> Result<()> {
             let mut full = build_policy("full", &opts)?;
             let want = common::teacher_forced_logits(model, full.as_mut(), &prompt, &decode, 5)?;
             for policy in ["full", "layer", "headwise", "recompute", "hybrid"] {
-                let mut p = build_policy(policy, &opts)?;
+                let mut p = build_policy(&common::spec(policy, HeadGroup::Fixed(1)), &opts)?;
                 let got = common::teacher_forced_logits(model, p.as_mut(), &prompt, &decode, 5)?;
                 let d = common::max_abs_diff(&got, &want)?;
                 assert!(d <= tol, "{name} {dtype:?} {policy}: max |Δ| = {d}");

@@ -13,7 +13,6 @@ use kvpolicy::{build_policy, HeadGroup, KvError, PolicyOptions};
 fn opts(dir: &std::path::Path, host: Option<u64>, device: Option<u64>) -> PolicyOptions {
     PolicyOptions {
         grow_tokens: 4,
-        head_group: HeadGroup::Fixed(1),
         disk_dir: Some(dir.to_path_buf()),
         host_kv_budget: host,
         device_kv_budget: device,
@@ -54,7 +53,10 @@ fn disk_tier_logits_equal_full_and_leave_no_file() -> Result<()> {
         ] {
             for policy in ["layer", "headwise", "auto"] {
                 let device = (policy == "auto").then_some(u64::MAX / 2);
-                let mut p = build_policy(policy, &opts(dir.path(), host, device))?;
+                let mut p = build_policy(
+                    &common::spec(policy, HeadGroup::Fixed(1)),
+                    &opts(dir.path(), host, device),
+                )?;
                 let got = common::teacher_forced_logits(model, p.as_mut(), &prompt, &decode, 5)?;
                 let d = common::max_abs_diff(&got, &want)?;
                 assert!(d <= 1e-5, "{name} {policy} host {host:?}: max |Δ| = {d}");
@@ -66,7 +68,10 @@ fn disk_tier_logits_equal_full_and_leave_no_file() -> Result<()> {
                     );
                     assert!(files(dir.path())? > 0);
                     // Disk reads ran ahead of their use, on their own threads.
-                    assert!(st.disk_read_aheads > 0, "{name} {policy} {host:?}: {st:?}");
+                    assert!(
+                        common::metric(&st, "disk_read_aheads") > 0,
+                        "{name} {policy} {host:?}: {st:?}"
+                    );
                 } else if !on_disk {
                     assert_eq!(
                         (st.disk_kv_bytes, files(dir.path())?),
@@ -94,7 +99,7 @@ fn a_damaged_file_is_an_error_and_reset_recovers() -> Result<()> {
     let model = loaded.model.as_ref();
     let (prompt, decode) = common::fixture_ids(name)?;
     let dir = tempfile::tempdir()?;
-    let mut p = build_policy("headwise", &opts(dir.path(), Some(0), None))?;
+    let mut p = build_policy("headwise:1", &opts(dir.path(), Some(0), None))?;
     prefill(model, p.as_mut(), &prompt, 5, false)?;
     // Damage every file's first block header (its recorded token range).
     // (A direct read's own descriptor may close between the listing and the open.)

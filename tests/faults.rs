@@ -6,10 +6,10 @@ mod common;
 use anyhow::Result;
 use candle_core::Tensor;
 use kvpolicy::core::{CopyJob, CpuTransferEngine, Ticket, TransferEngine};
-use kvpolicy::hybrid::HybridPolicy;
+use kvpolicy::hybrid::{HybridPolicy, HybridSettings};
 use kvpolicy::models::{generate, GenerateConfig};
 use kvpolicy::offload::{Grouping, OffloadPolicy};
-use kvpolicy::recompute::RecomputePolicy;
+use kvpolicy::recompute::{RecomputePolicy, RecomputeSettings};
 use kvpolicy::{build_policy, CausalLm, HeadGroup, KvError, KvPolicy, PolicyOptions};
 
 /// Fails the `fail_at`-th submission (from 1), once; everything else goes to a CPU engine.
@@ -46,7 +46,6 @@ fn faulty(fail_at: u64) -> Result<Box<dyn TransferEngine>> {
 fn policy(kind: &str, fail_at: u64) -> Result<Box<dyn KvPolicy>> {
     let opts = PolicyOptions {
         grow_tokens: 8,
-        recompute_split: Some(12),
         ..PolicyOptions::default()
     };
     Ok(match kind {
@@ -58,14 +57,19 @@ fn policy(kind: &str, fail_at: u64) -> Result<Box<dyn KvPolicy>> {
                 .with_engine(faulty(fail_at)?),
         ),
         "hybrid" => Box::new(
-            HybridPolicy::new(&PolicyOptions {
-                block_size: 2,
-                kv_act_ratio: Some(0.5),
-                ..opts
-            })?
+            HybridPolicy::new(
+                &opts,
+                HybridSettings {
+                    block_size: 2,
+                    kv_act_ratio: Some(0.5),
+                },
+            )?
             .with_engine(faulty(fail_at)?),
         ),
-        _ => Box::new(RecomputePolicy::new(&opts)?.with_engine(faulty(fail_at)?)),
+        _ => Box::new(
+            RecomputePolicy::new(&opts, RecomputeSettings { split: Some(12) })?
+                .with_engine(faulty(fail_at)?),
+        ),
     })
 }
 

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use candle_core::{Device, Tensor};
 use kvpolicy::models::{prefill, ModelError};
-use kvpolicy::{build_policy, CausalLm, HeadGroup, KvError, KvPolicy, LogitsMode, PolicyOptions};
+use kvpolicy::{build_policy, CausalLm, KvError, KvPolicy, LogitsMode, PolicyOptions};
 use rlimit::Resource;
 
 /// The logits of token `id` at position `pos` `(vocab,)`.
@@ -65,11 +65,10 @@ fn a_full_disk_is_an_error_and_the_cache_goes_on_at_its_length() -> Result<()> {
     let opts = PolicyOptions {
         // Files grow 32 tokens at a time: the limit is met within the 48 steps.
         grow_tokens: 4,
-        head_group: HeadGroup::Fixed(1),
         disk_dir: Some(dir.path().to_path_buf()),
         ..PolicyOptions::default()
     };
-    let mut p = build_policy("headwise", &opts)?;
+    let mut p = build_policy("headwise:1", &opts)?;
     prefill(model, p.as_mut(), &ids[..p0], 5, false)?;
     let before = sizes(dir.path())?;
     let limit = *before.last().context("no disk-tier file")?;

@@ -121,11 +121,7 @@ fn the_needle_is_found_alike_under_every_policy() -> Result<()> {
         ("recompute", HeadGroup::Auto),
         ("hybrid", HeadGroup::Auto),
     ] {
-        let opts = PolicyOptions {
-            head_group: group,
-            ..PolicyOptions::default()
-        };
-        let mut policy = build_policy(name, &opts)?;
+        let mut policy = build_policy(&common::spec(name, group), &PolicyOptions::default())?;
         let gen = generate(
             loaded.model.as_ref(),
             policy.as_mut(),
@@ -156,11 +152,10 @@ fn the_needle_is_found_alike_under_every_policy() -> Result<()> {
         KvCodec::Q8_0,
     ] {
         let opts = PolicyOptions {
-            head_group: HeadGroup::Fixed(1),
             host_kv_dtype: codec,
             ..PolicyOptions::default()
         };
-        let mut policy = build_policy("headwise", &opts)?;
+        let mut policy = build_policy("headwise:1", &opts)?;
         let gen = generate(
             loaded.model.as_ref(),
             policy.as_mut(),

@@ -12,10 +12,10 @@ use std::sync::{Arc, Mutex};
 use anyhow::Result;
 use candle_core::{DType, Device, Shape, Tensor, TensorId};
 use kvpolicy::core::{CopyJob, CpuTransferEngine, Ticket, TransferEngine};
-use kvpolicy::hybrid::HybridPolicy;
+use kvpolicy::hybrid::{HybridPolicy, HybridSettings};
 use kvpolicy::models::prefill;
 use kvpolicy::offload::{Grouping, OffloadPolicy};
-use kvpolicy::recompute::RecomputePolicy;
+use kvpolicy::recompute::{RecomputePolicy, RecomputeSettings};
 use kvpolicy::{build_policy, HeadGroup, KvPolicy, LogitsMode, PolicyOptions};
 
 #[derive(Default)]
@@ -77,7 +77,6 @@ fn policy(kind: &str, ledger: &Arc<Mutex<Ledger>>) -> Result<Box<dyn KvPolicy>> 
     // Small growth steps: host buffers are replaced many times in a short run.
     let opts = PolicyOptions {
         grow_tokens: 2,
-        recompute_split: Some(6),
         ..PolicyOptions::default()
     };
     Ok(match kind {
@@ -88,13 +87,17 @@ fn policy(kind: &str, ledger: &Arc<Mutex<Ledger>>) -> Result<Box<dyn KvPolicy>> 
             OffloadPolicy::new("headwise", Grouping::Heads(HeadGroup::Fixed(1)), &opts)?
                 .with_engine(engine),
         ),
-        "recompute" => Box::new(RecomputePolicy::new(&opts)?.with_engine(engine)),
+        "recompute" => Box::new(
+            RecomputePolicy::new(&opts, RecomputeSettings { split: Some(6) })?.with_engine(engine),
+        ),
         _ => Box::new(
-            HybridPolicy::new(&PolicyOptions {
-                block_size: 2,
-                kv_act_ratio: Some(0.5),
-                ..opts
-            })?
+            HybridPolicy::new(
+                &opts,
+                HybridSettings {
+                    block_size: 2,
+                    kv_act_ratio: Some(0.5),
+                },
+            )?
             .with_engine(engine),
         ),
     })

@@ -8,11 +8,11 @@ use anyhow::Result;
 use kvpolicy::models::{generate, generate_batch, GenerateConfig, Generation, SeqChunk};
 use kvpolicy::{build_policy, build_policy_batched, CausalLm, LogitsMode, PolicyOptions, Profile};
 
-fn hybrid_opts(block: usize, ratio: Option<f64>) -> PolicyOptions {
-    PolicyOptions {
-        block_size: block,
-        kv_act_ratio: ratio,
-        ..PolicyOptions::default()
+/// The `hybrid` spec with `block` tokens per block and a forced KV share `ratio`.
+fn hybrid(block: usize, ratio: Option<f64>) -> String {
+    match ratio {
+        Some(r) => format!("hybrid:block_size={block},kv_act_ratio={r}"),
+        None => format!("hybrid:block_size={block}"),
     }
 }
 
@@ -28,14 +28,14 @@ fn hybrid_logits_equal_full_for_every_block_size_and_ratio() -> Result<()> {
                 common::teacher_forced_logits(model, full.as_mut(), &prompt, &decode, chunk)?;
             for block in [1, 4, 16] {
                 for ratio in [Some(1.0), Some(0.5), Some(0.0), None] {
-                    let mut p = build_policy("hybrid", &hybrid_opts(block, ratio))?;
+                    let mut p = build_policy(&hybrid(block, ratio), &PolicyOptions::default())?;
                     let got =
                         common::teacher_forced_logits(model, p.as_mut(), &prompt, &decode, chunk)?;
                     let d = common::max_abs_diff(&got, &want)?;
                     let st = p.stats();
                     println!(
                         "{name} chunk {chunk} block {block} ratio {ratio:?}: max |Δ| {d:.2e}, {} ACT / {} KV blocks",
-                        st.act_blocks, st.kv_blocks
+                        common::metric(&st, "act_blocks"), common::metric(&st, "kv_blocks")
                     );
                     assert!(
                         d <= 1e-4,
@@ -43,14 +43,25 @@ fn hybrid_logits_equal_full_for_every_block_size_and_ratio() -> Result<()> {
                     );
                     let s = (prompt.len() + decode.len()) as u64;
                     let blocks = s.div_ceil(block as u64);
-                    assert_eq!(st.act_blocks + st.kv_blocks, blocks, "{name}");
+                    assert_eq!(
+                        common::metric(&st, "act_blocks") + common::metric(&st, "kv_blocks"),
+                        blocks,
+                        "{name}"
+                    );
                     match ratio {
                         Some(1.0) => {
-                            assert_eq!((st.act_blocks, st.recompute_tokens), (0, 0), "{name}")
+                            assert_eq!(
+                                (common::metric(&st, "act_blocks"), st.recompute_tokens),
+                                (0, 0),
+                                "{name}"
+                            )
                         }
-                        Some(0.0) => assert_eq!(st.kv_blocks, 0, "{name}"),
+                        Some(0.0) => assert_eq!(common::metric(&st, "kv_blocks"), 0, "{name}"),
                         Some(_) => assert!(
-                            st.act_blocks.abs_diff(st.kv_blocks) <= 1 && st.recompute_tokens > 0,
+                            common::metric(&st, "act_blocks")
+                                .abs_diff(common::metric(&st, "kv_blocks"))
+                                <= 1
+                                && st.recompute_tokens > 0,
                             "{name}: {st:?}"
                         ),
                         None => {}
@@ -99,16 +110,16 @@ fn a_ragged_batch_equals_each_prompt_alone() -> Result<()> {
             .iter()
             .map(|p| alone(model, p, &cfg))
             .collect::<Result<_>>()?;
-        let cases: Vec<(&str, PolicyOptions, usize)> = vec![
-            ("full", PolicyOptions::default(), 0),
-            ("full", PolicyOptions::default(), 4),
-            ("hybrid", hybrid_opts(4, Some(0.5)), 0),
-            ("hybrid", hybrid_opts(1, Some(0.0)), 3),
-            ("hybrid", hybrid_opts(16, None), 0),
-            ("layer", PolicyOptions::default(), 0),
+        let cases: Vec<(String, usize)> = vec![
+            ("full".into(), 0),
+            ("full".into(), 4),
+            (hybrid(4, Some(0.5)), 0),
+            (hybrid(1, Some(0.0)), 3),
+            (hybrid(16, None), 0),
+            ("layer".into(), 0),
         ];
-        for (policy, opts, chunk) in cases {
-            let mut p = build_policy_batched(policy, &opts)?;
+        for (policy, chunk) in cases {
+            let mut p = build_policy_batched(&policy, &PolicyOptions::default())?;
             let got = generate_batch(
                 model,
                 p.as_mut(),
@@ -134,7 +145,11 @@ fn a_ragged_batch_equals_each_prompt_alone() -> Result<()> {
             // Every request finished and was released.
             let last = got.step_stats.last().cloned().unwrap_or_default();
             assert_eq!(last.sequences, 0, "{name} {policy}");
-            assert_eq!(last.act_blocks + last.kv_blocks, 0, "{name} {policy}");
+            assert_eq!(
+                common::metric(&last, "act_blocks") + common::metric(&last, "kv_blocks"),
+                0,
+                "{name} {policy}"
+            );
         }
     }
     Ok(())
@@ -164,7 +179,7 @@ fn resident_blocks_stay_within_the_budget_and_freed_requests_show() -> Result<()
     let budget = staging + slots * act_slot + scratch;
     let opts = PolicyOptions {
         device_kv_budget: Some(budget),
-        ..hybrid_opts(block, Some(0.0))
+        ..PolicyOptions::default()
     };
     // Prompts in chunks of 4: requests leave prefill, and finish, at different steps.
     let cfg = GenerateConfig {
@@ -174,20 +189,23 @@ fn resident_blocks_stay_within_the_budget_and_freed_requests_show() -> Result<()
         stop_at_eos: false,
         ..GenerateConfig::default()
     };
-    let mut p = build_policy_batched("hybrid", &opts)?;
+    let mut p = build_policy_batched(&hybrid(block, Some(0.0)), &opts)?;
     let got = generate_batch(model, p.as_mut(), &prompts, &cfg)?;
     let mut most = 0;
     for st in &got.step_stats {
-        assert!(st.device_blocks <= slots, "{st:?} with {slots} slots");
+        assert!(
+            common::metric(&st, "device_blocks") <= slots,
+            "{st:?} with {slots} slots"
+        );
         assert!(st.device_kv_bytes <= budget && st.device_kv_peak_bytes <= budget);
-        most = most.max(st.device_blocks);
+        most = most.max(common::metric(&st, "device_blocks"));
     }
     assert_eq!(most, slots, "the device pool fills up");
     // All-ACT, but the device holds only `slots` blocks: the rest went to the host.
     let peak_blocks = got
         .step_stats
         .iter()
-        .map(|s| s.act_blocks)
+        .map(|s| common::metric(&s, "act_blocks"))
         .max()
         .unwrap_or(0);
     assert!(peak_blocks > slots);
@@ -198,7 +216,10 @@ fn resident_blocks_stay_within_the_budget_and_freed_requests_show() -> Result<()
     assert_eq!(seqs.last().copied(), Some(0));
     assert!(seqs.iter().any(|&n| n > 0 && n < 5), "{seqs:?}");
     // A unit stages at most one request's K/V: the steps were split into mini-batches.
-    assert!(got.step_stats.iter().any(|s| s.mini_batches > 1));
+    assert!(got
+        .step_stats
+        .iter()
+        .any(|s| common::metric(&s, "mini_batches") > 1));
     // And still exact.
     for (g, p) in got.requests.iter().zip(&prompts) {
         let w = alone(model, p, &cfg)?;
@@ -217,7 +238,7 @@ fn releasing_a_request_returns_its_blocks() -> Result<()> {
     let loaded = common::load_fixture(name)?;
     let model = loaded.model.as_ref();
     let prompts = five_prompts(name)?;
-    let mut p = build_policy_batched("hybrid", &hybrid_opts(2, Some(0.5)))?;
+    let mut p = build_policy_batched(&hybrid(2, Some(0.5)), &PolicyOptions::default())?;
     let chunks: Vec<SeqChunk> = prompts
         .iter()
         .enumerate()
@@ -231,12 +252,15 @@ fn releasing_a_request_returns_its_blocks() -> Result<()> {
     let before = p.stats();
     let blocks_of = |n: usize| n.div_ceil(2) as u64;
     let total: u64 = prompts.iter().map(|q| blocks_of(q.len())).sum();
-    assert_eq!(before.act_blocks + before.kv_blocks, total);
+    assert_eq!(
+        common::metric(&before, "act_blocks") + common::metric(&before, "kv_blocks"),
+        total
+    );
     assert_eq!(before.sequences, 5);
     p.release(3);
     let after = p.stats();
     assert_eq!(
-        after.act_blocks + after.kv_blocks,
+        common::metric(&after, "act_blocks") + common::metric(&after, "kv_blocks"),
         total - blocks_of(prompts[3].len())
     );
     assert_eq!(after.sequences, 4);
@@ -264,16 +288,20 @@ fn grouped_query_models_derive_all_kv() -> Result<()> {
         let (prompt, decode) = common::fixture_ids(name)?;
         let opts = PolicyOptions {
             profile: Some(fast.clone()),
-            ..hybrid_opts(4, None)
+            ..PolicyOptions::default()
         };
-        let mut p = build_policy("hybrid", &opts)?;
+        let mut p = build_policy(&hybrid(4, None), &opts)?;
         common::teacher_forced_logits(model, p.as_mut(), &prompt, &decode, 0)?;
         let st = p.stats();
         if all_kv {
-            assert_eq!((st.act_blocks, st.recompute_tokens), (0, 0), "{name}");
+            assert_eq!(
+                (common::metric(&st, "act_blocks"), st.recompute_tokens),
+                (0, 0),
+                "{name}"
+            );
         } else {
             assert!(
-                st.act_blocks > 0 && st.recompute_tokens > 0,
+                common::metric(&st, "act_blocks") > 0 && st.recompute_tokens > 0,
                 "{name}: {st:?}"
             );
         }
@@ -293,7 +321,7 @@ fn smollm2_greedy_ids_equal_full() -> Result<()> {
     };
     let want = alone(model, &prompt, &cfg)?.generated_ids;
     for ratio in [Some(1.0), Some(0.5), Some(0.0), None] {
-        let mut p = build_policy("hybrid", &hybrid_opts(16, ratio))?;
+        let mut p = build_policy(&hybrid(16, ratio), &PolicyOptions::default())?;
         let got = generate(model, p.as_mut(), &prompt, &cfg, &mut |_| Ok(()))?.generated_ids;
         assert_eq!(got, want, "ratio {ratio:?}");
     }
@@ -304,7 +332,7 @@ fn smollm2_greedy_ids_equal_full() -> Result<()> {
         prompt[..n / 2].to_vec(),
         prompt[1..].to_vec(),
     ];
-    let mut p = build_policy_batched("hybrid", &hybrid_opts(4, Some(0.5)))?;
+    let mut p = build_policy_batched(&hybrid(4, Some(0.5)), &PolicyOptions::default())?;
     let got = generate_batch(model, p.as_mut(), &prompts, &cfg)?;
     for (g, q) in got.requests.iter().zip(&prompts) {
         assert_eq!(g.generated_ids, alone(model, q, &cfg)?.generated_ids);
@@ -314,16 +342,16 @@ fn smollm2_greedy_ids_equal_full() -> Result<()> {
 
 #[test]
 fn bad_options_are_clear_errors() -> Result<()> {
-    let msg = |o: PolicyOptions| {
-        build_policy("hybrid", &o)
+    let msg = |spec: String| {
+        build_policy(&spec, &PolicyOptions::default())
             .err()
             .map(|e| e.to_string())
             .unwrap_or_default()
     };
-    let e = msg(hybrid_opts(0, None));
+    let e = msg(hybrid(0, None));
     assert!(e.contains("`block_size` 0"), "{e}");
     for r in [-0.5, 1.5, f64::NAN] {
-        let e = msg(hybrid_opts(16, Some(r)));
+        let e = msg(hybrid(16, Some(r)));
         assert!(
             e.contains("`kv_act_ratio`") && e.contains("outside [0, 1]"),
             "{e}"
@@ -344,7 +372,7 @@ fn bad_options_are_clear_errors() -> Result<()> {
     .unwrap_or_default();
     assert!(e.contains("build_policy_batched"), "{e}");
     // An empty prompt in a batch names its index.
-    let mut p = build_policy_batched("hybrid", &hybrid_opts(4, None))?;
+    let mut p = build_policy_batched(&hybrid(4, None), &PolicyOptions::default())?;
     let e = generate_batch(
         model,
         p.as_mut(),
@@ -360,7 +388,7 @@ fn bad_options_are_clear_errors() -> Result<()> {
 
 #[test]
 fn one_policy_serves_models_of_different_shapes_in_turn() -> Result<()> {
-    let mut p = build_policy("hybrid", &hybrid_opts(4, Some(0.5)))?;
+    let mut p = build_policy(&hybrid(4, Some(0.5)), &PolicyOptions::default())?;
     for name in ["llama_mha", "gemma", "llama_mha"] {
         let loaded = common::load_fixture(name)?;
         let model = loaded.model.as_ref();

@@ -132,11 +132,11 @@ fn bad_variants_and_outputs_are_clear_errors() -> Result<()> {
         (vec!["--policies", "bogus"], "unknown KV policy `bogus`"),
         (
             vec!["--policies", "recompute:half"],
-            "recompute:SPLIT needs a number",
+            "the `recompute` policy's setting `split` = half",
         ),
         (
-            vec!["--policies", "full:3"],
-            "only headwise:GROUP, recompute:SPLIT and auto:BUDGET take a value",
+            vec!["--policies", "full:lots"],
+            "the `full` policy's setting `budget` = lots",
         ),
         (
             vec!["--policies", "headwise:zero"],
@@ -147,10 +147,10 @@ fn bad_variants_and_outputs_are_clear_errors() -> Result<()> {
             "exceeds the model's 512 positions",
         ),
         (vec!["--steps", "0"], "--steps must be at least 1"),
-        // The hint names kvbench's own spelling of a head group, not only the examples' flag.
+        // The message names kvbench's own spelling of a head group, not the examples' flag.
         (
             vec!["--policies", "headwise:3"],
-            "use one of 1, 2, 4 or auto (--head-group N; headwise:N in kvbench's --policies)",
+            "headwise:group=3 does not divide the model's 4 KV heads; use one of 1, 2, 4 or auto",
         ),
         (vec!["--csv", missing.as_str()], "does not exist"),
         (
@@ -376,7 +376,7 @@ fn auto_budget_variants_sweep_and_chart() -> Result<()> {
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(
-        err.contains("`auto:lots`: auto:BUDGET needs a size, e.g. auto:64MiB"),
+        err.contains("the `auto` policy's setting `budget` = lots: cannot parse the size"),
         "{err}"
     );
     Ok(())

@@ -56,11 +56,7 @@ fn step_scratch_does_not_grow_with_the_context() -> Result<()> {
                 stop_at_eos: false,
                 ..GenerateConfig::default()
             };
-            let opts = PolicyOptions {
-                head_group: group,
-                ..PolicyOptions::default()
-            };
-            let mut p = build_policy(name, &opts)?;
+            let mut p = build_policy(&with_group(name, group), &PolicyOptions::default())?;
             pool.install(|| generate(model.as_ref(), p.as_mut(), &prompt, &cfg, &mut |_| Ok(())))?;
             let heads = if name == "full" { 3 } else { 1 };
             let planned = pool.install(|| {
@@ -105,4 +101,13 @@ fn step_scratch_does_not_grow_with_the_context() -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// `policy` with head group `group` when it takes one (`headwise:group=N`), else `policy`.
+fn with_group(policy: &str, group: HeadGroup) -> String {
+    if policy == "headwise" {
+        format!("headwise:group={group}")
+    } else {
+        policy.to_string()
+    }
 }

@@ -9,9 +9,8 @@ use kvpolicy::models::source::ModelFiles;
 use kvpolicy::models::{generate, load, prefill, GenerateConfig};
 use kvpolicy::{build_policy, HeadGroup, PolicyOptions};
 
-fn opts(group: HeadGroup, grow: usize, budget: Option<u64>) -> PolicyOptions {
+fn opts(grow: usize, budget: Option<u64>) -> PolicyOptions {
     PolicyOptions {
-        head_group: group,
         grow_tokens: grow,
         device_kv_budget: budget,
         ..PolicyOptions::default()
@@ -26,7 +25,7 @@ fn offload_logits_equal_full() -> Result<()> {
         let nkv = model.info().n_kv_heads;
         let (prompt, decode) = common::fixture_ids(&name)?;
         for chunk in [1, 5, 16, 64] {
-            let mut full = build_policy("full", &opts(HeadGroup::Auto, 256, None))?;
+            let mut full = build_policy(&common::spec("full", HeadGroup::Auto), &opts(256, None))?;
             let want = common::teacher_forced(model, full.as_mut(), &prompt, &decode, chunk)?
                 .logits
                 .unwrap_or(Tensor::zeros(1, DType::F32, &Device::Cpu)?);
@@ -42,7 +41,7 @@ fn offload_logits_equal_full() -> Result<()> {
             for (policy, group) in cases {
                 // grow 4: buffers regrow many times mid-run; 256: one allocation.
                 for grow in [4, 256] {
-                    let mut p = build_policy(policy, &opts(group, grow, None))?;
+                    let mut p = build_policy(&common::spec(policy, group), &opts(grow, None))?;
                     let got =
                         common::teacher_forced(model, p.as_mut(), &prompt, &decode, chunk)?.logits;
                     let got = got.ok_or_else(|| anyhow::anyhow!("no logits"))?;
@@ -72,7 +71,7 @@ fn device_memory_is_two_unit_buffers() -> Result<()> {
         ("headwise", HeadGroup::Fixed(2), 2),
         ("layer", HeadGroup::Auto, 2),
     ] {
-        let mut p = build_policy(policy, &opts(group, cap, None))?;
+        let mut p = build_policy(&common::spec(policy, group), &opts(cap, None))?;
         common::teacher_forced(model, p.as_mut(), &prompt, &decode, 5)?;
         let s = p.stats();
         assert_eq!(s.device_kv_peak_bytes, unit(heads), "{policy} {group:?}");
@@ -83,7 +82,7 @@ fn device_memory_is_two_unit_buffers() -> Result<()> {
             (info.n_layers * info.n_kv_heads * 2048 * info.head_dim * 2 * 4) as u64
         );
     }
-    let mut full = build_policy("full", &opts(HeadGroup::Auto, cap, None))?;
+    let mut full = build_policy(&common::spec("full", HeadGroup::Auto), &opts(cap, None))?;
     common::teacher_forced(model, full.as_mut(), &prompt, &decode, 5)?;
     assert_eq!(
         full.stats().device_kv_peak_bytes,
@@ -104,7 +103,7 @@ fn each_decode_step_moves_the_history_once_and_only_new_entries_back() -> Result
         ("layer", HeadGroup::Auto),
         ("headwise", HeadGroup::Fixed(1)),
     ] {
-        let mut p = build_policy(policy, &opts(group, 8, None))?;
+        let mut p = build_policy(&common::spec(policy, group), &opts(8, None))?;
         prefill(model, p.as_mut(), &prompt, 0, false)?;
         for (pos, &tok) in (prompt.len()..).zip(decode.iter()) {
             let before = p.stats();
@@ -150,7 +149,7 @@ fn smollm2_greedy_ids_equal_full_and_memory_ratio() -> Result<()> {
             ("headwise", HeadGroup::Fixed(1)),
             ("headwise", HeadGroup::Auto),
         ] {
-            let mut p = build_policy(policy, &opts(group, 256, None))?;
+            let mut p = build_policy(&common::spec(policy, group), &opts(256, None))?;
             let got = generate(model, p.as_mut(), &prompt, &cfg, &mut |_| Ok(()))?.generated_ids;
             assert_eq!(got, want, "{policy} {group:?}");
             if group == HeadGroup::Fixed(1) {
@@ -183,14 +182,18 @@ fn options_that_cannot_work_are_clear_errors() -> Result<()> {
             Err(e) => Ok(e.to_string()),
         }
     };
-    let e = err("headwise", opts(HeadGroup::Fixed(3), 256, None))?;
+    let e = err(
+        &common::spec("headwise", HeadGroup::Fixed(3)),
+        opts(256, None),
+    )?;
     assert!(
-        e.contains(
-            "a head group of 3 does not divide the model's 2 KV heads; use one of 1, 2 or auto"
-        ),
+        e.contains("`group` 3 does not divide the model's 2 KV heads; use one of 1, 2 or auto"),
         "{e}"
     );
-    let e = err("headwise", opts(HeadGroup::Fixed(4), 256, None))?;
+    let e = err(
+        &common::spec("headwise", HeadGroup::Fixed(4)),
+        opts(256, None),
+    )?;
     assert!(e.contains("does not divide"), "{e}");
     // The budget also holds a step's scratch (attention over one unit, the activations),
     // planned from the shape the generation loop passes.
@@ -204,31 +207,34 @@ fn options_that_cannot_work_are_clear_errors() -> Result<()> {
     assert!(scratch(1) > 0 && scratch(2) >= scratch(1));
     // One head's two buffers at 256 tokens: 2 × 256 × 16 × 2 × 4 = 65536 bytes.
     let e = err(
-        "headwise",
-        opts(HeadGroup::Auto, 256, Some(65_535 + scratch(1))),
+        &common::spec("headwise", HeadGroup::Auto),
+        opts(256, Some(65_535 + scratch(1))),
     )?;
     assert!(
         e.contains("budget is smaller than one head group's buffers"),
         "{e}"
     );
-    let e = err("full", opts(HeadGroup::Auto, 256, Some(100_000)))?;
+    let e = err(
+        &common::spec("full", HeadGroup::Auto),
+        opts(256, Some(100_000)),
+    )?;
     assert!(e.contains("use the `headwise` policy"), "{e}");
     // Auto under a budget picks the largest group that fits: 2 heads need 131072 bytes.
     let mut p = build_policy(
-        "headwise",
-        &opts(HeadGroup::Auto, 256, Some(65_536 + scratch(1))),
+        &common::spec("headwise", HeadGroup::Auto),
+        &opts(256, Some(65_536 + scratch(1))),
     )?;
     generate(model, p.as_mut(), &prompt, &cfg, &mut |_| Ok(()))?;
     assert_eq!(p.stats().device_kv_peak_bytes, 65_536);
     let mut p = build_policy(
-        "headwise",
-        &opts(HeadGroup::Auto, 256, Some(131_071 + scratch(2))),
+        &common::spec("headwise", HeadGroup::Auto),
+        &opts(256, Some(131_071 + scratch(2))),
     )?;
     generate(model, p.as_mut(), &prompt, &cfg, &mut |_| Ok(()))?;
     assert_eq!(p.stats().device_kv_peak_bytes, 65_536);
     let mut p = build_policy(
-        "headwise",
-        &opts(HeadGroup::Auto, 256, Some(131_072 + scratch(2))),
+        &common::spec("headwise", HeadGroup::Auto),
+        &opts(256, Some(131_072 + scratch(2))),
     )?;
     generate(model, p.as_mut(), &prompt, &cfg, &mut |_| Ok(()))?;
     assert_eq!(p.stats().device_kv_peak_bytes, 131_072);
@@ -252,7 +258,10 @@ fn library_errors_are_typed_and_name_no_flags() -> Result<()> {
         ..GenerateConfig::default()
     };
     // A budget below one layer's double buffer: advice, not flags.
-    let mut p = build_policy("layer", &opts(HeadGroup::Auto, 256, Some(10)))?;
+    let mut p = build_policy(
+        &common::spec("layer", HeadGroup::Auto),
+        &opts(256, Some(10)),
+    )?;
     let e = generate(model, p.as_mut(), &prompt, &cfg, &mut |_| Ok(()))
         .err()
         .ok_or_else(|| anyhow::anyhow!("layer fit 10 bytes"))?;
@@ -264,7 +273,7 @@ fn library_errors_are_typed_and_name_no_flags() -> Result<()> {
             assert_eq!(
                 advice,
                 &[
-                    Advice::Raise(PolicyOption::DeviceKvBudget),
+                    Advice::Raise(PolicyOption::DeviceKvBudget.into()),
                     Advice::UsePolicy("headwise")
                 ]
             );
@@ -276,7 +285,7 @@ fn library_errors_are_typed_and_name_no_flags() -> Result<()> {
     assert!(msg.contains("raise `device_kv_budget`"), "{msg}");
     // A step that does not continue the sequence: which layer, how many held, where.
     for policy in ["full", "layer", "headwise", "recompute", "auto"] {
-        let mut p = build_policy(policy, &opts(HeadGroup::Auto, 256, None))?;
+        let mut p = build_policy(&common::spec(policy, HeadGroup::Auto), &opts(256, None))?;
         prefill(model, p.as_mut(), &prompt, prompt.len(), false)?;
         match prefill(model, p.as_mut(), &prompt, prompt.len(), false) {
             Err(kvpolicy::models::ModelError::Policy(KvError::OutOfOrder {

@@ -11,7 +11,7 @@ mod common;
 
 use candle_core::{Device, Tensor};
 use kvpolicy::core::SeqLoad;
-use kvpolicy::{build_policy, AttnSpec, AttnStep, HeadGroup, KvPolicy, KvRegen, PolicyOptions};
+use kvpolicy::{build_policy, AttnSpec, AttnStep, KvPolicy, KvRegen, PolicyOptions};
 use proptest::prelude::*;
 
 /// X = [K | V] per token: `(b, t, 2·nkv·d)`.
@@ -233,9 +233,11 @@ fn check(c: &Case) -> Result<(), TestCaseError> {
     let budget = c
         .act_slots
         .map(|n| 2 * total as u64 * kv_row + n * act_slot + scratch);
+    let hybrid_spec = match c.share {
+        Some(r) => format!("hybrid:block_size={},kv_act_ratio={r}", c.block),
+        None => format!("hybrid:block_size={}", c.block),
+    };
     let hybrid = opts(&|o| {
-        o.block_size = c.block;
-        o.kv_act_ratio = c.share;
         o.device_kv_budget = budget;
         o.profile = Some(kvpolicy::Profile {
             h2d_bytes_per_s: 1e9,
@@ -260,15 +262,11 @@ fn check(c: &Case) -> Result<(), TestCaseError> {
         o.disk_dir = Some(disk.path().to_path_buf());
         o.host_kv_budget = Some(host_budget);
     };
+    let headwise = format!("headwise:group={}", c.head_group);
+    let split = format!("recompute:split={}", c.split.min(total));
     let variants: Vec<(&str, PolicyOptions)> = vec![
         ("auto", opts(&|_| {})),
-        (
-            "headwise",
-            opts(&|o| {
-                o.head_group = HeadGroup::Fixed(c.head_group);
-                on_disk(o);
-            }),
-        ),
+        (&headwise, opts(&|o| on_disk(o))),
         (
             "auto",
             opts(&|o| {
@@ -277,17 +275,11 @@ fn check(c: &Case) -> Result<(), TestCaseError> {
             }),
         ),
         ("auto", opts(&|o| o.device_kv_budget = Some(auto_budget))),
-        ("hybrid", hybrid),
+        (&hybrid_spec, hybrid),
         ("layer", opts(&|_| {})),
-        (
-            "headwise",
-            opts(&|o| o.head_group = HeadGroup::Fixed(c.head_group)),
-        ),
-        ("headwise", opts(&|o| o.head_group = HeadGroup::Auto)),
-        (
-            "recompute",
-            opts(&|o| o.recompute_split = Some(c.split.min(total))),
-        ),
+        (&headwise, opts(&|_| {})),
+        ("headwise:group=auto", opts(&|_| {})),
+        (&split, opts(&|_| {})),
         ("recompute", opts(&|_| {})),
     ];
     for (name, o) in variants {
@@ -309,15 +301,22 @@ fn check(c: &Case) -> Result<(), TestCaseError> {
             );
             if o.device_kv_budget.is_none() {
                 // No budget: everything resident, nothing moves.
-                prop_assert_eq!((st.streamed_units, st.h2d_bytes, st.d2h_bytes), (0, 0, 0));
+                prop_assert_eq!(
+                    (
+                        common::metric(&st, "streamed_units"),
+                        st.h2d_bytes,
+                        st.d2h_bytes
+                    ),
+                    (0, 0, 0)
+                );
             }
         }
         if let (true, Some(n)) = (per_seq, c.act_slots) {
             let st = p.stats();
             prop_assert!(
-                st.device_blocks <= n,
+                common::metric(&st, "device_blocks") <= n,
                 "{} resident blocks > {}",
-                st.device_blocks,
+                common::metric(&st, "device_blocks"),
                 n
             );
             prop_assert!(st.device_kv_peak_bytes <= budget.unwrap_or(u64::MAX));
@@ -343,7 +342,7 @@ fn check(c: &Case) -> Result<(), TestCaseError> {
                 d <= 1e-5,
                 "{} {:?}: output {} differs by {}",
                 name,
-                o.head_group,
+                o.device_kv_budget,
                 i,
                 d
             );

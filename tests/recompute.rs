@@ -9,12 +9,32 @@ use kvpolicy::models::source::ModelFiles;
 use kvpolicy::models::{generate, load, prefill, GenerateConfig, Generation};
 use kvpolicy::{build_policy, PolicyOptions, Profile};
 
-fn opts(split: Option<usize>, profile: Option<Profile>, grow: usize) -> PolicyOptions {
-    PolicyOptions {
-        recompute_split: split,
-        profile,
-        grow_tokens: grow,
-        ..PolicyOptions::default()
+/// Options with `recompute`'s forced split.
+#[derive(Clone, Debug)]
+struct Setup {
+    split: Option<usize>,
+    opts: PolicyOptions,
+}
+
+impl Setup {
+    /// `policy` built with these options (and the split, for `recompute`).
+    fn build(&self, policy: &str) -> Result<Box<dyn kvpolicy::KvPolicy>, kvpolicy::KvError> {
+        let spec = match (policy, self.split) {
+            ("recompute", Some(n)) => format!("recompute:split={n}"),
+            _ => policy.to_string(),
+        };
+        build_policy(&spec, &self.opts)
+    }
+}
+
+fn opts(split: Option<usize>, profile: Option<Profile>, grow: usize) -> Setup {
+    Setup {
+        split,
+        opts: PolicyOptions {
+            profile,
+            grow_tokens: grow,
+            ..PolicyOptions::default()
+        },
     }
 }
 
@@ -52,7 +72,7 @@ fn recompute_logits_equal_full_for_every_split() -> Result<()> {
                 &decode,
                 chunk,
             )?)?;
-            let mut cases: Vec<(String, PolicyOptions)> = [0, 1, s / 2, s]
+            let mut cases: Vec<(String, Setup)> = [0, 1, s / 2, s]
                 .iter()
                 .map(|&l| (format!("split {l}"), opts(Some(l), None, 4)))
                 .collect();
@@ -62,7 +82,7 @@ fn recompute_logits_equal_full_for_every_split() -> Result<()> {
             ));
             cases.push(("scheduled, measured".into(), opts(None, None, 256)));
             for (what, o) in cases {
-                let mut p = build_policy("recompute", &o)?;
+                let mut p = o.build("recompute")?;
                 let got = logits(common::teacher_forced(
                     model,
                     p.as_mut(),
@@ -73,7 +93,7 @@ fn recompute_logits_equal_full_for_every_split() -> Result<()> {
                 let d = common::max_abs_diff(&got, &want)?;
                 println!(
                     "{name} chunk {chunk} {what}: max |Δ| = {d:.2e}, split {}, recomputed {}",
-                    p.stats().split,
+                    common::metric(&p.stats(), "split"),
                     p.stats().recompute_tokens
                 );
                 assert!(d <= 1e-4, "{name} chunk {chunk} {what}: max |Δ| = {d}");
@@ -104,7 +124,7 @@ fn mha_decode_step_moves_x_of_the_split_and_kv_of_the_rest() -> Result<()> {
         info.n_layers as u64,
     );
     for l in [0usize, 1, 7, 16, 40] {
-        let mut p = build_policy("recompute", &opts(Some(l), None, 8))?;
+        let mut p = opts(Some(l), None, 8).build("recompute")?;
         prefill(model, p.as_mut(), &prompt, 0, false)?;
         for (pos, &tok) in (prompt.len()..).zip(decode.iter()) {
             let before = p.stats();
@@ -117,7 +137,7 @@ fn mha_decode_step_moves_x_of_the_split_and_kv_of_the_rest() -> Result<()> {
                 layers * (lr * hidden * b + (s - lr) * 2 * nkv * d * b),
                 "split {l} at {pos}: h2d"
             );
-            assert_eq!(after.split, lr);
+            assert_eq!(common::metric(&after, "split"), lr);
             assert_eq!(
                 after.recompute_tokens - before.recompute_tokens,
                 layers * lr
@@ -145,13 +165,17 @@ fn grouped_query_models_derive_split_zero() -> Result<()> {
         assert!(info.n_heads >= 2 * info.n_kv_heads);
         let (prompt, decode) = common::fixture_ids(name)?;
         let kv = (2 * info.n_kv_heads * info.head_dim * 4) as f64;
-        let mut p = build_policy("recompute", &opts(None, Some(synthetic(kv, 0.01)), 8))?;
+        let mut p = opts(None, Some(synthetic(kv, 0.01)), 8).build("recompute")?;
         common::teacher_forced(model, p.as_mut(), &prompt, &decode, 0)?;
-        let mut layer = build_policy("layer", &opts(None, None, 8))?;
+        let mut layer = opts(None, None, 8).build("layer")?;
         common::teacher_forced(model, layer.as_mut(), &prompt, &decode, 0)?;
         let (r, l) = (p.stats(), layer.stats());
         assert_eq!(
-            (r.split, r.recompute_tokens, r.recompute_flops),
+            (
+                common::metric(&r, "split"),
+                r.recompute_tokens,
+                r.recompute_flops
+            ),
             (0, 0, 0),
             "{name}"
         );
@@ -164,9 +188,9 @@ fn grouped_query_models_derive_split_zero() -> Result<()> {
     let info = model.info().clone();
     let (prompt, decode) = common::fixture_ids("llama_mha")?;
     let kv = (2 * info.n_kv_heads * info.head_dim * 4) as f64;
-    let mut p = build_policy("recompute", &opts(None, Some(synthetic(kv, 0.01)), 8))?;
+    let mut p = opts(None, Some(synthetic(kv, 0.01)), 8).build("recompute")?;
     common::teacher_forced(model, p.as_mut(), &prompt, &decode, 0)?;
-    assert!(p.stats().split > 0 && p.stats().recompute_tokens > 0);
+    assert!(common::metric(&p.stats(), "split") > 0 && p.stats().recompute_tokens > 0);
     Ok(())
 }
 
@@ -194,7 +218,7 @@ fn smollm2_greedy_ids_equal_full_with_quantized_regeneration() -> Result<()> {
     let want = generate(model, full.as_mut(), &prompt, &cfg, &mut |_| Ok(()))?.generated_ids;
     let s = prompt.len() + 24;
     for split in [None, Some(1), Some(s / 2), Some(s)] {
-        let mut p = build_policy("recompute", &opts(split, None, 256))?;
+        let mut p = opts(split, None, 256).build("recompute")?;
         let got = generate(model, p.as_mut(), &prompt, &cfg, &mut |_| Ok(()))?.generated_ids;
         assert_eq!(got, want, "split {split:?}");
         if split.is_none() {
@@ -217,7 +241,7 @@ fn a_split_beyond_the_sequence_is_a_clear_error() -> Result<()> {
         ..GenerateConfig::default()
     };
     let max = prompt.len() + 4;
-    let mut p = build_policy("recompute", &opts(Some(max + 1), None, 8))?;
+    let mut p = opts(Some(max + 1), None, 8).build("recompute")?;
     let e = generate(model, p.as_mut(), &prompt, &cfg, &mut |_| Ok(()))
         .err()
         .map(|e| e.to_string())
@@ -230,7 +254,7 @@ fn a_split_beyond_the_sequence_is_a_clear_error() -> Result<()> {
         "{e}"
     );
     // Exactly the sequence is fine.
-    let mut p = build_policy("recompute", &opts(Some(max), None, 8))?;
+    let mut p = opts(Some(max), None, 8).build("recompute")?;
     generate(model, p.as_mut(), &prompt, &cfg, &mut |_| Ok(()))?;
     // A profile with a non-positive rate is refused when the policy is built.
     let bad = Profile {
@@ -239,7 +263,8 @@ fn a_split_beyond_the_sequence_is_a_clear_error() -> Result<()> {
         device: None,
         shape: None,
     };
-    let e = build_policy("recompute", &opts(None, Some(bad), 8))
+    let e = opts(None, Some(bad), 8)
+        .build("recompute")
         .err()
         .map(|e| e.to_string())
         .unwrap_or_default();

@@ -9,8 +9,8 @@ use anyhow::Result;
 use candle_core::{Device, Tensor};
 use kvpolicy::models::prefill;
 use kvpolicy::{
-    build_policy, AttnSpec, AttnStep, CausalLm, HeadGroup, KvError, KvPolicy, KvStats, LogitsMode,
-    NoRegen, PolicyOptions,
+    build_policy, AttnSpec, AttnStep, CausalLm, KvError, KvPolicy, KvStats, LogitsMode, NoRegen,
+    PolicyOptions,
 };
 
 /// One attention step's inputs, as the model gave them.
@@ -116,7 +116,6 @@ fn appended_kv_continues_the_sequence_exactly() -> Result<()> {
     let layer = (2 * info.n_kv_heads * prompt.len() * info.head_dim * 4) as u64;
     let disk = |budget: Option<u64>| PolicyOptions {
         grow_tokens: 4,
-        head_group: HeadGroup::Fixed(1),
         disk_dir: Some(dir.path().to_path_buf()),
         host_kv_budget: budget,
         ..PolicyOptions::default()
@@ -125,7 +124,7 @@ fn appended_kv_continues_the_sequence_exactly() -> Result<()> {
         ("full", PolicyOptions::default()),
         ("layer", PolicyOptions::default()),
         ("headwise", PolicyOptions::default()),
-        ("headwise", disk(None)),
+        ("headwise:1", disk(None)),
         ("layer", disk(Some(layer * info.n_layers as u64 / 2))),
     ];
     for (policy, opts) in cases {

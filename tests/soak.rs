@@ -41,11 +41,13 @@ fn two_thousand_steps_with_flat_memory() -> Result<()> {
     ] {
         let opts = PolicyOptions {
             grow_tokens: GROW,
-            head_group: group,
-            recompute_split: forced,
             ..PolicyOptions::default()
         };
-        let mut p = build_policy(policy, &opts)?;
+        let spec = match forced {
+            Some(n) => format!("{policy}:split={n}"),
+            None => common::spec(policy, group),
+        };
+        let mut p = build_policy(&spec, &opts)?;
         prefill(model.as_ref(), p.as_mut(), &prompt, 0, false)?;
         for i in 0..STEPS {
             let pos = prompt.len() + i;
@@ -91,12 +93,10 @@ fn hybrid_steps_with_flat_memory(model: &dyn kvpolicy::CausalLm, prompt: &[u32])
     const BLOCK: usize = 16;
     let info = model.info().clone();
     let (layers, nkv, d, hidden) = (info.n_layers, info.n_kv_heads, info.head_dim, info.hidden);
-    let opts = PolicyOptions {
-        block_size: BLOCK,
-        kv_act_ratio: Some(0.5),
-        ..PolicyOptions::default()
-    };
-    let mut p = build_policy("hybrid", &opts)?;
+    let mut p = build_policy(
+        &format!("hybrid:block_size={BLOCK},kv_act_ratio=0.5"),
+        &PolicyOptions::default(),
+    )?;
     prefill(model, p.as_mut(), prompt, 0, false)?;
     // Pool slots after doubling from 4 until `n` fit.
     let slots = |n: usize| {
@@ -123,10 +123,13 @@ fn hybrid_steps_with_flat_memory(model: &dyn kvpolicy::CausalLm, prompt: &[u32])
             .map(|&b| (tokens - b * BLOCK).min(BLOCK))
             .sum();
         assert_eq!(
-            (s.act_blocks, s.kv_blocks),
+            (
+                common::metric(&s, "act_blocks"),
+                common::metric(&s, "kv_blocks")
+            ),
             (act as u64, kv_blocks.len() as u64)
         );
-        assert_eq!(s.device_blocks, act as u64);
+        assert_eq!(common::metric(&s, "device_blocks"), act as u64);
         assert_eq!(
             s.host_kv_bytes,
             slots(kv_blocks.len()) * kv_slot,

@@ -71,11 +71,10 @@ fn sliding_window_equals_full_and_moves_only_the_window() -> Result<()> {
         ("headwise", HeadGroup::Fixed(3)),
     ] {
         let opts = PolicyOptions {
-            head_group: group,
             grow_tokens: 4,
             ..PolicyOptions::default()
         };
-        let mut p = build_policy(name, &opts)?;
+        let mut p = build_policy(&with_group(name, group), &opts)?;
         let got = drive(p.as_mut(), &spec, 2, &chunks, 1)?;
         for (a, b) in got.iter().zip(&want) {
             let d = (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
@@ -129,4 +128,13 @@ fn a_step_at_the_wrong_position_is_an_error() -> Result<()> {
         assert_eq!(p.stats().device_kv_bytes, 0);
     }
     Ok(())
+}
+
+/// `policy` with head group `group` when it takes one (`headwise:group=N`), else `policy`.
+fn with_group(policy: &str, group: HeadGroup) -> String {
+    if policy == "headwise" {
+        format!("headwise:group={group}")
+    } else {
+        policy.to_string()
+    }
 }

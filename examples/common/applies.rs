@@ -1,34 +1,6 @@
-//! Warnings about flags that change nothing or make a run crawl: a policy flag the chosen
-//! policy does not read (`--head-group` with `full`, `--block-size` with `layer`), and a
-//! simulated link so slow that one decode step takes minutes.
-use clap::parser::ValueSource;
-use clap::ArgMatches;
-use kvpolicy::{ModelInfo, PolicyOption};
-
-/// The policy flags given on the command line (not defaults) that `policy` does not read,
-/// each with the message to print. An unknown policy gives none (building it fails later
-/// with the list of names).
-pub fn unused_flags(matches: &ArgMatches, policy: &str) -> Vec<String> {
-    let reg = super::registry::registry();
-    let Ok(reads) = reg.reads(policy) else {
-        return Vec::new();
-    };
-    PolicyOption::ALL
-        .into_iter()
-        .filter(|o| !reads.contains(o))
-        .filter(|o| {
-            let id = o.flag().trim_start_matches("--").replace('-', "_");
-            matches.value_source(&id) == Some(ValueSource::CommandLine)
-        })
-        .map(|o| {
-            format!(
-                "warning: {} does not apply to the `{policy}` policy and is ignored (it is read by {})",
-                o.flag(),
-                reg.readers(o).join(", ")
-            )
-        })
-        .collect()
-}
+//! A warning about a flag that makes a run crawl: a simulated link so slow that one decode
+//! step takes minutes. (Flags the chosen policy does not read are warned of in `flags`.)
+use kvpolicy::ModelInfo;
 
 /// Seconds below which a simulated step is not worth a warning.
 const SLOW_STEP_S: f64 = 60.0;

@@ -123,6 +123,25 @@ pub fn run(
         kvpolicy::core::format_bytes(stats.device_kv_peak_bytes),
         stats.recompute_tokens,
     );
+    if !stats.policy_metrics.is_empty() {
+        let _ = writeln!(
+            std::io::stderr(),
+            "{}: {}",
+            policy.name(),
+            super::summary::metrics_text(&stats)
+        );
+    }
+    if stats.lossy {
+        let _ = writeln!(
+            std::io::stderr(),
+            "LOSSY: logits differ from full ({})",
+            if args.host_kv_dtype.is_some() {
+                "K/V stored in the smaller --host-kv-dtype"
+            } else {
+                "an approximate policy"
+            }
+        );
+    }
     let mut staged = Staged::new();
     if let Some(path) = &args.ids_out {
         let v: Vec<_> = out

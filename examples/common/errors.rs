@@ -1,61 +1,116 @@
-//! The policy layer's errors in the examples' words: options named by their flags
-//! (`device_kv_budget` → `--device-kv-budget`) and the budget advice as flags to change
-//! (the library's messages describe the problem; this maps them onto the command line).
-use kvpolicy::core::error::advice_text;
+//! The policy layer's errors in the command line's words: an option or setting named by
+//! the flag (or spec key) that sets it, and a budget error's [`Advice`] rendered as what to
+//! change on the command line. The library's errors carry these as data ([`Knob`],
+//! [`Advice`]); this renders them by `match`, not by rewriting the library's text.
+use kvpolicy::core::format_bytes;
 use kvpolicy::core::Advice;
 use kvpolicy::models::ModelError;
-use kvpolicy::{KvError, PolicyOption};
+use kvpolicy::{Knob, KvError, PolicyOption};
+
+use super::flags::{option_flag, setting_flag};
+
+/// Which command line the message is for: the runner's flags, or kvbench's, where
+/// settings are only given in `--policies` specs and the device budget is `auto:BUDGET`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Frontend {
+    /// The examples' runner (`--policy`, `--head-group`, `--device-kv-budget`, …).
+    Runner,
+    /// kvbench (`--policies headwise:group=1,auto:budget=64MiB`).
+    Kvbench,
+}
+
+/// How `knob` is set from `front`.
+fn knob_text(knob: Knob, front: Frontend) -> String {
+    match (knob, front) {
+        (Knob::Option(PolicyOption::DeviceKvBudget), Frontend::Kvbench) => {
+            "the budget (POLICY:budget=SIZE in --policies)".to_string()
+        }
+        (Knob::Option(o), _) => option_flag(o).to_string(),
+        (Knob::Setting(k), Frontend::Runner) => match setting_flag(k) {
+            Some(flag) => flag.to_string(),
+            None => format!("`{k}` (POLICY:{k}=VALUE in --policy)"),
+        },
+        (Knob::Setting(k), Frontend::Kvbench) => format!("`{k}` (POLICY:{k}=VALUE in --policies)"),
+    }
+}
 
 /// One piece of advice as a command-line change.
-fn advice_flag(a: &Advice) -> String {
-    match a {
-        Advice::Raise(o) => format!("raise {}", o.flag()),
-        Advice::Lower(PolicyOption::HeadGroup) => {
-            "use a smaller head group (--head-group N; headwise:N in kvbench's --policies)".into()
+fn advice_text(a: &Advice, front: Frontend) -> String {
+    match (a, front) {
+        (Advice::Raise(k), _) => format!("raise {}", knob_text(*k, front)),
+        (Advice::Lower(Knob::Setting("group")), Frontend::Runner) => {
+            "use a smaller head group (--head-group N, or --policy headwise:group=N)".into()
         }
-        Advice::Lower(o) => format!("use a smaller {}", o.flag()),
-        Advice::UsePolicy(p) => format!("use `--policy {p}`"),
-        Advice::SmallerPrefillChunk => "use a smaller --prefill-chunk".into(),
-        Advice::ShorterRequests => "shorten the requests".into(),
+        (Advice::Lower(Knob::Setting("group")), Frontend::Kvbench) => {
+            "use a smaller head group (headwise:group=N in --policies)".into()
+        }
+        (Advice::Lower(k), _) => format!("use a smaller {}", knob_text(*k, front)),
+        (Advice::UsePolicy(p), Frontend::Runner) => format!("use `--policy {p}`"),
+        (Advice::UsePolicy(p), Frontend::Kvbench) => format!("use the `{p}` policy"),
+        (Advice::SmallerPrefillChunk, _) => "use a smaller --prefill-chunk".into(),
+        (Advice::ShorterRequests, _) => "shorten the requests".into(),
     }
 }
 
-/// `e`'s message with flags instead of option fields.
-pub fn kv_for_cli(e: &KvError) -> String {
-    let mut s = e.to_string();
-    if let KvError::BudgetExceeded { advice, .. } = e {
-        let cli: Vec<String> = advice.iter().map(advice_flag).collect();
-        s = s.replace(&advice_text(advice), &cli.join(", or "));
-    }
-    if let KvError::InvalidOption { option, .. } = e {
-        if !s.contains(&format!("`{}`", option.field())) {
-            // The message does not name the option: say which flag sets it.
-            s.push_str(&match option {
-                PolicyOption::HeadGroup => {
-                    " (--head-group N; headwise:N in kvbench's --policies)".to_string()
+/// `e`'s message for `front`.
+pub fn kv_for_cli(e: &KvError, front: Frontend) -> String {
+    match e {
+        KvError::BudgetExceeded {
+            what,
+            needed,
+            budget,
+            in_use,
+            note,
+            advice,
+        } => {
+            let advice: Vec<String> = advice.iter().map(|a| advice_text(a, front)).collect();
+            let sep = if note.is_empty() || advice.is_empty() {
+                ""
+            } else {
+                "; "
+            };
+            format!(
+                "device KV budget exceeded: {what} needs {} but the budget is {} ({} already in use); {note}{sep}{}",
+                format_bytes(*needed),
+                format_bytes(*budget),
+                format_bytes(*in_use),
+                advice.join(", or ")
+            )
+        }
+        KvError::InvalidOption {
+            policy,
+            option,
+            message,
+        } => {
+            // The message goes on after the value's name: `--head-group 3 does not…`, or
+            // the spec's own spelling, `headwise:group=3 does not…`.
+            let named = match (option, front) {
+                (Knob::Setting(k), Frontend::Runner) if setting_flag(k).is_some() => {
+                    knob_text(*option, front) + " "
                 }
-                o => format!(" ({})", o.flag()),
-            });
+                (Knob::Setting(k), _) => format!("{policy}:{k}="),
+                (Knob::Option(_), _) => knob_text(*option, front) + " ",
+            };
+            format!("invalid option for the `{policy}` policy: {named}{message}")
         }
+        other => other.to_string(),
     }
-    for o in PolicyOption::ALL {
-        s = s.replace(&format!("`{}`", o.field()), o.flag());
-    }
-    s.replace("`prefill_chunk`", "--prefill-chunk")
 }
 
-/// `e` with its causes (`{e:#}`), every policy error in the chain mapped by [`kv_for_cli`].
-pub fn for_cli(e: &anyhow::Error) -> String {
-    let mut s = format!("{e:#}");
-    for cause in e.chain() {
-        let kv = match (
-            cause.downcast_ref::<KvError>(),
-            cause.downcast_ref::<ModelError>(),
-        ) {
-            (Some(kv), _) | (None, Some(ModelError::Policy(kv))) => kv,
-            _ => continue,
-        };
-        s = s.replace(&kv.to_string(), &kv_for_cli(kv));
-    }
-    s
+/// `e` with its causes (as `{e:#}` prints them), every policy error in the chain rendered
+/// by [`kv_for_cli`].
+pub fn for_cli(e: &anyhow::Error, front: Frontend) -> String {
+    let parts: Vec<String> = e
+        .chain()
+        .map(|cause| {
+            match (
+                cause.downcast_ref::<KvError>(),
+                cause.downcast_ref::<ModelError>(),
+            ) {
+                (Some(kv), _) | (None, Some(ModelError::Policy(kv))) => kv_for_cli(kv, front),
+                _ => cause.to_string(),
+            }
+        })
+        .collect();
+    parts.join(": ")
 }

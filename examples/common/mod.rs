@@ -10,6 +10,7 @@ mod applies;
 mod atomic;
 mod batch;
 mod errors;
+mod flags;
 mod npy;
 mod outpath;
 mod preflight;
@@ -21,16 +22,19 @@ use candle_core::{DType, Device};
 use clap::{CommandFactory, FromArgMatches, Parser};
 use kvpolicy::core::{DiskIo, KvCodec};
 use kvpolicy::models::{activation_dtype, generate, load, resolve, ModelSpec, TextTokenizer};
-use kvpolicy::{GenerateConfig, HeadGroup, KvStats, PolicyOptions, Profile};
+use kvpolicy::{GenerateConfig, HeadGroup, KvStats, PolicyOptions, PolicySpec, Profile};
 use serde::Serialize;
 
 /// Flags shared by every example.
 #[derive(Parser, Debug)]
 #[command(about = "Generate text under a KV-cache policy", long_about = None)]
 pub struct Args {
-    /// KV policy: full (all on device), layer (layer-wise offload), headwise (head-wise offload), recompute (partial recompute, KVPR), hybrid (KV and activation blocks, HybridServe), auto (resident units under --device-kv-budget, the rest streamed), sinks (APPROXIMATE: attention sinks + recent window, from the downstream crate examples/custom-policy); an unknown name lists the valid ones.
-    #[arg(long, default_value = "full")]
+    /// KV policy spec: NAME or NAME:KEY=VALUE,… — full (all on device), layer (layer-wise offload), headwise (head-wise offload; headwise:group=1), recompute (partial recompute, KVPR; recompute:split=N), hybrid (KV and activation blocks, HybridServe), auto (resident units under the budget, the rest streamed; auto:64MiB), sinks (APPROXIMATE: attention sinks + recent window, sinks:sinks=4,window=256, from the downstream crate examples/custom-policy); --list-policies prints every policy's settings.
+    #[arg(long, default_value = "full", value_name = "SPEC")]
     pub policy: String,
+    /// Print every policy with its settings (types, defaults, docs) and the options it reads, then exit.
+    #[arg(long)]
+    pub list_policies: bool,
     /// Prompt text (tokenized with the model's tokenizer).
     #[arg(long, conflicts_with_all = ["prompt_ids", "prompts_file", "random_prompt"])]
     pub prompt: Option<String>,
@@ -82,9 +86,9 @@ pub struct Args {
     /// config.json for --random-weights.
     #[arg(long, requires = "random_weights")]
     pub config: Option<PathBuf>,
-    /// KV heads per head group for `headwise`: a divisor of the model's KV heads, or auto.
-    #[arg(long, default_value = "auto")]
-    pub head_group: HeadGroup,
+    /// KV heads per head group for `headwise`: a divisor of the model's KV heads, or auto (default); the same as --policy headwise:group=N.
+    #[arg(long)]
+    pub head_group: Option<HeadGroup>,
     /// Device-tier byte budget for KV buffers, e.g. 64MiB or 2GB (default: unlimited).
     #[arg(long, value_parser = parse_budget)]
     pub device_kv_budget: Option<u64>,
@@ -108,13 +112,13 @@ pub struct Args {
     /// Cost profile for `recompute` (JSON: h2d_bytes_per_s, recompute_tokens_per_s); default: measured at the first step.
     #[arg(long, value_name = "FILE")]
     pub profile: Option<PathBuf>,
-    /// Force `recompute` to regenerate the first N cached tokens of every layer (clamped to the tokens cached so far) instead of the scheduler's split.
+    /// Force `recompute` to regenerate the first N cached tokens of every layer (clamped to the tokens cached so far) instead of the scheduler's split; the same as --policy recompute:split=N.
     #[arg(long, value_name = "N")]
     pub recompute_split: Option<usize>,
-    /// Tokens per cache block for `hybrid`.
-    #[arg(long, default_value_t = 16)]
-    pub block_size: usize,
-    /// Force `hybrid`'s share of blocks stored as K/V, in [0, 1]: 1 = all KV, 0.5 = 1:1, 0 = all activations (default: balanced from the profile).
+    /// Tokens per cache block for `hybrid` (default 16); the same as --policy hybrid:block_size=N.
+    #[arg(long)]
+    pub block_size: Option<usize>,
+    /// Force `hybrid`'s share of blocks stored as K/V, in [0, 1]: 1 = all KV, 0.5 = 1:1, 0 = all activations (default: balanced from the profile); the same as --policy hybrid:kv_act_ratio=R.
     #[arg(long, value_name = "R", allow_negative_numbers = true)]
     pub kv_act_ratio: Option<f64>,
     /// Simulate a host↔device link of this many bytes per second on the CPU (e.g. 200MB), so offload policies pay transfer time as on a GPU.
@@ -138,6 +142,16 @@ pub struct Args {
     /// Write the policy's stats and timings as JSON to FILE (with --prompts-file also the stats after every step, as `steps`).
     #[arg(long)]
     pub stats_out: Option<PathBuf>,
+}
+
+impl Args {
+    /// The policy's name: `--policy`'s spec before its settings.
+    pub fn policy_name(&self) -> &str {
+        self.policy
+            .split_once(':')
+            .map_or(self.policy.as_str(), |(name, _)| name)
+            .trim()
+    }
 }
 
 /// What --stats-out writes.
@@ -200,16 +214,28 @@ pub fn main(example: &str, archs: &[&str], default: Option<ModelSpec>) -> ExitCo
     let matches = Args::command().get_matches();
     let args = Args::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     init_tracing();
-    for warning in applies::unused_flags(&matches, &args.policy) {
-        eprintln!("{warning}");
+    let reg = registry::registry();
+    if args.list_policies {
+        println!("{}", flags::list_policies(&reg));
+        return ExitCode::SUCCESS;
     }
-    atomic::on_signals();
-    match run(&args, example, archs, default) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {}", errors::for_cli(&e));
-            ExitCode::FAILURE
+    let fail = |e: anyhow::Error| {
+        eprintln!("error: {}", errors::for_cli(&e, errors::Frontend::Runner));
+        ExitCode::FAILURE
+    };
+    let spec = match flags::run_spec(&reg, &matches, &args.policy) {
+        Ok((spec, warnings)) => {
+            for warning in warnings {
+                eprintln!("{warning}");
+            }
+            spec
         }
+        Err(e) => return fail(e),
+    };
+    atomic::on_signals();
+    match run(&args, &spec, example, archs, default) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => fail(e),
     }
 }
 
@@ -250,7 +276,13 @@ fn example_for(arch: &str) -> &'static str {
     }
 }
 
-fn run(args: &Args, example: &str, archs: &[&str], default: Option<ModelSpec>) -> Result<()> {
+fn run(
+    args: &Args,
+    spec: &PolicySpec,
+    example: &str,
+    archs: &[&str],
+    default: Option<ModelSpec>,
+) -> Result<()> {
     let explicit = args.model_dir.is_some()
         || args.model_id.is_some()
         || args.gguf.is_some()
@@ -272,12 +304,8 @@ fn run(args: &Args, example: &str, archs: &[&str], default: Option<ModelSpec>) -
     let opts = PolicyOptions {
         device: device.clone(),
         device_kv_budget: args.device_kv_budget,
-        head_group: args.head_group,
         profile: args.profile.as_deref().map(Profile::load).transpose()?,
-        recompute_split: args.recompute_split,
         link_bandwidth: args.link_bandwidth.map(|b| b as f64),
-        block_size: args.block_size,
-        kv_act_ratio: args.kv_act_ratio,
         host_kv_budget: args.host_kv_budget,
         disk_dir: args.disk_dir.clone(),
         disk_io: args.disk_io,
@@ -285,9 +313,9 @@ fn run(args: &Args, example: &str, archs: &[&str], default: Option<ModelSpec>) -
         ..PolicyOptions::default()
     };
     let mut policy = if args.prompts_file.is_some() {
-        registry::registry().build_batched(&args.policy, &opts)?
+        registry::registry().build_batched_spec(spec, &opts)?
     } else {
-        registry::registry().build(&args.policy, &opts)?
+        registry::registry().build_spec(spec, &opts)?
     };
     // Output paths that cannot be written fail before any work.
     for (path, flag) in [
@@ -381,7 +409,7 @@ fn run(args: &Args, example: &str, archs: &[&str], default: Option<ModelSpec>) -
 
     let info = model.info();
     let stats = policy.stats();
-    summary::print(&gen, &stats, policy.name());
+    summary::print(&gen, &stats, policy.name(), args.host_kv_dtype.is_some());
     // Every output is written before any is put in place: one failing leaves none.
     let mut staged = Staged::new();
     if let Some(path) = &args.ids_out {
@@ -412,7 +440,9 @@ fn run(args: &Args, example: &str, archs: &[&str], default: Option<ModelSpec>) -
 /// Prints a warning when `--link-bandwidth` would make a decode step of a prompt of
 /// `longest` tokens take minutes under a policy that reads it.
 fn warn_slow_link(args: &Args, info: &kvpolicy::ModelInfo, longest: usize) {
-    let reads = registry::registry().reads(&args.policy).unwrap_or(&[]);
+    let reads = registry::registry()
+        .reads(args.policy_name())
+        .unwrap_or(&[]);
     if let (Some(bandwidth), true) = (
         args.link_bandwidth,
         reads.contains(&kvpolicy::PolicyOption::LinkBandwidth),

@@ -14,7 +14,7 @@ use super::{registry, Args};
 fn uses_disk(args: &Args) -> bool {
     args.disk_dir.is_some()
         && registry::registry()
-            .reads(&args.policy)
+            .reads(args.policy_name())
             .is_ok_and(|r| r.contains(&PolicyOption::DiskDir))
 }
 

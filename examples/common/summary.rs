@@ -1,16 +1,27 @@
 //! The run's summary on stderr: throughput, device KV and scratch peaks, recompute, bytes
-//! moved each way and per token, `auto`'s resident units, the disk tier, and whether the
-//! cache was stored lossily.
+//! moved each way and per token, the disk tier, the policy's own metrics (`auto`'s
+//! resident units, `sinks`' evicted tokens), and whether the run was lossy.
 use std::io::Write;
 
 use kvpolicy::models::Generation;
 use kvpolicy::KvStats;
 
-/// Prints the summary of `gen` under `policy` with its final `stats`.
-pub fn print(gen: &Generation, stats: &KvStats, policy: &str) {
+/// The policy's metrics as `name value unit` items.
+pub fn metrics_text(stats: &KvStats) -> String {
+    let items: Vec<String> = stats
+        .policy_metrics
+        .iter()
+        .map(|m| format!("{} {} {}", m.name, m.value, m.unit))
+        .collect();
+    items.join(", ")
+}
+
+/// Prints the summary of `gen` under `policy` with its final `stats`; `compressed`: the
+/// host tier stores K/V in a smaller dtype (`--host-kv-dtype`).
+pub fn print(gen: &Generation, stats: &KvStats, policy: &str, compressed: bool) {
     let _ = writeln!(
         std::io::stderr(),
-        "{} prompt tokens in {:.2}s ({:.1} tok/s); {} decode steps in {:.2}s ({:.1} tok/s); policy {}; device KV peak {}; step scratch peak {}; recomputed {} tokens (last split {})",
+        "{} prompt tokens in {:.2}s ({:.1} tok/s); {} decode steps in {:.2}s ({:.1} tok/s); policy {}; device KV peak {}; step scratch peak {}; recomputed {} tokens",
         gen.prefill_tokens,
         gen.prefill_s,
         gen.prefill_tokens as f64 / gen.prefill_s.max(1e-9),
@@ -21,7 +32,6 @@ pub fn print(gen: &Generation, stats: &KvStats, policy: &str) {
         kvpolicy::core::format_bytes(stats.device_kv_peak_bytes),
         kvpolicy::core::format_bytes(stats.device_scratch_peak_bytes),
         stats.recompute_tokens,
-        stats.split,
     );
     let tokens = (gen.prefill_tokens + gen.decode_tokens).max(1) as u64;
     let mut moved = format!(
@@ -30,15 +40,6 @@ pub fn print(gen: &Generation, stats: &KvStats, policy: &str) {
         kvpolicy::core::format_bytes(stats.h2d_bytes / tokens),
         kvpolicy::core::format_bytes(stats.d2h_bytes),
     );
-    if stats.resident_units + stats.streamed_units > 0 {
-        moved += &format!(
-            "; resident units {} of {} ({:.0}%), {} demoted",
-            stats.resident_units,
-            stats.resident_units + stats.streamed_units,
-            100.0 * stats.resident_fraction(),
-            stats.demotions
-        );
-    }
     if stats.disk_kv_bytes > 0 {
         moved += &format!(
             "; disk tier {} (read {}, wrote {}, {:.2}s; {} reads)",
@@ -53,8 +54,15 @@ pub fn print(gen: &Generation, stats: &KvStats, policy: &str) {
             }
         );
     }
+    if !stats.policy_metrics.is_empty() {
+        moved += &format!("; {policy}: {}", metrics_text(stats));
+    }
     if stats.lossy {
-        moved += "; LOSSY: K/V stored in the smaller --host-kv-dtype, logits differ from full";
+        moved += if compressed {
+            "; LOSSY: K/V stored in the smaller --host-kv-dtype, logits differ from full"
+        } else {
+            "; LOSSY: an approximate policy, logits differ from full"
+        };
     }
     let _ = writeln!(std::io::stderr(), "{moved}");
 }

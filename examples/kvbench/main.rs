@@ -17,6 +17,8 @@ mod atomic;
 mod bandwidth;
 #[path = "../common/errors.rs"]
 mod errors;
+#[path = "../common/flags.rs"]
+mod flags;
 mod llamacpp;
 #[path = "../common/outpath.rs"]
 mod outpath;
@@ -68,12 +70,15 @@ struct Args {
     /// Runs per policy and context (median reported).
     #[arg(long, default_value_t = 3)]
     repeats: usize,
-    /// Policies: `name`, `headwise:GROUP`, `recompute:SPLIT` or `auto:BUDGET` (e.g. auto:64MiB).
+    /// Policy specs: NAME or NAME:KEY=VALUE,KEY=VALUE (headwise:group=1, recompute:split=64, auto:budget=64MiB, sinks:sinks=4,window=256); a lone value sets the first setting (headwise:1, auto:64MiB). --list-policies prints every policy's settings.
     #[arg(long, value_delimiter = ',', default_values_t = ["full", "layer", "headwise:1", "headwise:auto", "recompute"].map(String::from).to_vec())]
     policies: Vec<String>,
     /// Fill each context with random K/V stored without attention (`KvPolicy::append_kv`; full, layer, headwise) instead of a prefill: decode timing at contexts whose prefill would take hours. The prefill column is then the fill rate, and the logits mean nothing.
     #[arg(long, conflicts_with = "llamacpp")]
     synthetic_history: bool,
+    /// Print every policy with its settings (types, defaults, docs), then exit.
+    #[arg(long)]
+    list_policies: bool,
     /// Prefill chunk (tokens per pass).
     #[arg(long, default_value_t = 256)]
     prefill_chunk: usize,
@@ -131,10 +136,14 @@ fn parse_size(s: &str) -> std::result::Result<u64, String> {
 fn main() -> std::process::ExitCode {
     threads::settle();
     let args = Args::parse();
+    if args.list_policies {
+        println!("{}", flags::list_policies(&registry::registry()));
+        return std::process::ExitCode::SUCCESS;
+    }
     match run(args) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {}", errors::for_cli(&e));
+            eprintln!("error: {}", errors::for_cli(&e, errors::Frontend::Kvbench));
             std::process::ExitCode::FAILURE
         }
     }
@@ -181,8 +190,7 @@ fn run(mut args: Args) -> Result<()> {
         disk_io: args.disk_io,
         ..PolicyOptions::default()
     };
-    let variants: Vec<Variant> = args
-        .policies
+    let variants: Vec<Variant> = sweep::join_specs(&args.policies)
         .iter()
         .map(|p| Variant::parse(p, &base))
         .collect::<Result<_>>()?;

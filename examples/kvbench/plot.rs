@@ -152,7 +152,16 @@ pub fn draw_budget_sweep(rows: &[Row], dir: &Path, model: &str) -> Result<Option
     let mut curve: Vec<(f64, f64)> = at
         .iter()
         .filter_map(|r| {
-            let budget = kvpolicy::parse_bytes(r.policy.strip_prefix("auto:")?).ok()?;
+            let spec = kvpolicy::PolicySpec::parse(&r.policy).ok()?;
+            let value = match spec.settings.as_slice() {
+                [one]
+                    if spec.name == "auto" && one.key.as_deref().is_none_or(|k| k == "budget") =>
+                {
+                    &one.value
+                }
+                _ => return None,
+            };
+            let budget = kvpolicy::parse_bytes(value).ok()?;
             Some((budget as f64 / (1 << 20) as f64, 1.0 / r.decode_tok_s))
         })
         .collect();

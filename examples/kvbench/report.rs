@@ -29,9 +29,9 @@ fn ratio(a: f64, b: Option<f64>) -> String {
 /// The table: one row per context and variant; `bandwidth` adds the PCIe bound column.
 pub fn markdown(rows: &[Row], bandwidth: Option<f64>) -> String {
     let mut s = String::from(
-        "| context | policy | prefill tok/s | ÷ full | decode tok/s | ÷ full | device KV peak | ÷ full | host KV | h2d bytes/token | split |",
+        "| context | policy | prefill tok/s | ÷ full | decode tok/s | ÷ full | device KV peak | ÷ full | host KV | h2d bytes/token | policy metrics |",
     );
-    let mut rule = String::from("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let mut rule = String::from("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|");
     if bandwidth.is_some() {
         s.push_str(" PCIe bound s/token | s/token | bound ÷ s/token | copy s/token |");
         rule.push_str("---:|---:|---:|---:|");
@@ -75,10 +75,14 @@ pub fn markdown(rows: &[Row], bandwidth: Option<f64>) -> String {
             } else {
                 r.h2d_bytes_per_token.to_string()
             },
-            if is_peer {
+            if is_peer || r.metrics.is_empty() {
                 "-".into()
             } else {
-                r.split.to_string()
+                r.metrics
+                    .iter()
+                    .map(|m| format!("{} {} {}", m.name, m.value, m.unit))
+                    .collect::<Vec<_>>()
+                    .join(", ")
             },
         ));
         if let Some(b) = bandwidth {
@@ -101,16 +105,28 @@ pub fn markdown(rows: &[Row], bandwidth: Option<f64>) -> String {
 
 /// Writes every row as CSV (through a temporary file, so a failure leaves nothing behind).
 pub fn write_csv(rows: &[Row], path: &Path) -> Result<()> {
+    // The policies' own metrics, one column each, in the order they first appear.
+    let mut metrics: Vec<&str> = Vec::new();
+    for m in rows.iter().flat_map(|r| &r.metrics) {
+        if !metrics.contains(&m.name) {
+            metrics.push(m.name);
+        }
+    }
     let mut out = String::from(
-        "context,policy,prefill_tok_s,decode_tok_s,decode_vs_full,device_kv_peak_bytes,device_vs_full,host_kv_bytes,h2d_bytes_per_token,d2h_bytes_per_token,split\n",
+        "context,policy,prefill_tok_s,decode_tok_s,decode_vs_full,device_kv_peak_bytes,device_vs_full,host_kv_bytes,h2d_bytes_per_token,d2h_bytes_per_token",
     );
+    for m in &metrics {
+        out.push(',');
+        out.push_str(m);
+    }
+    out.push('\n');
     for r in rows {
         let a = anchor(rows, r.context);
         let opt = |x: Option<f64>| x.map(|v| format!("{v:.6}")).unwrap_or_default();
         out.push_str(&format!(
-            "{},{},{:.3},{:.3},{},{},{},{},{},{},{}\n",
+            "{},{},{:.3},{:.3},{},{},{},{},{},{}",
             r.context,
-            r.policy,
+            csv_field(&r.policy),
             r.prefill_tok_s,
             r.decode_tok_s,
             opt(a.map(|a| r.decode_tok_s / a.decode_tok_s)),
@@ -121,10 +137,25 @@ pub fn write_csv(rows: &[Row], path: &Path) -> Result<()> {
             r.host_kv_bytes,
             r.h2d_bytes_per_token,
             r.d2h_bytes_per_token,
-            r.split,
         ));
+        for name in &metrics {
+            out.push(',');
+            if let Some(m) = r.metrics.iter().find(|m| m.name == *name) {
+                out.push_str(&m.value.to_string());
+            }
+        }
+        out.push('\n');
     }
     write_atomic(path, |w| Ok(w.write_all(out.as_bytes())?))
+}
+
+/// `s` as one CSV field: quoted when it holds a comma or a quote (a spec with settings).
+fn csv_field(s: &str) -> String {
+    if s.contains([',', '"']) {
+        format!("\"{}\"", s.replace('"', "\"\""))
+    } else {
+        s.to_string()
+    }
 }
 
 /// One line per row that used the disk tier: its files, the bytes read per decoded token,

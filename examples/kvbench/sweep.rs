@@ -4,67 +4,57 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use candle_core::{Device, Tensor};
+use kvpolicy::core::PolicyMetric;
 use kvpolicy::models::generate::kv_shape;
 use kvpolicy::models::prefill;
-use kvpolicy::{CausalLm, HeadGroup, LogitsMode, PolicyOptions, Profile};
+use kvpolicy::{CausalLm, LogitsMode, PolicyOptions, PolicySpec, Profile};
 
-/// A policy with its options, as named on the command line (`headwise:1`, `recompute:64`).
+/// A policy with its settings and options, as named on the command line (`headwise:1`,
+/// `recompute:split=64`, `sinks:sinks=4,window=256`).
 #[derive(Clone, Debug)]
 pub struct Variant {
-    /// The name as given.
+    /// The spec as given.
     pub label: String,
-    /// The registry name.
-    pub policy: String,
-    /// Its options.
+    /// The spec, parsed.
+    pub spec: PolicySpec,
+    /// The shared options.
     pub opts: PolicyOptions,
 }
 
 impl Variant {
-    /// Parses `name`, `headwise:GROUP` or `recompute:SPLIT` over the shared options.
+    /// Parses a spec over the shared options, building it once so that an unknown policy,
+    /// setting or value fails before any model work.
     pub fn parse(label: &str, base: &PolicyOptions) -> Result<Self> {
-        let (policy, arg) = match label.split_once(':') {
-            Some((p, "")) => anyhow::bail!(
-                "`{label}`: the setting after `{p}:` is empty; give one (headwise:1, recompute:64, auto:64MiB) or leave out the colon"
-            ),
-            Some((p, a)) => (p, Some(a)),
-            None => (label, None),
-        };
-        let mut opts = base.clone();
-        let Some(arg) = arg else {
-            // Fail on an unknown name before any model work.
-            crate::registry::registry().build(policy, &opts)?;
-            return Ok(Self {
-                label: label.to_string(),
-                policy: policy.to_string(),
-                opts,
-            });
-        };
-        match (policy, arg) {
-            ("recompute", n) => {
-                opts.recompute_split = Some(n.parse().with_context(|| {
-                    format!("`{label}`: recompute:SPLIT needs a number of tokens")
-                })?)
-            }
-            ("headwise", g) => {
-                opts.head_group = g.parse::<HeadGroup>().map_err(anyhow::Error::msg)?
-            }
-            ("auto", b) => {
-                opts.device_kv_budget = Some(kvpolicy::parse_bytes(b).with_context(|| {
-                    format!("`{label}`: auto:BUDGET needs a size, e.g. auto:64MiB")
-                })?)
-            }
-            (p, _) => anyhow::bail!(
-                "`{label}`: only headwise:GROUP, recompute:SPLIT and auto:BUDGET take a value, not {p}"
-            ),
-        }
-        // Fail on an unknown name before any model work.
-        crate::registry::registry().build(policy, &opts)?;
+        let spec = PolicySpec::parse(label)?;
+        crate::registry::registry().build_spec(&spec, base)?;
         Ok(Self {
             label: label.to_string(),
-            policy: policy.to_string(),
-            opts,
+            spec,
+            opts: base.clone(),
         })
     }
+
+    /// A fresh policy for one run.
+    pub fn build(&self) -> Result<Box<dyn kvpolicy::KvPolicy>> {
+        Ok(crate::registry::registry().build_spec(&self.spec, &self.opts)?)
+    }
+}
+
+/// `--policies` as clap splits it at every comma, with the settings of one spec joined
+/// back (`sinks:sinks=4`, `window=256` → `sinks:sinks=4,window=256`): a piece with `=`
+/// and no `:` continues the spec before it.
+pub fn join_specs(pieces: &[String]) -> Vec<String> {
+    let mut specs: Vec<String> = Vec::new();
+    for p in pieces {
+        match specs.last_mut() {
+            Some(last) if p.contains('=') && !p.contains(':') => {
+                last.push(',');
+                last.push_str(p);
+            }
+            _ => specs.push(p.clone()),
+        }
+    }
+    specs
 }
 
 /// What one variant measured at one context.
@@ -86,8 +76,9 @@ pub struct Row {
     pub h2d_bytes_per_token: u64,
     /// Device→host bytes per decoded token.
     pub d2h_bytes_per_token: u64,
-    /// Tokens regenerated per layer in the last step (`recompute`).
-    pub split: u64,
+    /// The policy's own metrics at the end (`split`, `resident_units`, …): CSV columns.
+    #[serde(skip)]
+    pub metrics: Vec<PolicyMetric>,
     /// Seconds per decoded token the transfer engine spent copying (overlapped or not).
     pub copy_s_per_token: f64,
     /// The profile the policy planned with, if any.
@@ -119,7 +110,7 @@ impl Row {
             host_kv_bytes: 0,
             h2d_bytes_per_token: 0,
             d2h_bytes_per_token: 0,
-            split: 0,
+            metrics: Vec::new(),
             copy_s_per_token: 0.0,
             profile: None,
             disk_kv_bytes: 0,
@@ -173,7 +164,7 @@ pub fn measure(
     let mut rates = Vec::new();
     let mut last = None;
     for _ in 0..repeats.max(1) {
-        let mut p = crate::registry::registry().build(&v.policy, &v.opts)?;
+        let mut p = v.build()?;
         // As `generate` does: the policy plans for the run's length (`auto` sizes its
         // resident units for it).
         p.prepare(&kv_shape(model.info(), 1, context + steps, chunk))?;
@@ -208,7 +199,7 @@ pub fn measure(
         host_kv_bytes: after.host_kv_bytes,
         h2d_bytes_per_token: per(after.h2d_bytes, before.h2d_bytes),
         d2h_bytes_per_token: per(after.d2h_bytes, before.d2h_bytes),
-        split: after.split,
+        metrics: after.policy_metrics.clone(),
         copy_s_per_token: (after.copy_s - before.copy_s) / steps.max(1) as f64,
         profile,
         disk_kv_bytes: after.disk_kv_bytes,

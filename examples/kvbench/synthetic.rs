@@ -58,7 +58,7 @@ pub fn settle() -> Result<()> {
 /// history (one token stored through `append_kv`): one that cannot fails the sweep before
 /// the others' results are computed and lost.
 pub fn check(model: &dyn CausalLm, variant: &crate::sweep::Variant) -> Result<()> {
-    let mut p = crate::registry::registry().build(&variant.policy, &variant.opts)?;
+    let mut p = variant.build()?;
     fill(model, p.as_mut(), 1, 1)
         .map_err(|e| e.context(format!("--synthetic-history with `{}`", variant.label)))
 }

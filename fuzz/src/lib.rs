@@ -8,7 +8,7 @@ use candle_core::{DType, Device, Tensor};
 use kvpolicy::models::config::ModelConfig;
 use kvpolicy::models::llama::Recipe;
 use kvpolicy::models::{load, resolve, GgufFile, ModelSpec, TextTokenizer};
-use kvpolicy::{build_policy, AttnSpec, AttnStep, HeadGroup, KvRegen, PolicyOptions};
+use kvpolicy::{build_policy, AttnSpec, AttnStep, KvRegen, PolicyOptions};
 
 /// config.json text: parsing and every architecture's recipe.
 pub fn config(data: &[u8]) {
@@ -81,30 +81,41 @@ pub fn policy_ops(data: &[u8]) {
     let Some((&first, ops)) = data.split_first() else {
         return;
     };
-    let names = ["full", "layer", "headwise", "recompute", "hybrid"];
     let mut opts = PolicyOptions {
         grow_tokens: 1 + (first as usize % 5),
-        head_group: HeadGroup::Fixed(1 + (first as usize >> 6)),
-        recompute_split: if first & 8 != 0 {
-            Some(first as usize % 7)
-        } else {
-            None
-        },
         ..PolicyOptions::default()
     };
     if first & 16 != 0 {
         opts.device_kv_budget = Some(64 * first as u64);
     }
     // hybrid: blocks of 1–4 tokens, a forced share or a fixed profile (no timing here).
-    opts.block_size = 1 + (first as usize >> 5) % 4;
-    opts.kv_act_ratio = (first & 32 != 0).then_some(f64::from(first % 3) / 2.0);
     opts.profile = Some(kvpolicy::Profile {
         h2d_bytes_per_s: 1e9,
         recompute_tokens_per_s: 1e6,
         device: None,
         shape: None,
     });
-    let Ok(mut p) = build_policy(names[first as usize % names.len()], &opts) else {
+    // Each policy's settings from the same byte: a head group, a forced split, a block
+    // size and a forced KV share.
+    let group = 1 + (first as usize >> 6);
+    let split = if first & 8 != 0 {
+        format!("recompute:split={}", first as usize % 7)
+    } else {
+        "recompute".to_string()
+    };
+    let block = 1 + (first as usize >> 5) % 4;
+    let hybrid = match (first & 32 != 0).then_some(f64::from(first % 3) / 2.0) {
+        Some(r) => format!("hybrid:block_size={block},kv_act_ratio={r}"),
+        None => format!("hybrid:block_size={block}"),
+    };
+    let specs = [
+        "full".to_string(),
+        "layer".to_string(),
+        format!("headwise:group={group}"),
+        split,
+        hybrid,
+    ];
+    let Ok(mut p) = build_policy(&specs[first as usize % specs.len()], &opts) else {
         return;
     };
     let dev = Device::Cpu;

@@ -316,3 +316,20 @@ pub fn assert_within_spread(name: &str, gaps: &[f32], margins: &[f32], spread: f
         );
     }
 }
+
+/// The policy metric `name` of `stats` as a whole number (0 when the policy does not
+/// report it).
+#[allow(dead_code)]
+pub fn metric(stats: &kvpolicy::KvStats, name: &str) -> u64 {
+    stats.metric(name).unwrap_or(0.0) as u64
+}
+
+/// `policy` with head group `group` when it takes one (`headwise:group=N`), else `policy`.
+#[allow(dead_code)]
+pub fn spec(policy: &str, group: kvpolicy::HeadGroup) -> String {
+    if policy == "headwise" {
+        format!("headwise:group={group}")
+    } else {
+        policy.to_string()
+    }
+}

@@ -5,8 +5,8 @@
 //! budget the policy fails before allocating past it and points to the offload policies.
 use candle_core::{Device, Tensor};
 use kvpolicy_core::{
-    attend_partial, round_up, Advice, AttnStep, DeviceMeter, KvBuffer, KvError, KvPolicy, KvShape,
-    KvStats, PolicyOption, PolicyOptions, Result,
+    attend_partial, round_up, Advice, AttnStep, DeviceMeter, Knob, KvBuffer, KvError, KvPolicy,
+    KvShape, KvStats, PolicyOption, PolicyOptions, Result,
 };
 
 /// Why `full` cannot shrink to a device budget.
@@ -18,7 +18,7 @@ fn advice() -> Vec<Advice> {
     vec![
         Advice::UsePolicy("headwise"),
         Advice::UsePolicy("auto"),
-        Advice::Raise(PolicyOption::DeviceKvBudget),
+        Advice::Raise(Knob::Option(PolicyOption::DeviceKvBudget)),
     ]
 }
 

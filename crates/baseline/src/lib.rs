@@ -11,6 +11,7 @@ pub mod full;
 
 pub use full::FullPolicy;
 
+use kvpolicy_core::settings::NoSettings;
 use kvpolicy_core::{PolicyOption, PolicyRegistry};
 
 /// Registers this crate's policies.
@@ -19,6 +20,6 @@ pub fn register(reg: &mut PolicyRegistry) {
         "full",
         "every layer's K/V on the device (the reference)",
         &[PolicyOption::DeviceKvBudget],
-        |o| Ok(Box::new(FullPolicy::new(o))),
+        |o, _: NoSettings| Ok(Box::new(FullPolicy::new(o))),
     );
 }

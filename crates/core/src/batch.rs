@@ -112,7 +112,7 @@ impl KvPolicy for PerSequence {
             s.host_kv_bytes += q.host_kv_bytes;
             s.host_pinned_bytes += q.host_pinned_bytes;
             add_cumulative(&mut s, &q);
-            s.split = q.split;
+            s.add_metrics(&q.policy_metrics, true);
             s.kv_tokens = s.kv_tokens.max(q.kv_tokens);
         }
         s.device_kv_peak_bytes = self.device_peak;
@@ -132,6 +132,7 @@ impl KvPolicy for PerSequence {
         if let Some(p) = self.seqs.remove(&seq) {
             let q = p.stats();
             add_cumulative(&mut self.retired, &q);
+            self.retired.add_metrics(&q.policy_metrics, false);
         }
     }
 }

@@ -1,19 +1,20 @@
 //! Typed errors of the policy layer.
 //!
-//! Messages describe the problem and name options by their [`PolicyOptions`] field (in
-//! backticks, e.g. `` `device_kv_budget` ``); a front end maps those to its own spelling —
-//! the examples' [`PolicyOption::flag`]s — and reads [`Advice`] for what to change.
+//! Messages describe the problem and name options by their [`PolicyOptions`] field and
+//! settings by their key (in backticks, e.g. `` `device_kv_budget` ``); errors about one
+//! carry it as a [`Knob`] and budget errors carry [`Advice`], which a front end renders in
+//! its own spelling (the CLI's flags).
 //!
 //! [`PolicyOptions`]: crate::PolicyOptions
-use crate::registry::PolicyOption;
+use crate::knob::Knob;
 
 /// One thing the user can change to get past a [`KvError::BudgetExceeded`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Advice {
-    /// Raise this option (the device KV budget).
-    Raise(PolicyOption),
-    /// Lower this option (a head group, a recompute split).
-    Lower(PolicyOption),
+    /// Raise this (the device KV budget).
+    Raise(Knob),
+    /// Lower this (a head group, a recompute split).
+    Lower(Knob),
     /// Switch to this policy.
     UsePolicy(&'static str),
     /// Prefill in smaller chunks (`GenerateConfig::prefill_chunk`).
@@ -25,8 +26,8 @@ pub enum Advice {
 impl std::fmt::Display for Advice {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Self::Raise(o) => write!(f, "raise `{}`", o.field()),
-            Self::Lower(o) => write!(f, "use a smaller `{}`", o.field()),
+            Self::Raise(k) => write!(f, "raise {k}"),
+            Self::Lower(k) => write!(f, "use a smaller {k}"),
             Self::UsePolicy(p) => write!(f, "use the `{p}` policy"),
             Self::SmallerPrefillChunk => write!(f, "use a smaller `prefill_chunk`"),
             Self::ShorterRequests => write!(f, "shorten the requests"),
@@ -54,15 +55,48 @@ pub enum KvError {
         /// The registered names, comma separated.
         valid: String,
     },
-    /// An option value that a policy cannot work with.
-    #[error("invalid option for the `{policy}` policy: {message}")]
+    /// An option or setting value that a policy cannot work with.
+    #[error("invalid option for the `{policy}` policy: {option} {message}")]
     InvalidOption {
         /// The policy that rejected the option.
         policy: String,
-        /// The option.
-        option: PolicyOption,
-        /// What is wrong and what to do (the option named by its field, in backticks).
+        /// The option or setting.
+        option: Knob,
+        /// What is wrong with the value and what to do, continuing after the option's name
+        /// ("1.5 is outside [0, 1]: …"); other options named by their field, in backticks.
         message: String,
+    },
+    /// A policy spec string that does not parse.
+    #[error("cannot parse the policy spec `{spec}`: {reason}; write NAME, NAME:VALUE or NAME:KEY=VALUE,KEY=VALUE (e.g. headwise:group=1)")]
+    BadSpec {
+        /// The spec as given.
+        spec: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A setting key the policy does not declare.
+    #[error("the `{policy}` policy has no setting `{key}`; {}", valid_keys(.valid))]
+    UnknownSetting {
+        /// The policy.
+        policy: String,
+        /// The key given.
+        key: String,
+        /// The keys it declares.
+        valid: Vec<String>,
+    },
+    /// A setting value the policy's settings type rejects.
+    #[error("the `{policy}` policy's setting `{key}`{}{}: {reason}{}", if .value.is_empty() { "" } else { " = " }, .value, if .expected.is_empty() { String::new() } else { format!(" (expected: {})", .expected) })]
+    BadSetting {
+        /// The policy.
+        policy: String,
+        /// The key.
+        key: String,
+        /// The value as written.
+        value: String,
+        /// The setting's type, as listings print it.
+        expected: String,
+        /// What the parser said.
+        reason: String,
     },
     /// The device tier would exceed its byte budget.
     #[error(
@@ -139,6 +173,15 @@ pub enum KvError {
         /// Why it is rejected.
         reason: String,
     },
+}
+
+/// "its settings are: a, b" or "it takes no settings".
+fn valid_keys(valid: &[String]) -> String {
+    if valid.is_empty() {
+        "it takes no settings".to_string()
+    } else {
+        format!("its settings are: {}", valid.join(", "))
+    }
 }
 
 impl KvError {

@@ -29,9 +29,12 @@ pub mod attention;
 pub mod batch;
 pub mod buffer;
 pub mod error;
+pub mod knob;
+pub mod options;
 pub mod policy;
 pub mod profile;
 pub mod registry;
+pub mod settings;
 pub mod size;
 pub mod stats;
 pub mod tiered;
@@ -42,11 +45,14 @@ pub use attention::{attend, attend_partial, merge_partials, AttnSpec, Partial};
 pub use batch::{PerSequence, PolicyFactory};
 pub use buffer::{grown, round_up, KvBuffer};
 pub use error::{Advice, KvError, Result};
+pub use knob::{Knob, PolicyOption};
+pub use options::PolicyOptions;
 pub use policy::{AttnStep, KvPolicy, KvRegen, KvShape, NoRegen, SeqLoad};
 pub use profile::{Probe, Profile};
-pub use registry::{HeadGroup, PolicyBuilder, PolicyOption, PolicyOptions, PolicyRegistry};
+pub use registry::{PolicyBuilder, PolicyInfo, PolicyRegistry, BUDGET_KEY};
+pub use settings::{NoSettings, PolicySettings, PolicySpec, SettingDoc};
 pub use size::{format_bytes, parse_bytes};
-pub use stats::{DeviceMeter, KvStats};
+pub use stats::{DeviceMeter, KvStats, MetricKind, PolicyMetric};
 pub use tiered::{
     report_device, tensor_bytes, Direction, DiskIo, DiskKv, DiskTier, HostKv, HostLayers,
     HostStore, KvCodec, Link, Loaded, PingPong,

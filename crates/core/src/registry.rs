@@ -1,224 +1,83 @@
-//! Building a policy from its name at run time: `Box<dyn KvPolicy>` for CLIs and for users
-//! who pick a policy in configuration. Each policy crate registers its builders; the facade
-//! crate `kvpolicy` returns a registry that holds all of them.
-use candle_core::Device;
+//! Building a policy from a spec at run time: `Box<dyn KvPolicy>` for CLIs and for users
+//! who pick a policy in configuration. Each policy crate registers its builders — closures
+//! over the shared [`PolicyOptions`] and the policy's own typed settings
+//! ([`crate::settings`]); the facade crate `kvpolicy` returns a registry that holds all of
+//! them, and a downstream crate adds its own the same way.
+//!
+//! ```
+//! use kvpolicy_core::settings::NoSettings;
+//! use kvpolicy_core::{PolicyOptions, PolicyRegistry};
+//! # use kvpolicy_core::{AttnStep, KvPolicy, KvStats, Result};
+//! # struct Mine;
+//! # impl KvPolicy for Mine {
+//! #     fn name(&self) -> &str { "mine" }
+//! #     fn attend(&mut self, _: &AttnStep<'_>) -> Result<candle_core::Tensor> { unimplemented!() }
+//! #     fn seq_len(&self) -> usize { 0 }
+//! #     fn reset(&mut self) {}
+//! #     fn stats(&self) -> KvStats { KvStats::default() }
+//! # }
+//! let mut reg = PolicyRegistry::new();
+//! reg.register("mine", "my policy", &[], |_opts: &PolicyOptions, _: NoSettings| {
+//!     Ok(Box::new(Mine))
+//! });
+//! assert_eq!(reg.build("mine", &PolicyOptions::default())?.name(), "mine");
+//! assert!(reg.build("mine:k=1", &PolicyOptions::default()).is_err());
+//! # Ok::<(), kvpolicy_core::KvError>(())
+//! ```
+use std::sync::Arc;
 
 use crate::batch::PerSequence;
 use crate::error::{KvError, Result};
+use crate::knob::PolicyOption;
+use crate::options::PolicyOptions;
 use crate::policy::KvPolicy;
-use crate::profile::Profile;
+use crate::settings::{describe, parse_settings, PolicySettings, PolicySpec, Setting, SettingDoc};
 
-/// How many KV heads a head-wise unit holds.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum HeadGroup {
-    /// Chosen from the device budget and the context length (HeadInfer §3.3).
-    Auto,
-    /// A fixed number of KV heads (must divide the model's KV heads).
-    Fixed(usize),
-}
+/// The key every policy that reads [`PolicyOption::DeviceKvBudget`] takes in a spec: the
+/// device KV budget as a size (`auto:budget=64MiB`, or `auto:64MiB`).
+pub const BUDGET_KEY: &str = "budget";
 
-impl std::str::FromStr for HeadGroup {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        if s.eq_ignore_ascii_case("auto") {
-            return Ok(Self::Auto);
-        }
-        match s.parse::<usize>() {
-            Ok(n) if n > 0 => Ok(Self::Fixed(n)),
-            _ => Err(format!(
-                "`{s}` is neither `auto` nor a positive number of KV heads"
-            )),
-        }
-    }
-}
+/// Builds a policy from the shared options and its resolved settings.
+pub type PolicyBuilder =
+    Arc<dyn Fn(&PolicyOptions, &[Setting]) -> Result<Box<dyn KvPolicy>> + Send + Sync>;
 
-/// Options every policy may read; each ignores what does not concern it.
-#[derive(Clone, Debug)]
-pub struct PolicyOptions {
-    /// The compute device (the device tier).
-    pub device: Device,
-    /// Byte budget of the device tier for KV buffers; `None` = unlimited.
-    pub device_kv_budget: Option<u64>,
-    /// Tokens by which preallocated buffers grow.
-    pub grow_tokens: usize,
-    /// KV heads per head-wise unit (`headwise`).
-    pub head_group: HeadGroup,
-    /// Transfer and recompute rates for the schedulers (`recompute`); `None` = measure at
-    /// the first step.
-    pub profile: Option<Profile>,
-    /// Tokens recomputed per layer and step, forced (`recompute`); `None` = the scheduler's.
-    pub recompute_split: Option<usize>,
-    /// Simulated host↔device link in bytes/s for CPU experiments; `None` = plain copies.
-    pub link_bandwidth: Option<f64>,
-    /// Tokens per cache block (`hybrid`).
-    pub block_size: usize,
-    /// Share of blocks stored as K/V rather than activations, forced (`hybrid`): 1 = all
-    /// KV, 0 = all activations; `None` = balanced from the profile.
-    pub kv_act_ratio: Option<f64>,
-    /// Host bytes of K/V kept in RAM before layers go to the disk tier (`disk_dir`);
-    /// `None` with a `disk_dir`: every layer on disk.
-    pub host_kv_budget: Option<u64>,
-    /// Directory of the disk tier's files; `None` = no disk tier.
-    pub disk_dir: Option<std::path::PathBuf>,
-    /// How the disk tier reads its files: past the page cache (the default) or through it.
-    pub disk_io: crate::tiered::DiskIo,
-    /// LOSSY unless `Model`, opt-in: how K/V are stored on the host tier (and disk, and in
-    /// the streaming buffers), decoded to the model's dtype before attention — f16, bf16
-    /// or q8_0; `Model` (the default) = the model's own dtype, lossless.
-    pub host_kv_dtype: crate::tiered::KvCodec,
-}
-
-impl Default for PolicyOptions {
-    fn default() -> Self {
-        Self {
-            device: Device::Cpu,
-            device_kv_budget: None,
-            grow_tokens: 256,
-            head_group: HeadGroup::Auto,
-            profile: None,
-            recompute_split: None,
-            link_bandwidth: None,
-            block_size: 16,
-            kv_act_ratio: None,
-            host_kv_budget: None,
-            disk_dir: None,
-            disk_io: crate::tiered::DiskIo::Direct,
-            host_kv_dtype: crate::tiered::KvCodec::Model,
-        }
-    }
-}
-
-impl PolicyOptions {
-    /// The disk tier the options ask for: `disk_dir` (an existing directory where a file
-    /// can be created: probed now, so a read-only one fails before any work) with
-    /// `host_kv_budget` bytes of RAM first (0 without one); `None` without `disk_dir`. A
-    /// host budget without a directory is an error naming `policy`.
-    pub fn disk_tier(&self, policy: &str) -> Result<Option<crate::tiered::DiskTier>> {
-        let bad = |option, message: String| KvError::InvalidOption {
-            policy: policy.to_string(),
-            option,
-            message,
-        };
-        match (&self.disk_dir, self.host_kv_budget) {
-            (None, None) => Ok(None),
-            (None, Some(b)) => Err(bad(
-                PolicyOption::HostKvBudget,
-                format!("`host_kv_budget` {b} needs a `disk_dir` for the layers past it"),
-            )),
-            (Some(dir), _) if !dir.is_dir() => Err(bad(
-                PolicyOption::DiskDir,
-                format!("`disk_dir` {} is not an existing directory", dir.display()),
-            )),
-            (Some(dir), budget) => {
-                crate::tiered::probe_disk_dir(dir).map_err(|e| {
-                    bad(
-                        PolicyOption::DiskDir,
-                        format!(
-                            "`disk_dir` {} cannot hold the disk tier's files ({e}); give a writable directory",
-                            dir.display()
-                        ),
-                    )
-                })?;
-                Ok(Some(crate::tiered::DiskTier {
-                    dir: dir.clone(),
-                    host_budget: budget.unwrap_or(0),
-                    io: self.disk_io,
-                }))
-            }
-        }
-    }
-}
-
-/// A [`PolicyOptions`] field that only some policies read, named by the flag the examples
-/// give it; [`PolicyRegistry::reads`] says which a policy reads, so that a CLI can say when
-/// a flag does not apply.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum PolicyOption {
-    /// `device_kv_budget`.
-    DeviceKvBudget,
-    /// `head_group`.
-    HeadGroup,
-    /// `profile`.
-    Profile,
-    /// `recompute_split`.
-    RecomputeSplit,
-    /// `link_bandwidth`.
-    LinkBandwidth,
-    /// `block_size`.
-    BlockSize,
-    /// `kv_act_ratio`.
-    KvActRatio,
-    /// `host_kv_budget`.
-    HostKvBudget,
-    /// `disk_dir`.
-    DiskDir,
-    /// `host_kv_dtype`.
-    HostKvDtype,
-}
-
-impl PolicyOption {
-    /// Every option.
-    pub const ALL: [Self; 10] = [
-        Self::DeviceKvBudget,
-        Self::HeadGroup,
-        Self::Profile,
-        Self::RecomputeSplit,
-        Self::LinkBandwidth,
-        Self::BlockSize,
-        Self::KvActRatio,
-        Self::HostKvBudget,
-        Self::DiskDir,
-        Self::HostKvDtype,
-    ];
-
-    /// Its field in [`PolicyOptions`], e.g. `head_group` (how library messages name it).
-    pub fn field(self) -> &'static str {
-        match self {
-            Self::DeviceKvBudget => "device_kv_budget",
-            Self::HeadGroup => "head_group",
-            Self::Profile => "profile",
-            Self::RecomputeSplit => "recompute_split",
-            Self::LinkBandwidth => "link_bandwidth",
-            Self::BlockSize => "block_size",
-            Self::KvActRatio => "kv_act_ratio",
-            Self::HostKvBudget => "host_kv_budget",
-            Self::DiskDir => "disk_dir",
-            Self::HostKvDtype => "host_kv_dtype",
-        }
-    }
-
-    /// The examples' flag for it, e.g. `--head-group`.
-    pub fn flag(self) -> &'static str {
-        match self {
-            Self::DeviceKvBudget => "--device-kv-budget",
-            Self::HeadGroup => "--head-group",
-            Self::Profile => "--profile",
-            Self::RecomputeSplit => "--recompute-split",
-            Self::LinkBandwidth => "--link-bandwidth",
-            Self::BlockSize => "--block-size",
-            Self::KvActRatio => "--kv-act-ratio",
-            Self::HostKvBudget => "--host-kv-budget",
-            Self::DiskDir => "--disk-dir",
-            Self::HostKvDtype => "--host-kv-dtype",
-        }
-    }
-}
-
-/// Builds a policy from options.
-pub type PolicyBuilder = fn(&PolicyOptions) -> Result<Box<dyn KvPolicy>>;
-
+/// What the registry knows of one policy.
 #[derive(Clone)]
-struct Entry {
-    name: &'static str,
-    description: &'static str,
-    reads: &'static [PolicyOption],
+pub struct PolicyInfo {
+    /// Its name.
+    pub name: &'static str,
+    /// One line saying what it does (approximate ones say so first).
+    pub description: &'static str,
+    /// The shared options it reads.
+    pub reads: &'static [PolicyOption],
+    /// Its settings, in declaration order, then `budget` when it reads the device budget.
+    pub settings: Vec<SettingDoc>,
     builder: PolicyBuilder,
+}
+
+impl PolicyInfo {
+    /// The key a lone value (`headwise:1`) sets: the first setting.
+    pub fn shorthand(&self) -> Option<&str> {
+        self.settings.first().map(|s| s.key.as_str())
+    }
+
+    /// Whether `key` is one of its settings.
+    pub fn has_setting(&self, key: &str) -> bool {
+        self.settings.iter().any(|s| s.key == key)
+    }
+}
+
+/// A spec resolved against its policy: the options to build with and the settings.
+struct Resolved<'a> {
+    info: &'a PolicyInfo,
+    opts: PolicyOptions,
+    settings: Vec<Setting>,
 }
 
 /// Named policy builders.
 #[derive(Clone, Default)]
 pub struct PolicyRegistry {
-    entries: Vec<Entry>,
+    entries: Vec<PolicyInfo>,
 }
 
 impl PolicyRegistry {
@@ -227,25 +86,45 @@ impl PolicyRegistry {
         Self::default()
     }
 
-    /// Adds (or replaces) a policy under `name`, with a one-line description and the
-    /// options its builder reads.
-    pub fn register(
+    /// Adds (or replaces) a policy under `name`, with a one-line description, the shared
+    /// options it reads and its builder, which receives the options and its settings `S`
+    /// parsed from the spec (defaults for what the spec leaves out).
+    pub fn register<S, F>(
         &mut self,
         name: &'static str,
         description: &'static str,
         reads: &'static [PolicyOption],
-        builder: PolicyBuilder,
-    ) {
+        build: F,
+    ) where
+        S: PolicySettings,
+        F: Fn(&PolicyOptions, S) -> Result<Box<dyn KvPolicy>> + Send + Sync + 'static,
+    {
+        let mut settings = describe::<S>();
+        if reads.contains(&PolicyOption::DeviceKvBudget)
+            && !settings.iter().any(|s| s.key == BUDGET_KEY)
+        {
+            settings.push(SettingDoc {
+                key: BUDGET_KEY.to_string(),
+                kind: "bytes".to_string(),
+                default: "unset".to_string(),
+                doc: "Device-tier byte budget for KV buffers, e.g. 64MiB (sets `device_kv_budget`; unset: unlimited)."
+                    .to_string(),
+            });
+        }
+        let builder: PolicyBuilder =
+            Arc::new(move |opts, settings| build(opts, parse_settings::<S>(name, settings)?));
         self.entries.retain(|e| e.name != name);
-        self.entries.push(Entry {
+        self.entries.push(PolicyInfo {
             name,
             description,
             reads,
+            settings,
             builder,
         });
     }
 
-    fn entry(&self, name: &str) -> Result<&Entry> {
+    /// What the registry knows of `name`, or an error listing the valid names.
+    pub fn info(&self, name: &str) -> Result<&PolicyInfo> {
         self.entries
             .iter()
             .find(|e| e.name == name)
@@ -253,6 +132,11 @@ impl PolicyRegistry {
                 name: name.to_string(),
                 valid: self.names().join(", "),
             })
+    }
+
+    /// Every policy, in registration order.
+    pub fn policies(&self) -> &[PolicyInfo] {
+        &self.entries
     }
 
     /// Registered names, in registration order.
@@ -270,7 +154,7 @@ impl PolicyRegistry {
 
     /// The options policy `name` reads (the rest of [`PolicyOptions`] it ignores).
     pub fn reads(&self, name: &str) -> Result<&'static [PolicyOption]> {
-        Ok(self.entry(name)?.reads)
+        Ok(self.info(name)?.reads)
     }
 
     /// The policies that read `option`, in registration order.
@@ -282,24 +166,102 @@ impl PolicyRegistry {
             .collect()
     }
 
-    /// Builds the policy called `name`, or fails listing the valid names.
-    pub fn build(&self, name: &str, opts: &PolicyOptions) -> Result<Box<dyn KvPolicy>> {
-        (self.entry(name)?.builder)(opts)
+    /// The policies that have a setting `key`, in registration order.
+    pub fn setting_owners(&self, key: &str) -> Vec<&'static str> {
+        self.entries
+            .iter()
+            .filter(|e| e.has_setting(key))
+            .map(|e| e.name)
+            .collect()
     }
 
-    /// Builds `name` for ragged batches of requests: the policy itself when it keeps one
+    /// Resolves `spec` against its policy: every key declared (a lone value sets the
+    /// shorthand), `budget` moved into the options, a later value of a key winning.
+    fn resolve(&self, spec: &PolicySpec, opts: &PolicyOptions) -> Result<Resolved<'_>> {
+        let info = self.info(&spec.name)?;
+        let mut opts = opts.clone();
+        let mut settings: Vec<Setting> = Vec::new();
+        let valid = || info.settings.iter().map(|s| s.key.clone()).collect();
+        for s in &spec.settings {
+            let key = match (&s.key, info.shorthand()) {
+                (Some(k), _) => k.clone(),
+                (None, Some(k)) => k.to_string(),
+                (None, None) => {
+                    return Err(KvError::UnknownSetting {
+                        policy: info.name.to_string(),
+                        key: s.value.clone(),
+                        valid: Vec::new(),
+                    })
+                }
+            };
+            if !info.has_setting(&key) {
+                return Err(KvError::UnknownSetting {
+                    policy: info.name.to_string(),
+                    key,
+                    valid: valid(),
+                });
+            }
+            if key == BUDGET_KEY && info.reads.contains(&PolicyOption::DeviceKvBudget) {
+                let bytes =
+                    crate::size::parse_bytes(&s.value).map_err(|e| KvError::BadSetting {
+                        policy: info.name.to_string(),
+                        key: key.clone(),
+                        value: s.value.clone(),
+                        expected: "bytes, e.g. 64MiB".to_string(),
+                        reason: e.to_string(),
+                    })?;
+                opts.device_kv_budget = Some(bytes);
+                continue;
+            }
+            settings.retain(|x| x.key != key);
+            settings.push(Setting {
+                key,
+                value: s.value.clone(),
+            });
+        }
+        Ok(Resolved {
+            info,
+            opts,
+            settings,
+        })
+    }
+
+    /// Builds the policy `spec` names (`headwise`, `headwise:group=1`, `auto:64MiB`), or
+    /// fails naming what is wrong: an unknown policy (listing the valid names), an unknown
+    /// setting (listing the policy's keys) or a bad value.
+    pub fn build(&self, spec: &str, opts: &PolicyOptions) -> Result<Box<dyn KvPolicy>> {
+        self.build_spec(&PolicySpec::parse(spec)?, opts)
+    }
+
+    /// [`build`](Self::build) for a parsed spec.
+    pub fn build_spec(&self, spec: &PolicySpec, opts: &PolicyOptions) -> Result<Box<dyn KvPolicy>> {
+        let r = self.resolve(spec, opts)?;
+        (r.info.builder)(&r.opts, &r.settings)
+    }
+
+    /// Builds `spec` for ragged batches of requests: the policy itself when it keeps one
     /// cache per sequence ([`KvPolicy::batched`]), otherwise one instance per request
     /// through [`PerSequence`].
-    pub fn build_batched(&self, name: &str, opts: &PolicyOptions) -> Result<Box<dyn KvPolicy>> {
-        let first = self.build(name, opts)?;
+    pub fn build_batched(&self, spec: &str, opts: &PolicyOptions) -> Result<Box<dyn KvPolicy>> {
+        self.build_batched_spec(&PolicySpec::parse(spec)?, opts)
+    }
+
+    /// [`build_batched`](Self::build_batched) for a parsed spec.
+    pub fn build_batched_spec(
+        &self,
+        spec: &PolicySpec,
+        opts: &PolicyOptions,
+    ) -> Result<Box<dyn KvPolicy>> {
+        let r = self.resolve(spec, opts)?;
+        let first = (r.info.builder)(&r.opts, &r.settings)?;
         if first.batched() {
             return Ok(first);
         }
-        let builder = self.entry(name)?.builder;
-        let opts = opts.clone();
+        let builder = r.info.builder.clone();
+        let (opts, settings) = (r.opts, r.settings);
         Ok(Box::new(PerSequence::new(
             first.name(),
-            Box::new(move || builder(&opts)),
+            Box::new(move || builder(&opts, &settings)),
         )))
     }
 }

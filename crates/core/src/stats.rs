@@ -1,11 +1,74 @@
 //! What a policy reports: device-tier bytes now and at peak, host-tier bytes, bytes moved
-//! each way, recompute work and time spent. Memory numbers are deterministic (they count
-//! allocated buffer bytes), so tests assert them exactly; times are for reports only.
+//! each way, recompute work and time spent ([`KvStats`], what every policy has), and the
+//! numbers only one policy counts ([`PolicyMetric`]s it owns: `auto`'s resident units,
+//! `hybrid`'s blocks, `sinks`' evicted tokens). Memory numbers are deterministic (they
+//! count allocated buffer bytes), so tests assert them exactly; times are for reports only.
 use serde::Serialize;
 
-/// Counters a policy keeps; every field is cumulative (or a peak) since the last `reset`
-/// except `device_kv_bytes`, `host_kv_bytes`, `kv_tokens`, `split`, the block counts,
-/// `sequences`, `mini_batches` and the unit counts, which are current values.
+/// Whether a metric is a current value or accumulates since the last `reset`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MetricKind {
+    /// A current value (units resident now).
+    Gauge,
+    /// A running total (tokens evicted so far).
+    Counter,
+}
+
+/// A number one policy counts: a name, a value, a unit, and whether it is a gauge or a
+/// counter. Shown in the runner's summary, in `--stats-out` under `"policy_metrics"` and as
+/// kvbench columns.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct PolicyMetric {
+    /// Its name (`resident_units`, `evicted_tokens`), unique within a policy.
+    #[serde(skip)]
+    pub name: &'static str,
+    /// Its value (whole numbers are written as integers).
+    #[serde(serialize_with = "whole_as_integer")]
+    pub value: f64,
+    /// What it counts (`tokens`, `units`, `blocks`, `bytes`).
+    pub unit: &'static str,
+    /// Gauge or counter.
+    pub kind: MetricKind,
+}
+
+impl PolicyMetric {
+    /// A current value.
+    pub fn gauge(name: &'static str, value: f64, unit: &'static str) -> Self {
+        Self {
+            name,
+            value,
+            unit,
+            kind: MetricKind::Gauge,
+        }
+    }
+
+    /// A running total.
+    pub fn counter(name: &'static str, value: f64, unit: &'static str) -> Self {
+        Self {
+            name,
+            value,
+            unit,
+            kind: MetricKind::Counter,
+        }
+    }
+}
+
+fn whole_as_integer<S: serde::Serializer>(v: &f64, s: S) -> Result<S::Ok, S::Error> {
+    if v.fract() == 0.0 && v.abs() < 9.0e15 {
+        s.serialize_i64(*v as i64)
+    } else {
+        s.serialize_f64(*v)
+    }
+}
+
+fn metrics_by_name<S: serde::Serializer>(m: &[PolicyMetric], s: S) -> Result<S::Ok, S::Error> {
+    s.collect_map(m.iter().map(|x| (x.name, x)))
+}
+
+/// Counters every policy keeps; every field is cumulative (or a peak) since the last
+/// `reset` except `device_kv_bytes`, `host_kv_bytes`, `kv_tokens` and `sequences`, which
+/// are current values. What only one policy counts is in `policy_metrics`.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct KvStats {
     /// Bytes of KV (or activation) buffers held on the device tier now.
@@ -32,8 +95,6 @@ pub struct KvStats {
     /// Tokens whose K/V were regenerated rather than transferred (summed over layers,
     /// steps and sequences).
     pub recompute_tokens: u64,
-    /// Tokens regenerated per layer in the last step (the KVPR split `l`; 0 when nothing is).
-    pub split: u64,
     /// Tokens cached per layer.
     pub kv_tokens: u64,
     /// Seconds spent waiting for transfers that compute could not hide (host waits; on CUDA
@@ -42,22 +103,8 @@ pub struct KvStats {
     /// Seconds the transfer engine spent copying (its worker or copy stream busy, overlapped
     /// with compute or not): with the step time, the overlap.
     pub copy_s: f64,
-    /// Activation blocks in use, on either tier (`hybrid`, HybridServe §4.1).
-    pub act_blocks: u64,
-    /// KV blocks in use, on either tier (`hybrid`).
-    pub kv_blocks: u64,
-    /// Blocks resident on the device tier (`hybrid`; never more than its device pool holds).
-    pub device_blocks: u64,
     /// Sequences holding a cache in a batched run (0 for single-sequence runs).
     pub sequences: u64,
-    /// Mini-batches the last batched step was split into (`hybrid`; 0 before any plan).
-    pub mini_batches: u64,
-    /// (layer, head group) units kept on the device (`auto`).
-    pub resident_units: u64,
-    /// (layer, head group) units streamed through the ping-pong buffers (`auto`).
-    pub streamed_units: u64,
-    /// Resident units moved to the host because they no longer fit (`auto`; once each).
-    pub demotions: u64,
     /// Bytes of the disk tier's files (K/V past the host budget).
     pub disk_kv_bytes: u64,
     /// Bytes read from the disk tier.
@@ -67,24 +114,48 @@ pub struct KvStats {
     /// Seconds the compute thread spent on disk reads and writes (waiting for a read-ahead
     /// included).
     pub disk_wait_s: f64,
-    /// Disk reads started ahead of their use, each on its own thread.
-    pub disk_read_aheads: u64,
     /// Whether the disk tier reads past the page cache (`O_DIRECT`; see `DiskIo`).
     pub disk_direct_io: bool,
     /// Whether the cache is stored LOSSILY (a host dtype smaller than the model's): the
     /// logits then differ from `full`'s by the measured tolerance, not the exact one.
     pub lossy: bool,
+    /// What only this policy counts, by name.
+    #[serde(serialize_with = "metrics_by_name")]
+    pub policy_metrics: Vec<PolicyMetric>,
 }
 
 impl KvStats {
-    /// Resident units over all decided units (`auto`; 1 when nothing streams, 0 before any
-    /// unit is decided).
-    pub fn resident_fraction(&self) -> f64 {
-        let all = self.resident_units + self.streamed_units;
-        if all == 0 {
-            0.0
-        } else {
-            self.resident_units as f64 / all as f64
+    /// The value of the policy metric `name`, if the policy reports one.
+    pub fn metric(&self, name: &str) -> Option<f64> {
+        self.policy_metrics
+            .iter()
+            .find(|m| m.name == name)
+            .map(|m| m.value)
+    }
+
+    /// Sets `metric`, replacing one of the same name.
+    pub fn set_metric(&mut self, metric: PolicyMetric) {
+        match self
+            .policy_metrics
+            .iter_mut()
+            .find(|m| m.name == metric.name)
+        {
+            Some(m) => *m = metric,
+            None => self.policy_metrics.push(metric),
+        }
+    }
+
+    /// Adds `other`'s metrics to these: counters always, gauges when `live` (a retired
+    /// sequence's gauges no longer hold). For sums over sequences.
+    pub fn add_metrics(&mut self, other: &[PolicyMetric], live: bool) {
+        for m in other {
+            if m.kind == MetricKind::Gauge && !live {
+                continue;
+            }
+            match self.policy_metrics.iter_mut().find(|x| x.name == m.name) {
+                Some(x) => x.value += m.value,
+                None => self.policy_metrics.push(m.clone()),
+            }
         }
     }
 

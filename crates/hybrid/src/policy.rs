@@ -14,10 +14,11 @@
 //!   is [`kvpolicy_core::attend`], the same call `full` makes, so results are exact.
 //! * **Write-back.** The step's new tokens go into their blocks for this layer (K/V rows
 //!   or X rows), synchronously, before any later gather can read them.
+use crate::HybridSettings;
 use candle_core::{Device, Tensor};
 use kvpolicy_core::{
-    attend_partial, Advice, AttnStep, DeviceMeter, KvError, KvPolicy, KvShape, KvStats, Link,
-    PolicyOption, PolicyOptions, Profile, Result, SeqLoad, TransferEngine,
+    attend_partial, Advice, AttnStep, DeviceMeter, Knob, KvError, KvPolicy, KvShape, KvStats, Link,
+    PolicyMetric, PolicyOption, PolicyOptions, Profile, Result, SeqLoad, TransferEngine,
 };
 
 use crate::blocks::{BlockTable, Kind, Tier};
@@ -59,19 +60,18 @@ impl std::fmt::Debug for HybridPolicy {
 impl HybridPolicy {
     /// A policy from options (`block_size`, `kv_act_ratio`, `device_kv_budget`, `profile`,
     /// `link_bandwidth`).
-    pub fn new(opts: &PolicyOptions) -> Result<Self> {
-        if opts.block_size == 0 {
+    pub fn new(opts: &PolicyOptions, settings: HybridSettings) -> Result<Self> {
+        if settings.block_size == 0 {
             return Err(KvError::InvalidOption {
                 policy: "hybrid".into(),
-                option: PolicyOption::BlockSize,
-                message: "`block_size` 0: a block holds at least one token (the default is 16)"
-                    .into(),
+                option: Knob::Setting("block_size"),
+                message: "0: a block holds at least one token (the default is 16)".into(),
             });
         }
-        let forced_share = opts.kv_act_ratio.map(check_share).transpose()?;
+        let forced_share = settings.kv_act_ratio.map(check_share).transpose()?;
         Ok(Self {
             device: opts.device.clone(),
-            block_asked: opts.block_size,
+            block_asked: settings.block_size,
             forced_share,
             given_profile: opts.profile.clone(),
             link_bandwidth: opts.link_bandwidth,
@@ -79,7 +79,7 @@ impl HybridPolicy {
             shape: None,
             costs: None,
             profile: None,
-            blocks: BlockManager::new(&opts.device, opts.block_size),
+            blocks: BlockManager::new(&opts.device, settings.block_size),
             stager: Stager::new(&opts.device),
             meter: DeviceMeter::new(opts.device_kv_budget),
             stats: KvStats::default(),
@@ -136,7 +136,7 @@ impl HybridPolicy {
                     in_use: 0,
                     note: "",
                     advice: vec![
-                        Advice::Raise(PolicyOption::DeviceKvBudget),
+                        Advice::Raise(Knob::Option(PolicyOption::DeviceKvBudget)),
                         Advice::SmallerPrefillChunk,
                     ],
                 });
@@ -154,7 +154,7 @@ impl HybridPolicy {
                     in_use: 0,
                     note: "",
                     advice: vec![
-                        Advice::Raise(PolicyOption::DeviceKvBudget),
+                        Advice::Raise(Knob::Option(PolicyOption::DeviceKvBudget)),
                         Advice::ShorterRequests,
                     ],
                 });
@@ -272,7 +272,8 @@ impl HybridPolicy {
         self.stager.finish(&staged);
         self.stats.recompute_tokens += regenerated as u64;
         self.stats.recompute_flops += regenerated as u64 * step.regen.flops_per_token();
-        self.stats.split = regenerated as u64;
+        self.stats
+            .set_metric(PolicyMetric::gauge("split", regenerated as f64, "tokens"));
         if positions.len() != cached {
             return Err(KvError::invariant(format!(
                 "sequence {} has {} of its {cached} cached tokens in blocks",
@@ -399,17 +400,21 @@ impl KvPolicy for HybridPolicy {
     }
 
     fn stats(&self) -> KvStats {
-        let stats = KvStats {
+        let mut stats = KvStats {
             device_kv_bytes: self.device_bytes(),
             device_kv_peak_bytes: self.meter.peak(),
             host_kv_bytes: self.blocks.host_bytes(),
             kv_tokens: self.seq_len() as u64,
-            act_blocks: self.blocks.count(Kind::Act),
-            kv_blocks: self.blocks.count(Kind::Kv),
-            device_blocks: self.blocks.device_blocks(),
             sequences: self.blocks.len() as u64,
             ..self.stats.clone()
         };
+        for (name, blocks) in [
+            ("act_blocks", self.blocks.count(Kind::Act)),
+            ("kv_blocks", self.blocks.count(Kind::Kv)),
+            ("device_blocks", self.blocks.device_blocks()),
+        ] {
+            stats.set_metric(PolicyMetric::gauge(name, blocks as f64, "blocks"));
+        }
         self.link.report(stats)
     }
 
@@ -451,7 +456,11 @@ impl KvPolicy for HybridPolicy {
             })
             .collect();
         let groups = pack(&work, self.stager.unit_cap);
-        self.stats.mini_batches = groups.len() as u64;
+        self.stats.set_metric(PolicyMetric::gauge(
+            "mini_batches",
+            groups.len() as f64,
+            "mini-batches",
+        ));
         let plan = groups
             .iter()
             .map(|g| {

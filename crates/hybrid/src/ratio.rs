@@ -14,7 +14,7 @@
 //! its K and V: otherwise storing K/V is cheaper in memory *and* needs no recompute. For
 //! grouped-query models (X = hidden > 2·kv_heads·head_dim) the ratio is therefore all-KV —
 //! derived from the byte sizes, not assumed.
-use kvpolicy_core::{KvError, PolicyOption, Profile, Result};
+use kvpolicy_core::{Knob, KvError, Profile, Result};
 
 /// Seconds as an affine function of tokens: `fixed_s + per_token_s · tokens`.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -179,9 +179,9 @@ pub fn check_share(share: f64) -> Result<f64> {
     } else {
         Err(KvError::InvalidOption {
             policy: "hybrid".into(),
-            option: PolicyOption::KvActRatio,
+            option: Knob::Setting("kv_act_ratio"),
             message: format!(
-                "`kv_act_ratio` {share} is outside [0, 1]: it is the share of blocks stored as K/V (1 = all KV, 0.5 = 1:1, 0 = all activations)"
+                "{share} is outside [0, 1]: it is the share of blocks stored as K/V (1 = all KV, 0.5 = 1:1, 0 = all activations)"
             ),
         })
     }

@@ -73,11 +73,23 @@
 mod plan;
 mod resident;
 mod runtime;
+mod settings;
 
 pub use plan::AUTO_ALL_HEADS_BELOW;
 pub use runtime::{Grouping, OffloadPolicy};
+pub use settings::{HeadGroup, HeadwiseSettings};
 
+use kvpolicy_core::settings::NoSettings;
 use kvpolicy_core::{PolicyOption, PolicyOptions, PolicyRegistry, Result};
+
+/// The shared options the offload policies read.
+const READS: &[PolicyOption] = &[
+    PolicyOption::DeviceKvBudget,
+    PolicyOption::LinkBandwidth,
+    PolicyOption::HostKvBudget,
+    PolicyOption::DiskDir,
+    PolicyOption::HostKvDtype,
+];
 
 /// Builds the `layer` policy: all KV on the host, two buffers of one layer each on the
 /// device, layer l+1 prefetched while layer l attends.
@@ -85,9 +97,9 @@ pub fn layer_policy(opts: &PolicyOptions) -> Result<OffloadPolicy> {
     OffloadPolicy::new("layer", Grouping::Layer, opts)
 }
 
-/// Builds the `headwise` policy with the options' head group and budget.
-pub fn headwise_policy(opts: &PolicyOptions) -> Result<OffloadPolicy> {
-    OffloadPolicy::new("headwise", Grouping::Heads(opts.head_group), opts)
+/// Builds the `headwise` policy with its settings' head group and the options' budget.
+pub fn headwise_policy(opts: &PolicyOptions, settings: HeadwiseSettings) -> Result<OffloadPolicy> {
+    OffloadPolicy::new("headwise", Grouping::Heads(settings.group), opts)
 }
 
 /// Builds the `auto` policy: as many (layer, head group) units as `device_kv_budget`
@@ -101,38 +113,19 @@ pub fn register(reg: &mut PolicyRegistry) {
     reg.register(
         "layer",
         "layer-wise offload: KV on the host, two layers' buffers on the device",
-        &[
-            PolicyOption::DeviceKvBudget,
-            PolicyOption::LinkBandwidth,
-            PolicyOption::HostKvBudget,
-            PolicyOption::DiskDir,
-            PolicyOption::HostKvDtype,
-        ],
-        |o| Ok(Box::new(layer_policy(o)?)),
+        READS,
+        |o, _: NoSettings| Ok(Box::new(layer_policy(o)?)),
     );
     reg.register(
         "auto",
-        "the fastest exact placement under --device-kv-budget: resident (layer, head group) units on the device, the rest streamed head-wise",
-        &[
-            PolicyOption::DeviceKvBudget,
-            PolicyOption::LinkBandwidth,
-            PolicyOption::HostKvBudget,
-            PolicyOption::DiskDir,
-            PolicyOption::HostKvDtype,
-        ],
-        |o| Ok(Box::new(auto_policy(o)?)),
+        "the fastest exact placement under the device KV budget: resident (layer, head group) units on the device, the rest streamed head-wise",
+        READS,
+        |o, _: NoSettings| Ok(Box::new(auto_policy(o)?)),
     );
     reg.register(
         "headwise",
         "head-wise offload (HeadInfer): KV on the host, two head groups' buffers on the device",
-        &[
-            PolicyOption::DeviceKvBudget,
-            PolicyOption::HeadGroup,
-            PolicyOption::LinkBandwidth,
-            PolicyOption::HostKvBudget,
-            PolicyOption::DiskDir,
-            PolicyOption::HostKvDtype,
-        ],
-        |o| Ok(Box::new(headwise_policy(o)?)),
+        READS,
+        |o, s: HeadwiseSettings| Ok(Box::new(headwise_policy(o, s)?)),
     );
 }

@@ -1,7 +1,9 @@
 //! How an offload policy lays its units out on the device: the head group of a unit, and
 //! under `auto` how many units stay resident (HeadInfer §3.3's adaptive head grouping, and
 //! the resident/streamed split of the `auto` policy).
-use kvpolicy_core::{Advice, HeadGroup, KvError, KvShape, PolicyOption, Result};
+use kvpolicy_core::{Advice, Knob, KvError, KvShape, PolicyOption, Result};
+
+use crate::settings::HeadGroup;
 
 use crate::runtime::{Grouping, OffloadPolicy};
 
@@ -55,10 +57,10 @@ impl OffloadPolicy {
                 Grouping::Heads(_) | Grouping::Resident => "the budget is smaller than one head group's buffers",
             },
             advice: match self.grouping {
-                Grouping::Layer => vec![Advice::Raise(PolicyOption::DeviceKvBudget), Advice::UsePolicy("headwise")],
+                Grouping::Layer => vec![Advice::Raise(Knob::Option(PolicyOption::DeviceKvBudget)), Advice::UsePolicy("headwise")],
                 // A group of one head is as small as a group gets: only the budget can change.
-                Grouping::Heads(_) | Grouping::Resident if g <= 1 => vec![Advice::Raise(PolicyOption::DeviceKvBudget), Advice::SmallerPrefillChunk],
-                Grouping::Heads(_) | Grouping::Resident => vec![Advice::Raise(PolicyOption::DeviceKvBudget), Advice::Lower(PolicyOption::HeadGroup)],
+                Grouping::Heads(_) | Grouping::Resident if g <= 1 => vec![Advice::Raise(Knob::Option(PolicyOption::DeviceKvBudget)), Advice::SmallerPrefillChunk],
+                Grouping::Heads(_) | Grouping::Resident => vec![Advice::Raise(Knob::Option(PolicyOption::DeviceKvBudget)), Advice::Lower(Knob::Setting("group"))],
             },
         }
         };
@@ -73,9 +75,9 @@ impl OffloadPolicy {
                         .collect();
                     return Err(KvError::InvalidOption {
                         policy: self.name.to_string(),
-                        option: PolicyOption::HeadGroup,
+                        option: Knob::Setting("group"),
                         message: format!(
-                            "a head group of {n} does not divide the model's {nkv} KV heads; use one of {} or auto",
+                            "{n} does not divide the model's {nkv} KV heads; use one of {} or auto",
                             ok.join(", ")
                         ),
                     });

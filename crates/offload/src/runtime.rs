@@ -16,12 +16,13 @@
 use candle_core::{Device, Tensor};
 use kvpolicy_core::tiered::READ_AHEAD;
 use kvpolicy_core::{
-    attend_partial, report_device, round_up, AttnStep, CopyJob, DeviceMeter, Direction, HeadGroup,
-    HostLayers, KvError, KvPolicy, KvShape, KvStats, Link, Loaded, PingPong, PolicyOptions, Result,
-    TransferEngine,
+    attend_partial, report_device, round_up, AttnStep, CopyJob, DeviceMeter, Direction, HostLayers,
+    KvError, KvPolicy, KvShape, KvStats, Link, Loaded, PingPong, PolicyMetric, PolicyOptions,
+    Result, TransferEngine,
 };
 
 use crate::resident::Residency;
+use crate::settings::HeadGroup;
 
 /// How KV heads are grouped into units.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -375,13 +376,27 @@ impl KvPolicy for OffloadPolicy {
 
     fn stats(&self) -> KvStats {
         let r = self.residency.as_ref();
-        let stats = KvStats {
+        let mut stats = KvStats {
             kv_tokens: self.seq_len() as u64,
-            resident_units: r.map_or(0, |r| r.resident() as u64),
-            streamed_units: r.map_or(0, |r| r.streamed() as u64),
-            demotions: r.map_or(0, |r| r.demotions),
             ..self.stats.clone()
         };
+        if let Some(r) = r {
+            stats.set_metric(PolicyMetric::gauge(
+                "resident_units",
+                r.resident() as f64,
+                "units",
+            ));
+            stats.set_metric(PolicyMetric::gauge(
+                "streamed_units",
+                r.streamed() as f64,
+                "units",
+            ));
+            stats.set_metric(PolicyMetric::counter(
+                "demotions",
+                r.demotions as f64,
+                "units",
+            ));
+        }
         self.link
             .report(report_device(&self.meter, self.host.report(stats)))
     }

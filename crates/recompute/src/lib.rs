@@ -55,6 +55,25 @@ pub use scheduler::SplitCosts;
 
 use kvpolicy_core::{PolicyOption, PolicyRegistry};
 
+/// `recompute`'s settings.
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    serde::Deserialize,
+    serde::Serialize,
+    schemars::JsonSchema,
+)]
+#[serde(default, deny_unknown_fields)]
+pub struct RecomputeSettings {
+    /// Tokens regenerated per layer and step, forced: the first `split` cached tokens of
+    /// every layer (clamped to the tokens cached so far); unset: the scheduler's split.
+    pub split: Option<usize>,
+}
+
 /// Registers `recompute`.
 pub fn register(reg: &mut PolicyRegistry) {
     reg.register(
@@ -63,9 +82,8 @@ pub fn register(reg: &mut PolicyRegistry) {
         &[
             PolicyOption::DeviceKvBudget,
             PolicyOption::Profile,
-            PolicyOption::RecomputeSplit,
             PolicyOption::LinkBandwidth,
         ],
-        |o| Ok(Box::new(RecomputePolicy::new(o)?)),
+        |o, s: RecomputeSettings| Ok(Box::new(RecomputePolicy::new(o, s)?)),
     );
 }

@@ -9,11 +9,13 @@
 //! while the merge's rounding (~1e-7) is enough to flip near-tied greedy choices of a
 //! 4-bit model. One attention over the assembled buffer is the computation `full` runs, so
 //! results are bitwise `full`'s whenever regeneration reproduces the forward pass's K/V.
+use crate::RecomputeSettings;
 use candle_core::{Device, Tensor};
 use kvpolicy_core::{
     attend_partial, grown_host, report_device, round_up, tensor_bytes, Advice, AttnSpec, AttnStep,
-    CopyJob, DeviceMeter, Direction, HostKv, HostLayers, KvError, KvPolicy, KvShape, KvStats, Link,
-    Loaded, PingPong, PolicyOption, PolicyOptions, Probe, Profile, Result, TransferEngine,
+    CopyJob, DeviceMeter, Direction, HostKv, HostLayers, Knob, KvError, KvPolicy, KvShape, KvStats,
+    Link, Loaded, PingPong, PolicyMetric, PolicyOption, PolicyOptions, Probe, Profile, Result,
+    TransferEngine,
 };
 
 use crate::scheduler::SplitCosts;
@@ -89,7 +91,7 @@ impl std::fmt::Debug for RecomputePolicy {
 
 impl RecomputePolicy {
     /// A `recompute` policy from the options' profile, forced split, budget and link.
-    pub fn new(opts: &PolicyOptions) -> Result<Self> {
+    pub fn new(opts: &PolicyOptions, settings: RecomputeSettings) -> Result<Self> {
         if let Some(p) = &opts.profile {
             p.validate("given in the options")?;
         }
@@ -97,7 +99,7 @@ impl RecomputePolicy {
             device: opts.device.clone(),
             link: Link::for_device(&opts.device, opts.link_bandwidth)?,
             grow_tokens: opts.grow_tokens.max(1),
-            forced: opts.recompute_split,
+            forced: settings.split,
             profile: opts.profile.clone(),
             link_bandwidth: opts.link_bandwidth,
             prepared_max: None,
@@ -244,8 +246,8 @@ impl RecomputePolicy {
                     in_use: 0,
                     note: "recompute keeps one layer's K/V and X on the device twice",
                     advice: vec![
-                        Advice::Raise(PolicyOption::DeviceKvBudget),
-                        Advice::Lower(PolicyOption::RecomputeSplit),
+                        Advice::Raise(Knob::Option(PolicyOption::DeviceKvBudget)),
+                        Advice::Lower(Knob::Setting("split")),
                         Advice::UsePolicy("headwise"),
                     ],
                 });
@@ -359,9 +361,9 @@ impl KvPolicy for RecomputePolicy {
             if n > shape.max_tokens {
                 return Err(KvError::InvalidOption {
                     policy: "recompute".into(),
-                    option: PolicyOption::RecomputeSplit,
+                    option: Knob::Setting("split"),
                     message: format!(
-                        "`recompute_split` {n} is beyond the sequence: at most {} tokens will be cached (prompt + new tokens); use a split in 0..={}",
+                        "{n} is beyond the sequence: at most {} tokens will be cached (prompt + new tokens); use a split in 0..={}",
                         shape.max_tokens, shape.max_tokens
                     ),
                 });
@@ -441,7 +443,8 @@ impl KvPolicy for RecomputePolicy {
         }
         self.link.submit(jobs, Direction::D2h)?;
         self.host.advance(layer, t);
-        self.stats.split = l as u64;
+        self.stats
+            .set_metric(PolicyMetric::gauge("split", l as f64, "tokens"));
         Ok(out)
     }
 

@@ -7,20 +7,48 @@
 //!
 //! How a policy plugs in: implement [`KvPolicy`] — `attend` receives each layer's queries
 //! and new K/V ([`AttnStep`]) and returns the attention output; `seq_len`, `reset` and
-//! `stats` report and clear what it keeps — then [`register`] it next to the built-in
-//! policies in a [`PolicyRegistry`] and build it by name like any other (the workspace's
-//! runner and kvbench do: `--policy sinks`, `--policies full,sinks`). A model of one's
+//! `stats` report and clear what it keeps — declare its settings as a typed struct
+//! ([`SinksSettings`]: serde + schemars, `///` docs, defaults), report what only it counts
+//! as [`PolicyMetric`]s (`evicted_tokens`), then [`register`] it next to the built-in
+//! policies in a [`PolicyRegistry`] and build it by spec like any other (the workspace's
+//! runner and kvbench do: `--policy sinks:window=256`, `--policies full,sinks:sinks=4`). A model of one's
 //! own calls `policy.attend(&AttnStep { .. })` from its attention layer the same way
 //! kvpolicy's models do (see `kvpolicy::models::attention`).
 //!
 //! Unlike the paper this keeps the cached keys' original positions (no re-rotation inside
 //! the cache), which is what a window over an unmodified RoPE model means.
 use candle_core::Tensor;
-use kvpolicy::core::KvBuffer;
+use kvpolicy::core::{KvBuffer, PolicyMetric};
 use kvpolicy::{
-    attend_partial, merge_partials, AttnStep, KvPolicy, KvStats, PolicyOption, PolicyOptions,
-    PolicyRegistry,
+    attend_partial, merge_partials, AttnStep, Knob, KvError, KvPolicy, KvStats, PolicyOption,
+    PolicyOptions, PolicyRegistry,
 };
+
+/// Sinks kept when the settings do not say (StreamingLLM's 4).
+pub const DEFAULT_SINKS: usize = 4;
+/// Recent tokens kept when the settings do not say.
+pub const DEFAULT_WINDOW: usize = 1020;
+
+/// `sinks`' settings.
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, serde::Deserialize, serde::Serialize, schemars::JsonSchema,
+)]
+#[serde(default, deny_unknown_fields)]
+pub struct SinksSettings {
+    /// First tokens of the sequence every query attends to (the attention sinks).
+    pub sinks: usize,
+    /// Recent tokens every query attends to, itself included (at least 1).
+    pub window: usize,
+}
+
+impl Default for SinksSettings {
+    fn default() -> Self {
+        Self {
+            sinks: DEFAULT_SINKS,
+            window: DEFAULT_WINDOW,
+        }
+    }
+}
 
 /// Attention sinks + recent window (see the crate docs). Approximate.
 #[derive(Debug)]
@@ -33,6 +61,8 @@ pub struct SinkWindow {
     /// the position of its first token.
     tail: Vec<(KvBuffer, usize)>,
     len: usize,
+    /// Tokens per layer dropped from the cache so far (layer 0's count).
+    evicted: usize,
     stats: KvStats,
 }
 
@@ -45,6 +75,7 @@ impl SinkWindow {
             head: Vec::new(),
             tail: Vec::new(),
             len: 0,
+            evicted: 0,
             stats: KvStats::default(),
         }
     }
@@ -105,7 +136,11 @@ impl KvPolicy for SinkWindow {
                 let (k, v) = (k.contiguous()?, v.contiguous()?);
                 let mut fresh = KvBuffer::new(256);
                 fresh.append(&k, &v)?;
-                *first += tail.len() - keep;
+                let dropped = tail.len() - keep;
+                *first += dropped;
+                if layer == 0 {
+                    self.evicted += dropped;
+                }
                 *tail = fresh;
             }
         }
@@ -128,25 +163,39 @@ impl KvPolicy for SinkWindow {
     }
 
     fn stats(&self) -> KvStats {
-        KvStats {
+        let mut stats = KvStats {
             kv_tokens: self.len as u64,
+            // Approximate by design: once a sequence outgrows sinks + window the logits
+            // differ from `full`'s.
+            lossy: true,
             ..self.stats.clone()
-        }
+        };
+        stats.set_metric(PolicyMetric::counter(
+            "evicted_tokens",
+            self.evicted as f64,
+            "tokens",
+        ));
+        stats
     }
 }
 
-/// Sinks kept when the options do not say (StreamingLLM's 4).
-pub const DEFAULT_SINKS: usize = 4;
-/// Recent tokens kept when the options do not say.
-pub const DEFAULT_WINDOW: usize = 1020;
-
-/// Registers `sinks` (4 sinks + a 1,020-token window) in `reg`.
+/// Registers `sinks` (by default 4 sinks + a 1,020-token window) in `reg`.
 pub fn register(reg: &mut PolicyRegistry) {
     reg.register(
         "sinks",
-        "APPROXIMATE: StreamingLLM attention sinks + recent window (4 + 1,020 tokens per layer); logits differ from full beyond 1,024 tokens",
+        "APPROXIMATE: StreamingLLM attention sinks + recent window (sinks + window tokens per layer); logits differ from full once a sequence is longer",
         &[] as &[PolicyOption],
-        |_o: &PolicyOptions| Ok(Box::new(SinkWindow::new(DEFAULT_SINKS, DEFAULT_WINDOW))),
+        |_o: &PolicyOptions, s: SinksSettings| {
+            if s.window == 0 {
+                return Err(KvError::InvalidOption {
+                    policy: "sinks".into(),
+                    option: Knob::Setting("window"),
+                    message: "0: every query attends at least to itself; give 1 or more"
+                        .into(),
+                });
+            }
+            Ok(Box::new(SinkWindow::new(s.sinks, s.window)))
+        },
     );
 }
 

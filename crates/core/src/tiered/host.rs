@@ -17,7 +17,7 @@ use crate::attention::AttnSpec;
 use crate::buffer::round_up;
 use crate::error::{KvError, Result};
 use crate::policy::{AttnStep, KvShape};
-use crate::stats::KvStats;
+use crate::stats::{KvStats, PolicyMetric};
 use crate::transfer::{grown_host, CopyJob};
 
 /// One layer's K/V on the host tier: `(b, kv_heads, cap, head_dim)` each.
@@ -448,20 +448,27 @@ impl HostLayers {
             })
         };
         let disk = files().map(DiskKv::bytes).sum();
-        KvStats {
+        let mut stats = KvStats {
             host_kv_bytes: self.ram_bytes(),
             disk_kv_bytes: disk,
             disk_read_bytes: self.disk_read,
             disk_write_bytes: self.disk_written,
             disk_wait_s: self.disk_s,
-            disk_read_aheads: self.read_aheads,
             disk_direct_io: files().any(DiskKv::direct_io),
             lossy: self
                 .shape
                 .as_ref()
                 .is_some_and(|s| self.codec.lossy(s.dtype)),
             ..stats
+        };
+        if disk > 0 {
+            stats.set_metric(PolicyMetric::counter(
+                "disk_read_aheads",
+                self.read_aheads as f64,
+                "reads",
+            ));
         }
+        stats
     }
 
     /// Hands every buffer back to the engine, removes every file and forgets the sequence
