@@ -1,10 +1,8 @@
 //! Generate with a Gemma, Gemma 2 or Gemma 3 model under any KV policy; the same flags as `llama`.
 //!
 //! `cargo run --release --example gemma -- --model-dir path/to/gemma-2-2b --policy headwise --prompt "…"`
-mod common;
-
 fn main() -> std::process::ExitCode {
-    common::main(
+    kvpolicy_cli::main(
         "gemma",
         &["gemma", "gemma2", "gemma3"],
         Some(kvpolicy::models::ModelSpec::Pypi(

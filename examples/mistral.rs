@@ -1,8 +1,6 @@
 //! Generate with a Mistral (sliding-window attention) model under any KV policy; the same flags as `llama`.
 //!
 //! `cargo run --release --example mistral -- --model-dir path/to/Mistral-7B-v0.1 --policy headwise --prompt "…"`
-mod common;
-
 fn main() -> std::process::ExitCode {
-    common::main("mistral", &["mistral"], None)
+    kvpolicy_cli::main("mistral", &["mistral"], None)
 }

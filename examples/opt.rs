@@ -1,8 +1,6 @@
 //! Generate with a OPT (125M, 1.3B … 66B) model under any KV policy; the same flags as `llama`.
 //!
 //! `cargo run --release --example opt -- --model-dir path/to/opt-125m --policy recompute --prompt "…"`
-mod common;
-
 fn main() -> std::process::ExitCode {
-    common::main("opt", &["opt"], None)
+    kvpolicy_cli::main("opt", &["opt"], None)
 }

@@ -43,7 +43,7 @@ fn bad_sweep_arguments_fail_before_any_measurement() -> Result<()> {
     std::fs::write(&cfg, TINY)?;
     for p in ["auto:", "headwise:", "recompute:"] {
         let o = kvbench(&cfg, &["--policies", p])?;
-        refused(&o, "is empty; give one")?;
+        refused(&o, "nothing follows the colon")?;
     }
     let o = kvbench(&cfg, &["--policies", "full", "--repeats", "0"])?;
     refused(&o, "--repeats must be at least 1")?;

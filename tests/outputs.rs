@@ -216,9 +216,7 @@ fn outputs_do_not_need_a_temporary_directory() -> Result<()> {
     Ok(())
 }
 
-#[allow(dead_code)] // the runner's other helpers
-#[path = "../examples/common/outpath.rs"]
-mod outpath;
+use kvpolicy_cli::outpath;
 
 #[test]
 fn descriptor_paths_are_recognised_lexically() {

@@ -319,12 +319,7 @@ fn a_huge_block_size_is_bounded_by_the_run() -> Result<()> {
     Ok(())
 }
 
-#[allow(dead_code)] // the runner's other helpers
-#[path = "../examples/common/atomic.rs"]
-mod atomic;
-#[allow(dead_code)]
-#[path = "../examples/common/outpath.rs"]
-mod outpath;
+use kvpolicy_cli::atomic;
 
 #[test]
 fn a_failing_output_leaves_none_of_the_others() -> Result<()> {

@@ -12,25 +12,13 @@
 //! are timed (fixed ids, so every policy does identical work); the median of
 //! `--repeats` runs is reported. Prints a markdown table (ratios ÷ `full` at the same
 //! context), and optionally writes CSV and SVG charts.
-#[path = "../common/atomic.rs"]
-mod atomic;
 mod bandwidth;
-#[path = "../common/errors.rs"]
-mod errors;
-#[path = "../common/flags.rs"]
-mod flags;
 mod llamacpp;
-#[path = "../common/outpath.rs"]
-mod outpath;
 mod plot;
-#[path = "../common/registry.rs"]
-mod registry;
 mod report;
 mod stock;
 mod sweep;
 mod synthetic;
-#[path = "../common/threads.rs"]
-mod threads;
 
 use std::path::PathBuf;
 
@@ -42,6 +30,7 @@ use kvpolicy::models::source::ModelFiles;
 use kvpolicy::models::{activation_dtype, load, resolve, ModelSpec};
 use kvpolicy::{PolicyOptions, Profile};
 
+use kvpolicy_cli::{atomic, errors, flags, registry, threads};
 use stock::{Stock, STOCK_MAX_POSITIONS};
 use sweep::{measure, Row, Variant};
 
@@ -221,7 +210,7 @@ fn run(mut args: Args) -> Result<()> {
     );
     if args.synthetic_history {
         for v in &variants {
-            synthetic::check(model, v)?;
+            synthetic::check(model, v.build()?.as_mut(), &v.label)?;
         }
     }
     let mut stock = match &files {

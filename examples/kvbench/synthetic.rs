@@ -54,11 +54,9 @@ pub fn settle() -> Result<()> {
     Ok(kvpolicy::core::tiered::sync_disk_files()?)
 }
 
-/// Checks, before any variant is measured, that `variant`'s policy takes a synthetic
-/// history (one token stored through `append_kv`): one that cannot fails the sweep before
-/// the others' results are computed and lost.
-pub fn check(model: &dyn CausalLm, variant: &crate::sweep::Variant) -> Result<()> {
-    let mut p = variant.build()?;
-    fill(model, p.as_mut(), 1, 1)
-        .map_err(|e| e.context(format!("--synthetic-history with `{}`", variant.label)))
+/// Checks, before any variant is measured, that `policy` (the variant `label`) takes a
+/// synthetic history (one token stored through `append_kv`): one that cannot fails the
+/// sweep before the others' results are computed and lost.
+pub fn check(model: &dyn CausalLm, policy: &mut dyn KvPolicy, label: &str) -> Result<()> {
+    fill(model, policy, 1, 1).map_err(|e| e.context(format!("--synthetic-history with `{label}`")))
 }

@@ -4,7 +4,7 @@ use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKe
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CudaStorage, DType, Result};
 
-use crate::heads_into::{Geometry, Rotation};
+use crate::heads_layout::{Geometry, Rotation};
 
 /// The PTX of `cuda/*.cu`, built by `build.rs`.
 mod ptx {

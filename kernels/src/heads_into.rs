@@ -7,27 +7,8 @@
 //! kernel (`cuda/heads_into.cu`) does the same per element.
 use candle_core::{CpuStorage, InplaceOp3, Layout, Result, Tensor};
 
-/// How RoPE pairs the values of a head (candle's `rope` and `rope_i`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Rotation {
-    /// No rotation: a plain copy into heads (V, or models without RoPE).
-    None,
-    /// Value `i` pairs with `i + head_dim/2` (Llama's HF layout).
-    Half,
-    /// Value `2i` pairs with `2i + 1` (GGUF / original Llama layout).
-    Interleaved,
-}
-
-impl Rotation {
-    /// The code the CUDA kernel takes.
-    pub fn code(self) -> i32 {
-        match self {
-            Rotation::None => 0,
-            Rotation::Half => 1,
-            Rotation::Interleaved => 2,
-        }
-    }
-}
+use crate::heads_layout::Geometry;
+pub use crate::heads_layout::Rotation;
 
 /// The in-place op: `dst.inplace_op3(&rows, &trig, &HeadsInto { .. })`. `dst` is
 /// `(b, heads, t, head_dim)` with any strides (a narrow of a larger buffer); `rows` is
@@ -64,19 +45,6 @@ pub fn heads_into(
             rotation,
         },
     )
-}
-
-/// The index arithmetic both implementations share, checked against the layouts.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Geometry {
-    pub b: usize,
-    pub t: usize,
-    pub heads: usize,
-    pub d: usize,
-    pub rows_offset: usize,
-    pub trig_offset: usize,
-    pub dst_offset: usize,
-    pub dst_strides: [usize; 4],
 }
 
 impl HeadsInto {

@@ -22,6 +22,7 @@
 
 pub mod flash;
 pub mod heads_into;
+mod heads_layout;
 pub mod quant;
 
 pub use flash::{flash_attn, CallShape, FlashAttn, FlashOut, FlashParams, TILE_KEYS, TILE_ROWS};

@@ -166,13 +166,8 @@ pub enum KvError {
         reason: String,
     },
     /// A size string such as `64MiB` that does not parse.
-    #[error("cannot parse the size `{input}`: {reason}; write a number with an optional unit, e.g. 512MiB, 2GB or 1048576")]
-    BadSize {
-        /// The text given.
-        input: String,
-        /// Why it is rejected.
-        reason: String,
-    },
+    #[error(transparent)]
+    BadSize(#[from] crate::size::SizeError),
 }
 
 /// "its settings are: a, b" or "it takes no settings".

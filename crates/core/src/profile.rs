@@ -19,7 +19,7 @@ use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{KvError, Result};
-use crate::policy::KvRegen;
+use crate::regen::KvRegen;
 use crate::transfer::{CopyJob, TransferEngine};
 
 /// Measured (or given) rates of one device for one layer shape.

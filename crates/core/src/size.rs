@@ -1,11 +1,22 @@
 //! Byte sizes as people write them (`64MiB`, `1.5GB`, `4096`) and as reports print them.
-use crate::error::{KvError, Result};
+
+/// A size string such as `64MiB` that does not parse.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("cannot parse the size `{input}`: {reason}; write a number with an optional unit, e.g. 512MiB, 2GB or 1048576")]
+pub struct SizeError {
+    /// The text given.
+    pub input: String,
+    /// Why it is rejected.
+    pub reason: String,
+}
+
+type Result<T> = std::result::Result<T, SizeError>;
 
 /// Parses a byte size: a number followed by an optional unit among B, KB, MB, GB, TB
 /// (powers of 1000) and KiB, MiB, GiB, TiB (powers of 1024); case-insensitive, spaces allowed.
 pub fn parse_bytes(input: &str) -> Result<u64> {
     let s = input.trim();
-    let bad = |reason: &str| KvError::BadSize {
+    let bad = |reason: &str| SizeError {
         input: input.to_string(),
         reason: reason.to_string(),
     };

@@ -72,6 +72,7 @@
 
 mod plan;
 mod resident;
+mod resident_attend;
 mod runtime;
 mod settings;
 

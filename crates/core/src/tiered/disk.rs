@@ -25,17 +25,9 @@ use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
 
-use super::disk_read::{round_up, DiskIo, DiskRead, Piece};
+use super::disk_format::{disk_err, round_up, ALIGN, MAGIC};
+use super::disk_read::{DiskIo, DiskRead, Piece};
 use crate::error::{KvError, Result};
-
-/// Bytes of a block header: magic, first and end of the tokens written (u32 each).
-pub(super) const HEADER: usize = 12;
-/// Alignment of blocks, of each block's data and of direct reads (offset, length, buffer):
-/// the page size, a multiple of every common logical block size.
-pub(super) const ALIGN: u64 = 4096;
-
-/// "KVD1", little-endian.
-pub(super) const MAGIC: u32 = 0x3144_564b;
 
 /// One layer's K/V in a file (see the module docs).
 #[derive(Debug)]
@@ -54,13 +46,6 @@ pub struct DiskKv {
     chunks: usize,
     /// The tokens written to each block (index [`DiskKv::block`]), as a range within it.
     written: Vec<(u32, u32)>,
-}
-
-pub(super) fn disk_err(what: &str, path: &Path, e: std::io::Error) -> KvError {
-    KvError::Disk {
-        what: format!("{what} {}", path.display()),
-        source: e,
-    }
 }
 
 /// A tensor's elements as bytes in the machine's order, in logical order (what

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 
-use super::disk::{disk_err, ALIGN, HEADER, MAGIC};
+use super::disk_format::{disk_err, round_up, ALIGN, HEADER, MAGIC};
 use crate::error::{KvError, Result};
 
 /// How the disk tier reads its files.
@@ -51,11 +51,6 @@ pub(super) fn open_direct(file: &File) -> std::io::Result<File> {
         .read(true)
         .custom_flags(libc::O_DIRECT)
         .open(format!("/proc/self/fd/{}", file.as_raw_fd()))
-}
-
-/// `n` rounded up to whole pages.
-pub(super) fn round_up(n: u64) -> u64 {
-    n.div_ceil(ALIGN) * ALIGN
 }
 
 /// One `pread` of a [`DiskRead`] and the header its block must carry.

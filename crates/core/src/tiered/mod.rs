@@ -21,6 +21,7 @@
 //! stored forms (lossy opt-ins), `pingpong` the device buffers.
 mod codec;
 mod disk;
+mod disk_format;
 mod disk_fs;
 mod disk_read;
 mod host;

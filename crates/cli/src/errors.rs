@@ -7,7 +7,7 @@ use kvpolicy::core::Advice;
 use kvpolicy::models::ModelError;
 use kvpolicy::{Knob, KvError, PolicyOption};
 
-use super::flags::{option_flag, setting_flag};
+use crate::flags::{option_flag, setting_flag};
 
 /// Which command line the message is for: the runner's flags, or kvbench's, where
 /// settings are only given in `--policies` specs and the device budget is `auto:BUDGET`.

@@ -7,7 +7,10 @@ use anyhow::{bail, Context, Result};
 use kvpolicy::models::{generate_batch, TextTokenizer};
 use kvpolicy::{CausalLm, KvPolicy};
 
-use super::{generate_config, warn_slow_link, Args, Staged, StatsOut};
+use crate::applies::warn_slow_link;
+use crate::args::Args;
+use crate::atomic::Staged;
+use crate::stats_out::{peak_rss_bytes, StatsOut};
 
 /// The prompts of a file: text lines, or token ids from a `.jsonl` file.
 pub enum Prompts {
@@ -87,9 +90,9 @@ pub fn run(
     let longest = ids.iter().map(Vec::len).max().unwrap_or(0);
     warn_slow_link(args, model.info(), longest);
     let lens: Vec<usize> = ids.iter().map(Vec::len).collect();
-    super::preflight::check_descriptors(args, model.info(), &lens)?;
-    super::preflight::check_disk_room(args, model.info(), &lens)?;
-    let cfg = generate_config(args);
+    crate::preflight::check_descriptors(args, model.info(), &lens)?;
+    crate::preflight::check_disk_room(args, model.info(), &lens)?;
+    let cfg = args.generate_config();
     let out = generate_batch(model, policy, &ids, &cfg)?;
     let mut stdout = std::io::stdout().lock();
     for (i, g) in out.requests.iter().enumerate() {
@@ -128,7 +131,7 @@ pub fn run(
             std::io::stderr(),
             "{}: {}",
             policy.name(),
-            super::summary::metrics_text(&stats)
+            crate::summary::metrics_text(&stats)
         );
     }
     if stats.lossy {
@@ -161,7 +164,7 @@ pub fn run(
             prefill_s: out.prefill_s,
             decode_tokens: out.decode_tokens,
             decode_s: out.decode_s,
-            peak_rss_bytes: super::peak_rss_bytes(),
+            peak_rss_bytes: peak_rss_bytes(),
             steps: Some(out.step_stats),
         };
         staged.add(path, |w| Ok(serde_json::to_writer_pretty(w, &st)?))?;

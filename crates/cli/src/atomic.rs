@@ -27,7 +27,7 @@ use std::sync::Mutex;
 use anyhow::{bail, Context, Result};
 use tempfile::NamedTempFile;
 
-use super::outpath::{target, writable_descriptor, Target};
+use crate::outpath::{target, writable_descriptor, Target};
 
 /// Temporaries being written now.
 static TEMPS: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());

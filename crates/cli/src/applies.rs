@@ -1,6 +1,8 @@
 //! A warning about a flag that makes a run crawl: a simulated link so slow that one decode
 //! step takes minutes. (Flags the chosen policy does not read are warned of in `flags`.)
-use kvpolicy::ModelInfo;
+use kvpolicy::{ModelInfo, PolicyOption};
+
+use crate::args::Args;
 
 /// Seconds below which a simulated step is not worth a warning.
 const SLOW_STEP_S: f64 = 60.0;
@@ -33,5 +35,24 @@ fn human_seconds(s: f64) -> String {
         s if s < 3600.0 => format!("{:.0} minutes", s / 60.0),
         s if s < 86400.0 * 2.0 => format!("{:.1} hours", s / 3600.0),
         s => format!("{:.0} days", s / 86400.0),
+    }
+}
+
+/// Prints a warning when `--link-bandwidth` would make a decode step of a prompt of
+/// `longest` tokens take minutes under a policy that reads it.
+pub fn warn_slow_link(args: &Args, info: &ModelInfo, longest: usize) {
+    let reads = crate::registry::registry()
+        .reads(args.policy_name())
+        .unwrap_or(&[]);
+    if let (Some(bandwidth), true) = (
+        args.link_bandwidth,
+        reads.contains(&PolicyOption::LinkBandwidth),
+    ) {
+        let context = longest
+            .saturating_add(args.max_new_tokens)
+            .min(info.max_positions);
+        if let Some(w) = slow_link(info, bandwidth, context) {
+            eprintln!("{w}");
+        }
     }
 }

@@ -7,7 +7,8 @@ use kvpolicy::core::format_bytes;
 use kvpolicy::core::tiered::free_disk_bytes;
 use kvpolicy::{ModelInfo, PolicyOption};
 
-use super::{registry, Args};
+use crate::args::Args;
+use crate::registry;
 
 /// Whether `args.policy` puts layers on the disk tier (it reads `--disk-dir`, and one is
 /// given).

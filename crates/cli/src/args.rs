@@ -1,0 +1,166 @@
+//! The runner's flags: a contract other tools read (scripts, the server to come). Every
+//! example takes the same ones.
+use std::path::PathBuf;
+
+use candle_core::DType;
+use clap::Parser;
+use kvpolicy::core::{DiskIo, KvCodec};
+use kvpolicy::{GenerateConfig, HeadGroup};
+
+/// Flags shared by every example.
+#[derive(Parser, Debug)]
+#[command(about = "Generate text under a KV-cache policy", long_about = None)]
+pub struct Args {
+    /// KV policy spec: NAME or NAME:KEY=VALUE,… — full (all on device), layer (layer-wise offload), headwise (head-wise offload; headwise:group=1), recompute (partial recompute, KVPR; recompute:split=N), hybrid (KV and activation blocks, HybridServe), auto (resident units under the budget, the rest streamed; auto:64MiB), sinks (APPROXIMATE: attention sinks + recent window, sinks:sinks=4,window=256, from the downstream crate examples/custom-policy); --list-policies prints every policy's settings.
+    #[arg(long, default_value = "full", value_name = "SPEC")]
+    pub policy: String,
+    /// Print every policy with its settings (types, defaults, docs) and the options it reads, then exit.
+    #[arg(long)]
+    pub list_policies: bool,
+    /// Prompt text (tokenized with the model's tokenizer).
+    #[arg(long, conflicts_with_all = ["prompt_ids", "prompts_file", "random_prompt"])]
+    pub prompt: Option<String>,
+    /// Wrap the prompt in the model's chat template as one user message (text prompts only: not with --prompt-ids, --random-prompt or --prompts-file).
+    #[arg(long, requires = "prompt", conflicts_with_all = ["prompt_ids", "random_prompt", "prompts_file"])]
+    pub chat: bool,
+    /// Prompt as comma-separated token ids, e.g. 1,2,3 (no tokenizer needed).
+    #[arg(long, value_delimiter = ',', conflicts_with = "prompts_file")]
+    pub prompt_ids: Option<Vec<u32>>,
+    /// Benchmark prompt: N token ids drawn uniformly from the vocabulary with --seed (no tokenizer needed; for prompts too long for a command line).
+    #[arg(long, value_name = "N", conflicts_with_all = ["prompt_ids", "prompts_file"])]
+    pub random_prompt: Option<usize>,
+    /// Batch mode: one prompt per line, all generated together as a ragged batch; a file ending in .jsonl holds one JSON array of token ids per line, any other file plain text (blank lines are skipped).
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["decode_ids", "dump_logits"])]
+    pub prompts_file: Option<PathBuf>,
+    /// Tokens to generate after the prompt.
+    #[arg(long, default_value_t = 32)]
+    pub max_new_tokens: usize,
+    /// Sampling temperature; 0 means greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f64,
+    /// Nucleus sampling: keep the smallest token set whose probability reaches P.
+    #[arg(long)]
+    pub top_p: Option<f64>,
+    /// Seed of the sampler.
+    #[arg(long, default_value_t = 299_792_458)]
+    pub seed: u64,
+    /// Local HF model directory (config.json, *.safetensors, tokenizer.json).
+    #[arg(long, conflicts_with_all = ["model_id", "gguf"])]
+    pub model_dir: Option<PathBuf>,
+    /// Hub repository id (e.g. HuggingFaceTB/SmolLM2-135M-Instruct); honours HF_HOME and HF_HUB_OFFLINE.
+    #[arg(long, conflicts_with = "gguf")]
+    pub model_id: Option<String>,
+    /// Hub revision (branch, tag or commit) for --model-id.
+    #[arg(long, default_value = "main", requires = "model_id")]
+    pub revision: String,
+    /// GGUF model file (quantized weights; tokenizer rebuilt from its vocabulary).
+    #[arg(long)]
+    pub gguf: Option<PathBuf>,
+    /// tokenizer.json to use instead of the model's own.
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Activation/weight dtype for safetensors models: f32, f16 or bf16 (default: f32 on CPU, bf16 on CUDA).
+    #[arg(long)]
+    pub dtype: Option<String>,
+    /// Build the model from --config with random weights, generated on the device (for benchmarks at real scale).
+    #[arg(long, requires = "config", conflicts_with_all = ["model_dir", "model_id", "gguf"])]
+    pub random_weights: bool,
+    /// config.json for --random-weights.
+    #[arg(long, requires = "random_weights")]
+    pub config: Option<PathBuf>,
+    /// KV heads per head group for `headwise`: a divisor of the model's KV heads, or auto (default); the same as --policy headwise:group=N.
+    #[arg(long)]
+    pub head_group: Option<HeadGroup>,
+    /// Device-tier byte budget for KV buffers, e.g. 64MiB or 2GB (default: unlimited).
+    #[arg(long, value_parser = parse_budget)]
+    pub device_kv_budget: Option<u64>,
+    /// Host-memory byte budget for KV (layer, headwise, auto): layers past it go to files under --disk-dir.
+    #[arg(long, value_parser = parse_budget, requires = "disk_dir")]
+    pub host_kv_budget: Option<u64>,
+    /// LOSSY, opt-in: store the host tier's (and disk tier's) K/V as f16, bf16 (half the bytes of f32) or q8_0 (0.27×) and expand them before attention (layer, headwise, auto); logits differ from full (README "Beyond host memory" gives the measured deviation).
+    #[arg(long, value_name = "f16|bf16|q8_0", value_parser = parse_host_dtype)]
+    pub host_kv_dtype: Option<KvCodec>,
+    /// Directory for the disk tier's files (one per layer; removed at the end, on error and on Ctrl-C); without --host-kv-budget every layer's KV is on disk.
+    #[arg(long, value_name = "DIR")]
+    pub disk_dir: Option<PathBuf>,
+    /// How the disk tier reads its files: `direct` (O_DIRECT, past the page cache; the default, buffered where the file system refuses it) or `buffered` (through the page cache).
+    #[arg(
+        long,
+        value_name = "direct|buffered",
+        requires = "disk_dir",
+        default_value = "direct"
+    )]
+    pub disk_io: DiskIo,
+    /// Cost profile for `recompute` (JSON: h2d_bytes_per_s, recompute_tokens_per_s); default: measured at the first step.
+    #[arg(long, value_name = "FILE")]
+    pub profile: Option<PathBuf>,
+    /// Force `recompute` to regenerate the first N cached tokens of every layer (clamped to the tokens cached so far) instead of the scheduler's split; the same as --policy recompute:split=N.
+    #[arg(long, value_name = "N")]
+    pub recompute_split: Option<usize>,
+    /// Tokens per cache block for `hybrid` (default 16); the same as --policy hybrid:block_size=N.
+    #[arg(long)]
+    pub block_size: Option<usize>,
+    /// Force `hybrid`'s share of blocks stored as K/V, in [0, 1]: 1 = all KV, 0.5 = 1:1, 0 = all activations (default: balanced from the profile); the same as --policy hybrid:kv_act_ratio=R.
+    #[arg(long, value_name = "R", allow_negative_numbers = true)]
+    pub kv_act_ratio: Option<f64>,
+    /// Simulate a host↔device link of this many bytes per second on the CPU (e.g. 200MB), so offload policies pay transfer time as on a GPU.
+    #[arg(long, value_parser = parse_budget, value_name = "BYTES")]
+    pub link_bandwidth: Option<u64>,
+    /// Run on the CPU even when a GPU is available.
+    #[arg(long)]
+    pub cpu: bool,
+    /// Prompt tokens per prefill pass, so that a long prompt's activations and attention scratch stay small (0 = the whole prompt in one pass).
+    #[arg(long, default_value_t = kvpolicy::models::generate::DEFAULT_PREFILL_CHUNK)]
+    pub prefill_chunk: usize,
+    /// Teacher forcing: after the prompt, feed exactly these comma-separated ids, one decode step each.
+    #[arg(long, value_delimiter = ',')]
+    pub decode_ids: Option<Vec<u32>>,
+    /// Write {"prompt_ids": [...], "generated_ids": [...]} as JSON to FILE; with --prompts-file, a JSON array of one such object per prompt, in input order.
+    #[arg(long)]
+    pub ids_out: Option<PathBuf>,
+    /// Write float32 logits [rows, vocab] as .npy: every prompt position, then each decode step.
+    #[arg(long)]
+    pub dump_logits: Option<PathBuf>,
+    /// Write the policy's stats and timings as JSON to FILE (with --prompts-file also the stats after every step, as `steps`).
+    #[arg(long)]
+    pub stats_out: Option<PathBuf>,
+}
+
+impl Args {
+    /// The policy's name: `--policy`'s spec before its settings.
+    pub fn policy_name(&self) -> &str {
+        self.policy
+            .split_once(':')
+            .map_or(self.policy.as_str(), |(name, _)| name)
+            .trim()
+    }
+
+    /// The generation settings the flags ask for.
+    pub fn generate_config(&self) -> GenerateConfig {
+        GenerateConfig {
+            prefill_chunk: self.prefill_chunk,
+            max_new_tokens: self.max_new_tokens,
+            temperature: self.temperature,
+            top_p: self.top_p,
+            seed: self.seed,
+            decode_ids: self.decode_ids.clone(),
+            collect_logits: self.dump_logits.is_some(),
+            stop_at_eos: true,
+            progress: true,
+        }
+    }
+}
+
+/// `--host-kv-dtype`: the smaller forms the host tier can store.
+fn parse_host_dtype(s: &str) -> std::result::Result<KvCodec, String> {
+    match s {
+        "f16" => Ok(KvCodec::Float(DType::F16)),
+        "bf16" => Ok(KvCodec::Float(DType::BF16)),
+        "q8_0" => Ok(KvCodec::Q8_0),
+        other => Err(format!("`{other}`: use f16, bf16 or q8_0")),
+    }
+}
+
+pub(crate) fn parse_budget(s: &str) -> std::result::Result<u64, String> {
+    kvpolicy::parse_bytes(s).map_err(|e| e.to_string())
+}

@@ -1,0 +1,258 @@
+//! The runner every example shares: flags ([`Args`]), model loading, policy construction,
+//! generation, the summary and the output files.
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+use candle_core::{DType, Device};
+use clap::{CommandFactory, FromArgMatches};
+use kvpolicy::models::{activation_dtype, generate, load, resolve, ModelSpec};
+use kvpolicy::{PolicyOptions, PolicySpec, Profile};
+
+use crate::applies::warn_slow_link;
+use crate::args::Args;
+use crate::atomic::{self, Staged};
+use crate::printer::Printer;
+use crate::stats_out::{peak_rss_bytes, StatsOut};
+use crate::{batch, errors, flags, npy, preflight, registry, summary, threads};
+
+/// `n` token ids drawn uniformly from `0..vocab` with `seed` (the `--random-prompt` prompt).
+fn random_prompt(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    // SplitMix64: a fixed, documented sequence for a seed, independent of crate versions.
+    let mut x = seed;
+    (0..n)
+        .map(|_| {
+            x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = x;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            ((z ^ (z >> 31)) % vocab.max(1) as u64) as u32
+        })
+        .collect()
+}
+
+/// Parses the flags, runs, and maps errors to a message and exit code 1. `example` is the
+/// example's name, `archs` the architectures (`ModelInfo::architecture`) it runs and
+/// `default` the model it loads when no model flag is given.
+pub fn main(example: &str, archs: &[&str], default: Option<ModelSpec>) -> ExitCode {
+    threads::settle();
+    let matches = Args::command().get_matches();
+    let args = Args::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    init_tracing();
+    let reg = registry::registry();
+    if args.list_policies {
+        println!("{}", flags::list_policies(&reg));
+        return ExitCode::SUCCESS;
+    }
+    let fail = |e: anyhow::Error| {
+        eprintln!("error: {}", errors::for_cli(&e, errors::Frontend::Runner));
+        ExitCode::FAILURE
+    };
+    let spec = match flags::run_spec(&reg, &matches, &args.policy) {
+        Ok((spec, warnings)) => {
+            for warning in warnings {
+                eprintln!("{warning}");
+            }
+            spec
+        }
+        Err(e) => return fail(e),
+    };
+    atomic::on_signals();
+    match run(&args, &spec, example, archs, default) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => fail(e),
+    }
+}
+
+/// With `RUST_LOG` set (e.g. `RUST_LOG=kvpolicy_models=debug`), the `load`,
+/// `prefill_chunk` and `decode_step` spans print on stderr with their durations.
+fn init_tracing() {
+    if std::env::var_os("RUST_LOG").is_none() {
+        return;
+    }
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_span_events(tracing_subscriber::fmt::format::FmtSpan::CLOSE)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+fn parse_dtype(s: Option<&str>, dev: &Device) -> Result<DType> {
+    activation_dtype(s, dev).with_context(|| {
+        format!(
+            "unknown --dtype `{}`; use f32, f16 or bf16",
+            s.unwrap_or_default()
+        )
+    })
+}
+
+/// The example that runs `arch`.
+fn example_for(arch: &str) -> &'static str {
+    match arch {
+        "mistral" => "mistral",
+        "qwen2" => "qwen",
+        "gemma" | "gemma2" | "gemma3" => "gemma",
+        "opt" => "opt",
+        _ => "llama",
+    }
+}
+
+fn run(
+    args: &Args,
+    spec: &PolicySpec,
+    example: &str,
+    archs: &[&str],
+    default: Option<ModelSpec>,
+) -> Result<()> {
+    let explicit = args.model_dir.is_some()
+        || args.model_id.is_some()
+        || args.gguf.is_some()
+        || args.random_weights;
+    let default = match default {
+        Some(d) => d,
+        None if explicit => ModelSpec::Default,
+        None => anyhow::bail!(
+            "the `{example}` example needs a model: pass --model-dir DIR, --gguf FILE, --model-id ID or --random-weights --config FILE (`--example llama` and `--example gemma` have built-in default models)"
+        ),
+    };
+    let device = if args.cpu {
+        Device::Cpu
+    } else {
+        Device::cuda_if_available(0)?
+    };
+    let dtype = parse_dtype(args.dtype.as_deref(), &device)?;
+    // Fail on a bad policy name before loading anything.
+    let opts = PolicyOptions {
+        device: device.clone(),
+        device_kv_budget: args.device_kv_budget,
+        profile: args.profile.as_deref().map(Profile::load).transpose()?,
+        link_bandwidth: args.link_bandwidth.map(|b| b as f64),
+        host_kv_budget: args.host_kv_budget,
+        disk_dir: args.disk_dir.clone(),
+        disk_io: args.disk_io,
+        host_kv_dtype: args.host_kv_dtype.unwrap_or_default(),
+        ..PolicyOptions::default()
+    };
+    let mut policy = if args.prompts_file.is_some() {
+        registry::registry().build_batched_spec(spec, &opts)?
+    } else {
+        registry::registry().build_spec(spec, &opts)?
+    };
+    // Output paths that cannot be written fail before any work.
+    for (path, flag) in [
+        (&args.ids_out, "--ids-out"),
+        (&args.dump_logits, "--dump-logits"),
+        (&args.stats_out, "--stats-out"),
+    ] {
+        if let Some(p) = path {
+            atomic::check_output(p, flag)?;
+        }
+    }
+    // A prompts file that cannot be read fails before the model loads.
+    let batch = args.prompts_file.as_deref().map(batch::read).transpose()?;
+
+    let spec = match (&args.model_dir, &args.model_id, &args.gguf) {
+        _ if args.random_weights => ModelSpec::Random {
+            config: args
+                .config
+                .clone()
+                .context("--random-weights needs --config FILE")?,
+            seed: args.seed,
+        },
+        (Some(d), _, _) => ModelSpec::Dir(d.clone()),
+        (_, Some(id), _) => ModelSpec::Hub {
+            id: id.clone(),
+            revision: args.revision.clone(),
+        },
+        (_, _, Some(g)) => ModelSpec::Gguf(g.clone()),
+        _ => default,
+    };
+    let files = resolve(&spec)?;
+    let loaded = load(&files, &device, dtype, args.tokenizer.as_deref())?;
+    let model = loaded.model;
+    let tok = loaded.tokenizer;
+    let arch = model.info().architecture.clone();
+    if !archs.contains(&arch.as_str()) {
+        anyhow::bail!(
+            "the `{example}` example runs {} models, but {} is a `{arch}` model; run `--example {}` (every example takes the same flags)",
+            archs.join("/"),
+            model.info().source,
+            example_for(&arch)
+        );
+    }
+
+    if let Some(prompts) = batch {
+        return batch::run(args, model.as_ref(), tok.as_ref(), policy.as_mut(), prompts);
+    }
+
+    let prompt_ids = match (&args.prompt_ids, &args.prompt, args.random_prompt) {
+        (_, _, Some(n)) => {
+            // Checked before the ids are drawn: N sizes the prompt.
+            let positions = model.info().max_positions;
+            if n > positions {
+                anyhow::bail!(
+                    "--random-prompt {n} exceeds the model's {positions} positions; ask for at most {positions} tokens"
+                );
+            }
+            preflight::check_random_prompt(n)?;
+            random_prompt(n, model.info().vocab_size, args.seed)
+        }
+        (Some(ids), _, _) => ids.clone(),
+        (None, p, None) => {
+            let tok = tok.as_ref().context(
+                "this model has no tokenizer; pass --prompt-ids, or --tokenizer tokenizer.json",
+            )?;
+            let text = p.as_deref().unwrap_or("The capital of France is");
+            if args.chat {
+                tok.encode_raw(&tok.apply_chat_template(text)?)?
+            } else {
+                tok.encode(text)?
+            }
+        }
+    };
+
+    warn_slow_link(args, model.info(), prompt_ids.len());
+    preflight::check_descriptors(args, model.info(), &[prompt_ids.len()])?;
+    preflight::check_disk_room(args, model.info(), &[prompt_ids.len()])?;
+    let cfg = args.generate_config();
+    let mut printer = Printer::new(tok.as_ref());
+    let gen = generate(
+        model.as_ref(),
+        policy.as_mut(),
+        &prompt_ids,
+        &cfg,
+        &mut |t| {
+            printer.push(t);
+            Ok(())
+        },
+    )?;
+    printer.finish();
+
+    let info = model.info();
+    let stats = policy.stats();
+    summary::print(&gen, &stats, policy.name(), args.host_kv_dtype.is_some());
+    // Every output is written before any is put in place: one failing leaves none.
+    let mut staged = Staged::new();
+    if let Some(path) = &args.ids_out {
+        let v =
+            serde_json::json!({"prompt_ids": gen.prompt_ids, "generated_ids": gen.generated_ids});
+        staged.add(path, |w| Ok(serde_json::to_writer(w, &v)?))?;
+    }
+    if let (Some(path), Some(logits)) = (&args.dump_logits, &gen.logits) {
+        staged.add(path, |w| npy::write_f32_npy(logits, w))?;
+    }
+    if let Some(path) = &args.stats_out {
+        let out = StatsOut {
+            stats,
+            policy: policy.name(),
+            model: &info.source,
+            prefill_tokens: gen.prefill_tokens,
+            prefill_s: gen.prefill_s,
+            decode_tokens: gen.decode_tokens,
+            decode_s: gen.decode_s,
+            peak_rss_bytes: peak_rss_bytes(),
+            steps: None,
+        };
+        staged.add(path, |w| Ok(serde_json::to_writer_pretty(w, &out)?))?;
+    }
+    staged.commit()
+}
