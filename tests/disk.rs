@@ -132,7 +132,10 @@ fn a_damaged_file_is_an_error_and_reset_recovers() -> Result<()> {
         .err()
         .map(|e| e.to_string())
         .unwrap_or_default();
-    assert!(e.contains("`host_kv_budget` 1 needs a `disk_dir`"), "{e}");
+    assert!(
+        e.contains("`host_kv_budget` 1 needs a disk directory (`disk_dir`)"),
+        "{e}"
+    );
     let o = opts(&dir.path().join("missing"), None, None);
     let e = build_policy("layer", &o)
         .err()

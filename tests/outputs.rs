@@ -160,7 +160,7 @@ fn a_pipe_or_process_substitution_gets_the_output() -> Result<()> {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let text = std::fs::read_to_string(&file)?;
     assert!(
-        text.starts_with("{\"generated_ids\"") && text.contains("\"policy\""),
+        text.starts_with("{\"prompt_ids\"") && text.contains("\"policy\""),
         "{text}"
     );
     Ok(())

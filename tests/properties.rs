@@ -283,13 +283,15 @@ fn check(c: &Case) -> Result<(), TestCaseError> {
         ("recompute", opts(&|_| {})),
     ];
     for (name, o) in variants {
-        let mut p = build_policy(name, &o).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        let mut built = build_policy(name, &o).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        // Every call checked against KvPolicy's call protocol.
+        let mut p = kvpolicy::core::Checked::new(built.as_mut());
         let per_seq = p.batched();
         if per_seq {
             p.prepare(&shape)
                 .map_err(|e| TestCaseError::fail(e.to_string()))?;
         }
-        let got = drive(p.as_mut(), c, per_seq)
+        let got = drive(&mut p, c, per_seq)
             .map_err(|e| TestCaseError::fail(format!("{name} {:?}: {e}", o.device_kv_budget)))?;
         if name == "auto" {
             let st = p.stats();

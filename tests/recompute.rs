@@ -247,10 +247,8 @@ fn a_split_beyond_the_sequence_is_a_clear_error() -> Result<()> {
         .map(|e| e.to_string())
         .unwrap_or_default();
     assert!(
-        e.contains(&format!(
-            "`recompute_split` {} is beyond the sequence",
-            max + 1
-        )) && e.contains(&format!("0..={max}")),
+        e.contains(&format!("`split` {} is beyond the sequence", max + 1))
+            && e.contains(&format!("0..={max}")),
         "{e}"
     );
     // Exactly the sequence is fine.

@@ -103,11 +103,8 @@ fn bad_specs_are_one_line_errors_naming_policy_key_and_valid_keys() -> Result<()
             ],
         ),
         (
-            "layer:5",
-            &[
-                "`layer` policy has no setting `5`",
-                "its settings are: budget",
-            ],
+            "layer:lots",
+            &["`layer` policy's setting `budget` = lots", "bytes"],
         ),
         (
             "headwise:group=x",
@@ -129,7 +126,7 @@ fn bad_specs_are_one_line_errors_naming_policy_key_and_valid_keys() -> Result<()
         ),
         (
             "sinks:window=0",
-            &["invalid option for the `sinks` policy: `window` 0"],
+            &["invalid option for the `sinks` policy: sinks:window=0: every query"],
         ),
         (
             "headwise:",

@@ -167,7 +167,15 @@ pub fn teacher_forced(
         collect_logits: true,
         ..GenerateConfig::default()
     };
-    Ok(generate(model, policy, prompt, &cfg, &mut |_| Ok(()))?)
+    // Every call checked against KvPolicy's call protocol.
+    let mut checked = kvpolicy::core::Checked::new(policy);
+    Ok(generate(
+        model,
+        &mut checked,
+        prompt,
+        &cfg,
+        &mut |_| Ok(()),
+    )?)
 }
 
 /// `full`'s teacher-forced logits: the reference every exact policy is held to.

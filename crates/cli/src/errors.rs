@@ -93,6 +93,10 @@ pub fn kv_for_cli(e: &KvError, front: Frontend) -> String {
             };
             format!("invalid option for the `{policy}` policy: {named}{message}")
         }
+        // The disk tier's files live under the directory the user named.
+        KvError::Disk { what, .. } => {
+            format!("disk tier ({}): {what}", option_flag(PolicyOption::DiskDir))
+        }
         other => other.to_string(),
     }
 }

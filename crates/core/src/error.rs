@@ -121,6 +121,10 @@ pub enum KvError {
         /// What the user can change, best first.
         advice: Vec<Advice>,
     },
+    /// A call that breaks [`KvPolicy`](crate::KvPolicy)'s call protocol (reported by
+    /// [`Checked`](crate::protocol::Checked)).
+    #[error("call out of order: {0}")]
+    Protocol(String),
     /// A step that does not continue the sequence the policy holds.
     #[error("layer {layer} of sequence {seq} holds {held} tokens but the step starts at position {pos}; reset the policy (or release the sequence) before starting it again")]
     OutOfOrder {

@@ -148,7 +148,31 @@ impl KvShape {
 }
 
 /// A KV-cache policy: stores each step's new K/V (or activations) where it decides and
-/// returns the exact attention output.
+/// returns the attention output (exact, for every policy of this workspace but the
+/// approximate ones, which say so).
+///
+/// # Call protocol
+///
+/// A model calls a policy in this order, and a policy may rely on it
+/// ([`Checked`](crate::protocol::Checked) verifies it, and the tests run every policy under
+/// it):
+///
+/// 1. [`prepare`](Self::prepare), optionally, before the first step (and again after
+///    [`reset`](Self::reset)): the shape the run will have, so that what cannot work fails
+///    before any compute.
+/// 2. Forward steps. A step of a sequence ([`AttnStep::seq`]) calls
+///    [`attend`](Self::attend) (or [`append_kv`](Self::append_kv)) once per layer, layers
+///    `0..n_layers` in order, each with the same position and token count; layer 0 begins
+///    a step. The step's position is the number of tokens the sequence already holds:
+///    a prompt is prefilled in chunks, then decode steps bring one token each.
+/// 3. In a ragged batch ([`batched`](Self::batched) policies) the steps of different
+///    sequences interleave layer by layer, in the order [`plan`](Self::plan) gave, each
+///    sequence keeping the order above; [`release`](Self::release) ends one sequence,
+///    whose slot may start again at position 0.
+/// 4. [`reset`](Self::reset) forgets every sequence: the next step starts at position 0.
+///
+/// [`stats`](Self::stats), [`seq_len`](Self::seq_len) and [`name`](Self::name) may be called
+/// at any time.
 pub trait KvPolicy: Send {
     /// The registry name of the policy (`"full"`, `"headwise"`, …).
     fn name(&self) -> &str;

@@ -319,13 +319,11 @@ mod tests {
         let two: Two = parse_settings("p", &[set("a", "3"), set("b", "0.5")])?;
         assert_eq!(two, Two { a: 3, b: Some(0.5) });
         assert_eq!(parse_settings::<Two>("p", &[])?, Two::default());
-        match parse_settings::<Two>("p", &[set("b", "0.5"), set("a", "x")]) {
-            Err(KvError::BadSetting { key, expected, .. }) => {
-                assert_eq!(key, "a");
-                assert_eq!(expected, "integer >= 0");
-            }
-            other => panic!("{other:?}"),
-        }
+        let bad = parse_settings::<Two>("p", &[set("b", "0.5"), set("a", "x")]);
+        assert!(
+            matches!(&bad, Err(KvError::BadSetting { key, expected, .. }) if key == "a" && expected == "integer >= 0"),
+            "{bad:?}"
+        );
         let docs = describe::<Two>();
         assert_eq!(
             docs.iter().map(|d| d.key.as_str()).collect::<Vec<_>>(),

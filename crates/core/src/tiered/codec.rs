@@ -50,7 +50,7 @@ impl KvCodec {
     pub fn check(&self, d: usize) -> Result<()> {
         if *self == Self::Q8_0 && d % Q8_BLOCK.0 != 0 {
             return Err(KvError::Unsupported(format!(
-                "`host_kv_dtype` q8_0 needs a head width that is a multiple of 32, not {d}"
+                "storing the host tier's K/V as q8_0 needs a head width that is a multiple of 32, not {d}; store them as f16 or bf16"
             )));
         }
         Ok(())

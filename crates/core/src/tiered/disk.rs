@@ -163,9 +163,9 @@ impl DiskKv {
                 let _ = self.file.set_len(at);
                 return Err(KvError::Disk {
                     what: format!(
-                        "cannot grow {} to {} tokens (is the disk full? free space under \
-                         `disk_dir` or point it at a larger file system; the cache keeps the \
-                         tokens it holds)",
+                        "cannot grow {} to {} tokens (is the disk full? free space in the disk \
+                         tier's directory or point it at a larger file system; the cache keeps \
+                         the tokens it holds)",
                         self.path.display(),
                         self.capacity() + self.chunk,
                     ),

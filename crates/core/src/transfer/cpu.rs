@@ -100,7 +100,7 @@ impl CpuTransferEngine {
     pub fn with_link(bytes_per_s: f64) -> Result<Self> {
         if !(bytes_per_s.is_finite() && bytes_per_s > 0.0) {
             return Err(KvError::Unsupported(format!(
-                "a simulated link of {bytes_per_s} bytes/s: `link_bandwidth` must be positive"
+                "a simulated link of {bytes_per_s} bytes/s: its bandwidth must be positive"
             )));
         }
         Ok(Self::start(Some(bytes_per_s))?.with_inline_bytes(0))

@@ -144,8 +144,7 @@ pub fn engine_for(
 ) -> Result<Box<dyn TransferEngine>> {
     if !device.is_cpu() && link_bytes_per_s.is_some() {
         return Err(KvError::Unsupported(
-            "a simulated link (`link_bandwidth`) is for CPU runs only; leave it unset on a GPU"
-                .into(),
+            "a simulated host-device link is for CPU runs only; leave it unset on a GPU".into(),
         ));
     }
     match (device, link_bytes_per_s) {

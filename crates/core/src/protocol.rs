@@ -1,0 +1,242 @@
+//! The order in which a model calls a [`KvPolicy`], checked: [`Checked`] wraps a policy,
+//! forwards every call, and turns a call out of order into [`KvError::Protocol`] naming
+//! what was expected — so a policy (or a model) that sees calls in another order learns it
+//! from a clear error rather than from wrong logits. The protocol itself is stated in
+//! [`KvPolicy`]'s documentation; the tests run every policy under this wrapper.
+use std::collections::BTreeMap;
+
+use candle_core::Tensor;
+
+use crate::error::{KvError, Result};
+use crate::policy::{AttnStep, KvPolicy, KvShape, SeqLoad};
+use crate::profile::Profile;
+use crate::stats::KvStats;
+
+/// Where one sequence stands in the protocol.
+#[derive(Clone, Copy, Debug, Default)]
+struct SeqState {
+    /// Tokens of completed steps.
+    cached: usize,
+    /// The next layer the current step expects (0: between steps).
+    next_layer: usize,
+    /// The current step's first position and tokens.
+    pos: usize,
+    tokens: usize,
+}
+
+/// A policy whose calls are checked against the protocol (see the module docs).
+pub struct Checked<'a> {
+    inner: &'a mut dyn KvPolicy,
+    /// Layers per step: from `prepare`, or learned when the first step ends.
+    layers: Option<usize>,
+    seqs: BTreeMap<usize, SeqState>,
+}
+
+impl<'a> Checked<'a> {
+    /// Wraps `inner` (its calls from here on: wrap it before its first step).
+    pub fn new(inner: &'a mut dyn KvPolicy) -> Self {
+        Self {
+            inner,
+            layers: None,
+            seqs: BTreeMap::new(),
+        }
+    }
+
+    /// Checks that `step` comes next, and records it.
+    fn admit(&mut self, step: &AttnStep<'_>) -> Result<()> {
+        let t = step.k.dim(2)?;
+        let err = |what: String| {
+            Err(KvError::Protocol(format!(
+                "layer {} of sequence {} at position {} ({t} tokens): {what}",
+                step.layer, step.seq, step.pos
+            )))
+        };
+        let layers = self.layers;
+        let s = self.seqs.entry(step.seq).or_default();
+        // A step that reached the last layer is complete.
+        if layers.is_some_and(|n| s.next_layer == n) {
+            s.cached += s.tokens;
+            s.next_layer = 0;
+        }
+        if step.layer == 0 && s.next_layer > 0 {
+            match layers {
+                // The first step ends where the next begins: its layer count is learned.
+                None => {
+                    self.layers = Some(s.next_layer);
+                    s.cached += s.tokens;
+                    s.next_layer = 0;
+                }
+                Some(n) => {
+                    return err(format!(
+                        "a new step began after layer {} of {n}; every step calls layers 0..{n} in order",
+                        s.next_layer - 1
+                    ))
+                }
+            }
+        }
+        if step.layer != s.next_layer {
+            return err(format!(
+                "expected layer {} (layers come in order, 0 first, within each step)",
+                s.next_layer
+            ));
+        }
+        if layers.is_some_and(|n| step.layer >= n) {
+            return err(format!(
+                "the model has {} layers",
+                layers.unwrap_or_default()
+            ));
+        }
+        if step.layer == 0 {
+            if step.pos != s.cached {
+                return err(format!(
+                    "the sequence holds {} tokens, so its next step starts there (prefill chunks, then decode steps, continue it; reset or release it to start again)",
+                    s.cached
+                ));
+            }
+            s.pos = step.pos;
+            s.tokens = t;
+        } else if (step.pos, t) != (s.pos, s.tokens) {
+            return err(format!(
+                "layer 0 of this step was at position {} with {} tokens; every layer of a step sees the same",
+                s.pos, s.tokens
+            ));
+        }
+        s.next_layer += 1;
+        Ok(())
+    }
+}
+
+impl KvPolicy for Checked<'_> {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+
+    fn prepare(&mut self, shape: &KvShape) -> Result<()> {
+        if self.seqs.values().any(|s| s.cached > 0 || s.next_layer > 0) {
+            return Err(KvError::Protocol(
+                "prepare came after steps; call it before the first step (or after reset)".into(),
+            ));
+        }
+        self.layers = Some(shape.n_layers);
+        self.inner.prepare(shape)
+    }
+
+    fn attend(&mut self, step: &AttnStep<'_>) -> Result<Tensor> {
+        self.admit(step)?;
+        self.inner.attend(step)
+    }
+
+    fn append_kv(&mut self, step: &AttnStep<'_>) -> Result<()> {
+        self.admit(step)?;
+        self.inner.append_kv(step)
+    }
+
+    fn seq_len(&self) -> usize {
+        self.inner.seq_len()
+    }
+
+    fn reset(&mut self) {
+        self.seqs.clear();
+        self.inner.reset();
+    }
+
+    fn stats(&self) -> KvStats {
+        self.inner.stats()
+    }
+
+    fn profile(&self) -> Option<&Profile> {
+        self.inner.profile()
+    }
+
+    fn batched(&self) -> bool {
+        self.inner.batched()
+    }
+
+    fn release(&mut self, seq: usize) {
+        if self.inner.batched() {
+            self.seqs.remove(&seq);
+        } else {
+            self.seqs.clear();
+        }
+        self.inner.release(seq);
+    }
+
+    fn plan(&mut self, loads: &[SeqLoad]) -> Result<Vec<Vec<usize>>> {
+        self.inner.plan(loads)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{DType, Device};
+
+    use super::*;
+    use crate::attention::AttnSpec;
+    use crate::regen::NoRegen;
+
+    /// A policy that attends nothing: the protocol is all that is tested.
+    struct Nothing;
+
+    impl KvPolicy for Nothing {
+        fn name(&self) -> &str {
+            "nothing"
+        }
+        fn attend(&mut self, step: &AttnStep<'_>) -> Result<Tensor> {
+            Ok(step.q.clone())
+        }
+        fn seq_len(&self) -> usize {
+            0
+        }
+        fn reset(&mut self) {}
+        fn stats(&self) -> KvStats {
+            KvStats::default()
+        }
+    }
+
+    fn call(p: &mut Checked<'_>, layer: usize, pos: usize, t: usize) -> Result<()> {
+        let x = Tensor::zeros((1, 1, t, 2), DType::F32, &Device::Cpu)?;
+        let spec = AttnSpec::new(1, 1, 2);
+        p.attend(&AttnStep {
+            layer,
+            seq: 0,
+            q: &x,
+            k: &x,
+            v: &x,
+            x: &x.squeeze(1)?,
+            pos,
+            spec: &spec,
+            regen: &NoRegen,
+        })
+        .map(|_| ())
+    }
+
+    fn protocol_error(r: Result<()>, needle: &str) {
+        let message = match r {
+            Err(KvError::Protocol(m)) => m,
+            other => format!("not a protocol error: {other:?}"),
+        };
+        assert!(message.contains(needle), "{message} lacks {needle:?}");
+    }
+
+    #[test]
+    fn calls_in_order_pass_and_out_of_order_are_named() -> Result<()> {
+        let mut nothing = Nothing;
+        let mut p = Checked::new(&mut nothing);
+        // A prefill of 3 then 2 tokens and a decode step, over 2 layers (learned).
+        for (pos, t) in [(0, 3), (3, 2), (5, 1)] {
+            call(&mut p, 0, pos, t)?;
+            call(&mut p, 1, pos, t)?;
+        }
+        protocol_error(call(&mut p, 1, 6, 1), "expected layer 0");
+        protocol_error(call(&mut p, 0, 7, 1), "holds 6 tokens");
+        call(&mut p, 0, 6, 1)?;
+        protocol_error(call(&mut p, 1, 6, 2), "every layer of a step sees the same");
+        protocol_error(call(&mut p, 0, 7, 1), "a new step began after layer 0 of 2");
+        call(&mut p, 1, 6, 1)?;
+        protocol_error(call(&mut p, 2, 7, 1), "expected layer 0");
+        // Reset starts the sequence again.
+        p.reset();
+        call(&mut p, 0, 0, 4)?;
+        Ok(())
+    }
+}
