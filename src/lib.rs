@@ -13,6 +13,7 @@
 //! assert_eq!(policy.name(), "full");
 //! # Ok::<(), kvpolicy::KvError>(())
 //! ```
+#![deny(missing_docs)]
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 pub use kvpolicy_baseline as baseline;
@@ -64,3 +65,8 @@ pub fn build_policy_batched(
 pub fn policy_names() -> Vec<&'static str> {
     registry().names()
 }
+
+/// The README's Rust snippets, compiled and run as doctests (`cargo test --doc`).
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

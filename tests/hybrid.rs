@@ -4,7 +4,7 @@
 //! derived ratio (all-KV for grouped-query models); clear errors.
 mod common;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use kvpolicy::models::{generate, generate_batch, GenerateConfig, Generation, SeqChunk};
 use kvpolicy::{build_policy, build_policy_batched, CausalLm, LogitsMode, PolicyOptions, Profile};
 
@@ -194,18 +194,18 @@ fn resident_blocks_stay_within_the_budget_and_freed_requests_show() -> Result<()
     let mut most = 0;
     for st in &got.step_stats {
         assert!(
-            common::metric(&st, "device_blocks") <= slots,
+            common::metric(st, "device_blocks") <= slots,
             "{st:?} with {slots} slots"
         );
         assert!(st.device_kv_bytes <= budget && st.device_kv_peak_bytes <= budget);
-        most = most.max(common::metric(&st, "device_blocks"));
+        most = most.max(common::metric(st, "device_blocks"));
     }
     assert_eq!(most, slots, "the device pool fills up");
     // All-ACT, but the device holds only `slots` blocks: the rest went to the host.
     let peak_blocks = got
         .step_stats
         .iter()
-        .map(|s| common::metric(&s, "act_blocks"))
+        .map(|s| common::metric(s, "act_blocks"))
         .max()
         .unwrap_or(0);
     assert!(peak_blocks > slots);
@@ -219,7 +219,7 @@ fn resident_blocks_stay_within_the_budget_and_freed_requests_show() -> Result<()
     assert!(got
         .step_stats
         .iter()
-        .any(|s| common::metric(&s, "mini_batches") > 1));
+        .any(|s| common::metric(s, "mini_batches") > 1));
     // And still exact.
     for (g, p) in got.requests.iter().zip(&prompts) {
         let w = alone(model, p, &cfg)?;
@@ -257,7 +257,7 @@ fn releasing_a_request_returns_its_blocks() -> Result<()> {
         total
     );
     assert_eq!(before.sequences, 5);
-    p.release(3);
+    p.as_batched().context("hybrid is batched")?.release(3);
     let after = p.stats();
     assert_eq!(
         common::metric(&after, "act_blocks") + common::metric(&after, "kv_blocks"),

@@ -153,7 +153,10 @@ fn drive(p: &mut dyn KvPolicy, c: &Case, per_seq: bool) -> Result<Vec<Tensor>, T
                     new: t,
                 })
                 .collect();
-            p.plan(&loads).map_err(|e| fail(&e))?
+            match p.as_batched() {
+                Some(batched) => batched.plan(&loads).map_err(|e| fail(&e))?,
+                None => vec![(0..b).collect()],
+            }
         } else {
             Vec::new()
         };
@@ -286,7 +289,7 @@ fn check(c: &Case) -> Result<(), TestCaseError> {
         let mut built = build_policy(name, &o).map_err(|e| TestCaseError::fail(e.to_string()))?;
         // Every call checked against KvPolicy's call protocol.
         let mut p = kvpolicy::core::Checked::new(built.as_mut());
-        let per_seq = p.batched();
+        let per_seq = p.as_batched().is_some();
         if per_seq {
             p.prepare(&shape)
                 .map_err(|e| TestCaseError::fail(e.to_string()))?;

@@ -1,4 +1,4 @@
-//! `KvPolicy::append_kv` (K/V stored without computing attention: a restored session, or
+//! `KvRestore::append_kv` (K/V stored without computing attention: a restored session, or
 //! `kvbench --synthetic-history`): the K/V a `full` prefill stored, appended into `full`,
 //! `layer` and `headwise` — in host RAM, on disk, or half and half — continue the sequence
 //! exactly: the decode logits equal a prefilled `full`'s (≤ 1e-5). Policies that place or
@@ -65,17 +65,20 @@ impl KvPolicy for Recorder {
 /// Appends every recorded step into `p`.
 fn restore(p: &mut dyn KvPolicy, steps: &[Recorded]) -> Result<(), KvError> {
     for s in steps {
-        p.append_kv(&AttnStep {
-            layer: s.layer,
-            seq: 0,
-            q: &s.q,
-            k: &s.k,
-            v: &s.v,
-            x: &s.x,
-            pos: s.pos,
-            spec: &s.spec,
-            regen: &NoRegen,
-        })?;
+        kvpolicy::core::append_kv(
+            p,
+            &AttnStep {
+                layer: s.layer,
+                seq: 0,
+                q: &s.q,
+                k: &s.k,
+                v: &s.v,
+                x: &s.x,
+                pos: s.pos,
+                spec: &s.spec,
+                regen: &NoRegen,
+            },
+        )?;
     }
     Ok(())
 }

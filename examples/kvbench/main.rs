@@ -62,7 +62,7 @@ struct Args {
     /// Policy specs: NAME or NAME:KEY=VALUE,KEY=VALUE (headwise:group=1, recompute:split=64, auto:budget=64MiB, sinks:sinks=4,window=256); a lone value sets the first setting (headwise:1, auto:64MiB). --list-policies prints every policy's settings.
     #[arg(long, value_delimiter = ',', default_values_t = ["full", "layer", "headwise:1", "headwise:auto", "recompute"].map(String::from).to_vec())]
     policies: Vec<String>,
-    /// Fill each context with random K/V stored without attention (`KvPolicy::append_kv`; full, layer, headwise) instead of a prefill: decode timing at contexts whose prefill would take hours. The prefill column is then the fill rate, and the logits mean nothing.
+    /// Fill each context with random K/V stored without attention (`KvRestore::append_kv`; full, layer, headwise) instead of a prefill: decode timing at contexts whose prefill would take hours. The prefill column is then the fill rate, and the logits mean nothing.
     #[arg(long, conflicts_with = "llamacpp")]
     synthetic_history: bool,
     /// Print every policy with its settings (types, defaults, docs), then exit.

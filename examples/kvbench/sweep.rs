@@ -185,7 +185,11 @@ pub fn measure(
         }
         dev.synchronize()?;
         rates.push(steps as f64 / t.elapsed().as_secs_f64());
-        last = Some((before, p.stats(), p.profile().cloned()));
+        last = Some((
+            before,
+            p.stats(),
+            p.as_profiled().and_then(|x| x.profile()).cloned(),
+        ));
         tick();
     }
     let (before, after, profile) = last.context("no run")?;

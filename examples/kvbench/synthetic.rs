@@ -1,5 +1,5 @@
 //! A synthetic history (`--synthetic-history`): random K/V stored with
-//! [`KvPolicy::append_kv`] chunk by chunk and layer by layer, as a prefill would store them,
+//! [`KvRestore::append_kv`](kvpolicy::core::KvRestore::append_kv) chunk by chunk and layer by layer, as a prefill would store them,
 //! but without computing attention — so that decode can be timed at contexts whose prefill
 //! would take hours here (512K tokens: the attention of a chunked prefill grows with the
 //! square of the context). Decode's cost does not depend on the values; its logits mean
@@ -28,18 +28,21 @@ pub fn fill(
             let v = Tensor::randn(0f32, 1.0, dims, dev)?.to_dtype(info.dtype)?;
             let mut spec = AttnSpec::new(info.n_heads, info.n_kv_heads, info.head_dim);
             spec.sliding_window = info.windows.get(layer).copied().flatten();
-            policy.append_kv(&AttnStep {
-                layer,
-                seq: 0,
-                // Not read by `append_kv`.
-                q: &k,
-                k: &k,
-                v: &v,
-                x: &x,
-                pos: start,
-                spec: &spec,
-                regen: &NoRegen,
-            })?;
+            kvpolicy::core::append_kv(
+                policy,
+                &AttnStep {
+                    layer,
+                    seq: 0,
+                    // Not read by `append_kv`.
+                    q: &k,
+                    k: &k,
+                    v: &v,
+                    x: &x,
+                    pos: start,
+                    spec: &spec,
+                    regen: &NoRegen,
+                },
+            )?;
         }
         start += t;
     }

@@ -131,7 +131,10 @@ pub fn policy_ops(data: &[u8]) {
             continue;
         }
         if a == 254 {
-            p.release(b as usize % 3);
+            match p.as_batched() {
+                Some(batched) => batched.release(b as usize % 3),
+                None => p.reset(),
+            }
             continue;
         }
         spec.sliding_window = if c & 1 == 1 {
@@ -150,12 +153,13 @@ pub fn policy_ops(data: &[u8]) {
         ) else {
             return;
         };
+        let seq = if p.as_batched().is_some() {
+            (c as usize >> 5) % 3
+        } else {
+            0
+        };
         let _ = p.attend(&AttnStep {
-            seq: if p.batched() {
-                (c as usize >> 5) % 3
-            } else {
-                0
-            },
+            seq,
             layer,
             q: &q,
             k: &k,

@@ -18,6 +18,7 @@
 //!
 //! Without the `cuda` feature nothing is compiled for the GPU and the build script does
 //! nothing; the CPU path is always available.
+#![deny(missing_docs)]
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 pub mod flash;

@@ -137,7 +137,7 @@ impl CausalLm for Decoder {
         policy: &mut dyn KvPolicy,
         mode: LogitsMode,
     ) -> Result<Vec<Tensor>> {
-        if !policy.batched() {
+        if policy.as_batched().is_none() {
             return Err(ModelError::Input(format!(
                 "policy `{}` keeps a single sequence; build it with `build_policy_batched` (or wrap it in `PerSequence`) to run a batch",
                 policy.name()

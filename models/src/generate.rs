@@ -351,7 +351,7 @@ pub fn generate(
     })
 }
 
-/// Runs one ragged step: asks the policy for its mini-batches ([`KvPolicy::plan`]), checks
+/// Runs one ragged step: asks the policy for its mini-batches ([`Batched::plan`](kvpolicy_core::Batched::plan)), checks
 /// that they hold every chunk once, and runs them through [`CausalLm::forward_batch`].
 /// Returns the chunks in the order run and their logits, one tensor each.
 pub fn batch_step(
@@ -368,7 +368,10 @@ pub fn batch_step(
             new: c.ids.len(),
         })
         .collect();
-    let plan = policy.plan(&loads)?;
+    let plan = match policy.as_batched() {
+        Some(b) => b.plan(&loads)?,
+        None => vec![(0..loads.len()).collect()],
+    };
     let mut seen = vec![false; chunks.len()];
     for &i in plan.iter().flatten() {
         match seen.get_mut(i) {
@@ -424,7 +427,7 @@ struct Active {
 
 /// Generates after each of `prompts` in one ragged batch: every step carries each unfinished
 /// request's next prompt piece (`cfg.prefill_chunk` tokens, 0 = all) or its last sampled
-/// token, split into mini-batches by [`KvPolicy::plan`] and run through
+/// token, split into mini-batches by [`Batched::plan`](kvpolicy_core::Batched::plan) and run through
 /// [`CausalLm::forward_batch`]. A request that finishes (end-of-sequence or
 /// `max_new_tokens`) is released from the policy while the others go on. Sequence slots are
 /// the prompts' indices. Teacher forcing (`decode_ids`) is not supported here.
@@ -526,7 +529,9 @@ pub fn generate_batch(
                     || r.generated.len() == cfg.max_new_tokens;
             }
             if r.done {
-                policy.release(chunk.seq);
+                if let Some(b) = policy.as_batched() {
+                    b.release(chunk.seq);
+                }
             }
         }
         let took = start.elapsed().as_secs_f64();

@@ -6,6 +6,7 @@
 //! policy call; one [`Decoder`] runs the blocks; each architecture file (`llama`, `mistral`,
 //! `qwen2`, `gemma`, `opt`; `gguf_model` for GGUF files) only wires what differs — norms, MLP, embeddings, biases,
 //! position handling — and [`ModelConfig`] dispatches on config.json's `model_type`.
+#![deny(missing_docs)]
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 pub mod attention;

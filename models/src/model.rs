@@ -96,7 +96,7 @@ pub trait CausalLm: Send + Sync {
     /// (HybridServe's column-by-column schedule). Returns f32 logits per chunk, in the
     /// order of the flattened groups: `(1, vocab)` for [`LogitsMode::Last`], `(t, vocab)`
     /// for [`LogitsMode::All`]. `policy` must keep one cache per sequence
-    /// ([`KvPolicy::batched`]).
+    /// ([`KvPolicy::as_batched`]).
     fn forward_batch(
         &self,
         groups: &[Vec<SeqChunk>],

@@ -134,7 +134,7 @@ pub fn available_bytes() -> Option<u64> {
 const LAYER_OVERHEAD_BYTES: u64 = 4096;
 
 /// Checks that random weights for `cfg` in `dtype` fit in memory before drawing them,
-/// counting [`LAYER_OVERHEAD_BYTES`] per layer besides the values.
+/// counting `LAYER_OVERHEAD_BYTES` per layer besides the values.
 pub fn check_random_fits(cfg: &ModelConfig, dtype: DType) -> Result<()> {
     // Each layer costs more than its values: a dozen tensors, their storage and the
     // layer's own structures (measured ~750 bytes on a model of 10^7 one-wide layers).

@@ -5,7 +5,7 @@
 //! `tokenizers` BPE model with the pre-tokenizer that llama.cpp uses for the file's
 //! `tokenizer.ggml.pre` type, so that tokenization equals llama.cpp's (checked against
 //! llama.cpp by `tests/gguf_llamacpp.rs`); a SentencePiece (`llama`) vocabulary (Gemma,
-//! Llama 2, Mistral) becomes a BPE model with merges derived from its scores ([`spm`]).
+//! Llama 2, Mistral) becomes a BPE model with merges derived from its scores (`spm`).
 use std::path::Path;
 
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;

@@ -4,6 +4,7 @@
 //! new entries in place and attends over a strided view of the buffer. With a device
 //! budget the policy fails before allocating past it and points to the offload policies.
 use candle_core::{Device, Tensor};
+use kvpolicy_core::KvRestore;
 use kvpolicy_core::{
     attend_partial, round_up, Advice, AttnStep, DeviceMeter, Knob, KvBuffer, KvError, KvPolicy,
     KvShape, KvStats, PolicyOption, PolicyOptions, Result,
@@ -89,6 +90,31 @@ impl KvPolicy for FullPolicy {
         Ok(out.out.to_dtype(step.q.dtype())?)
     }
 
+    fn seq_len(&self) -> usize {
+        self.layers.first().map(KvBuffer::len).unwrap_or(0)
+    }
+
+    fn reset(&mut self) {
+        self.layers.clear();
+        self.meter.reset();
+        self.stats = KvStats::default();
+    }
+
+    fn stats(&self) -> KvStats {
+        KvStats {
+            device_kv_bytes: self.meter.current(),
+            device_kv_peak_bytes: self.meter.peak(),
+            kv_tokens: self.seq_len() as u64,
+            ..self.stats.clone()
+        }
+    }
+
+    fn as_restore(&mut self) -> Option<&mut dyn KvRestore> {
+        Some(self)
+    }
+}
+
+impl KvRestore for FullPolicy {
     fn append_kv(&mut self, step: &AttnStep<'_>) -> Result<()> {
         while self.layers.len() <= step.layer {
             self.layers.push(KvBuffer::new(self.grow_tokens));
@@ -118,24 +144,5 @@ impl KvPolicy for FullPolicy {
             });
         }
         buf.append_metered(step.k, step.v, &mut self.meter)
-    }
-
-    fn seq_len(&self) -> usize {
-        self.layers.first().map(KvBuffer::len).unwrap_or(0)
-    }
-
-    fn reset(&mut self) {
-        self.layers.clear();
-        self.meter.reset();
-        self.stats = KvStats::default();
-    }
-
-    fn stats(&self) -> KvStats {
-        KvStats {
-            device_kv_bytes: self.meter.current(),
-            device_kv_peak_bytes: self.meter.peak(),
-            kv_tokens: self.seq_len() as u64,
-            ..self.stats.clone()
-        }
     }
 }

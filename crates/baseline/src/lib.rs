@@ -5,6 +5,7 @@
 //!
 //! The baseline of the offloading papers, layer-wise offload (`layer`), is the offload
 //! runtime with one unit per layer and lives with it in `kvpolicy-offload`.
+#![deny(missing_docs)]
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 pub mod full;

@@ -7,16 +7,19 @@ use std::collections::BTreeMap;
 
 use candle_core::Tensor;
 
+use crate::capabilities::{Batched, KvRestore, Profiled};
 use crate::error::Result;
-use crate::policy::{AttnStep, KvPolicy, KvShape};
+use crate::policy::KvPolicy;
 use crate::profile::Profile;
+use crate::restore::not_restorable;
 use crate::stats::KvStats;
+use crate::step::{AttnStep, KvShape};
 
 /// Builds a fresh single-sequence policy for a new request.
 pub type PolicyFactory = Box<dyn Fn() -> Result<Box<dyn KvPolicy>> + Send>;
 
 /// One single-sequence policy per request slot, created on the slot's first step and
-/// dropped by [`KvPolicy::release`]. Stats are summed over the live sequences (peaks over
+/// dropped by [`Batched::release`]. Stats are summed over the live sequences (peaks over
 /// the run: the sum of the live instances' current bytes at its highest).
 pub struct PerSequence {
     name: String,
@@ -88,12 +91,6 @@ impl KvPolicy for PerSequence {
         Ok(out)
     }
 
-    fn append_kv(&mut self, step: &AttnStep<'_>) -> Result<()> {
-        self.cache(step.seq)?.append_kv(step)?;
-        self.device_peak = self.device_peak.max(self.live_device_bytes());
-        Ok(())
-    }
-
     fn seq_len(&self) -> usize {
         self.seqs.values().map(|p| p.seq_len()).max().unwrap_or(0)
     }
@@ -120,14 +117,41 @@ impl KvPolicy for PerSequence {
         s
     }
 
+    fn as_restore(&mut self) -> Option<&mut dyn KvRestore> {
+        Some(self)
+    }
+
+    fn as_batched(&mut self) -> Option<&mut dyn Batched> {
+        Some(self)
+    }
+
+    fn as_profiled(&self) -> Option<&dyn Profiled> {
+        Some(self)
+    }
+}
+
+impl KvRestore for PerSequence {
+    /// Each sequence's policy takes its K/V, where it is a [`KvRestore`].
+    fn append_kv(&mut self, step: &AttnStep<'_>) -> Result<()> {
+        let p = self.cache(step.seq)?;
+        let name = p.name().to_string();
+        p.as_restore()
+            .ok_or_else(|| not_restorable(&name, step.layer))?
+            .append_kv(step)?;
+        self.device_peak = self.device_peak.max(self.live_device_bytes());
+        Ok(())
+    }
+}
+
+impl Profiled for PerSequence {
     fn profile(&self) -> Option<&Profile> {
-        self.seqs.values().find_map(|p| p.profile())
+        self.seqs
+            .values()
+            .find_map(|p| p.as_profiled().and_then(Profiled::profile))
     }
+}
 
-    fn batched(&self) -> bool {
-        true
-    }
-
+impl Batched for PerSequence {
     fn release(&mut self, seq: usize) {
         if let Some(p) = self.seqs.remove(&seq) {
             let q = p.stats();

@@ -85,7 +85,7 @@ pub enum KvError {
         valid: Vec<String>,
     },
     /// A setting value the policy's settings type rejects.
-    #[error("the `{policy}` policy's setting `{key}`{}{}: {reason}{}", if .value.is_empty() { "" } else { " = " }, .value, if .expected.is_empty() { String::new() } else { format!(" (expected: {})", .expected) })]
+    #[error("the `{policy}` policy's setting `{key}`{}{}: {reason}", if .value.is_empty() { "" } else { " = " }, .value)]
     BadSetting {
         /// The policy.
         policy: String,
@@ -93,9 +93,7 @@ pub enum KvError {
         key: String,
         /// The value as written.
         value: String,
-        /// The setting's type, as listings print it.
-        expected: String,
-        /// What the parser said.
+        /// What the parser said, and the type the setting takes (as listings print it).
         reason: String,
     },
     /// The device tier would exceed its byte budget.

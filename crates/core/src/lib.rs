@@ -23,11 +23,13 @@
 //! Errors are [`KvError`] variants with data; messages name options by their
 //! [`PolicyOptions`] field and budget errors carry [`Advice`], which front ends map to
 //! their own flags.
+#![deny(missing_docs)]
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 pub mod attention;
 pub mod batch;
 pub mod buffer;
+pub mod capabilities;
 pub mod error;
 pub mod knob;
 pub mod options;
@@ -36,9 +38,11 @@ pub mod profile;
 pub mod protocol;
 pub mod regen;
 pub mod registry;
+pub mod restore;
 pub mod settings;
 pub mod size;
 pub mod stats;
+pub mod step;
 pub mod tiered;
 pub mod transfer;
 pub mod userfile;
@@ -46,17 +50,20 @@ pub mod userfile;
 pub use attention::{attend, attend_partial, merge_partials, AttnSpec, Partial};
 pub use batch::{PerSequence, PolicyFactory};
 pub use buffer::{grown, round_up, KvBuffer};
+pub use capabilities::{Batched, KvRestore, Profiled, SeqLoad};
 pub use error::{Advice, KvError, Result};
 pub use knob::{Knob, PolicyOption};
 pub use options::PolicyOptions;
-pub use policy::{AttnStep, KvPolicy, KvShape, SeqLoad};
+pub use policy::KvPolicy;
 pub use profile::{Probe, Profile};
 pub use protocol::Checked;
 pub use regen::{KvRegen, NoRegen};
 pub use registry::{PolicyBuilder, PolicyInfo, PolicyRegistry, BUDGET_KEY};
+pub use restore::append_kv;
 pub use settings::{NoSettings, PolicySettings, PolicySpec, SettingDoc};
 pub use size::{format_bytes, parse_bytes};
 pub use stats::{DeviceMeter, KvStats, MetricKind, PolicyMetric};
+pub use step::{AttnStep, KvShape};
 pub use tiered::{
     report_device, tensor_bytes, Direction, DiskIo, DiskKv, DiskTier, HostKv, HostLayers,
     HostStore, KvCodec, Link, Loaded, PingPong,

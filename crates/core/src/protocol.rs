@@ -7,10 +7,12 @@ use std::collections::BTreeMap;
 
 use candle_core::Tensor;
 
+use crate::capabilities::{Batched, KvRestore, Profiled, SeqLoad};
 use crate::error::{KvError, Result};
-use crate::policy::{AttnStep, KvPolicy, KvShape, SeqLoad};
-use crate::profile::Profile;
+use crate::policy::KvPolicy;
+use crate::restore::not_restorable;
 use crate::stats::KvStats;
+use crate::step::{AttnStep, KvShape};
 
 /// Where one sequence stands in the protocol.
 #[derive(Clone, Copy, Debug, Default)]
@@ -126,11 +128,6 @@ impl KvPolicy for Checked<'_> {
         self.inner.attend(step)
     }
 
-    fn append_kv(&mut self, step: &AttnStep<'_>) -> Result<()> {
-        self.admit(step)?;
-        self.inner.append_kv(step)
-    }
-
     fn seq_len(&self) -> usize {
         self.inner.seq_len()
     }
@@ -144,25 +141,45 @@ impl KvPolicy for Checked<'_> {
         self.inner.stats()
     }
 
-    fn profile(&self) -> Option<&Profile> {
-        self.inner.profile()
+    fn as_restore(&mut self) -> Option<&mut dyn KvRestore> {
+        self.inner.as_restore()?;
+        Some(self)
     }
 
-    fn batched(&self) -> bool {
-        self.inner.batched()
+    fn as_batched(&mut self) -> Option<&mut dyn Batched> {
+        self.inner.as_batched()?;
+        Some(self)
     }
 
+    fn as_profiled(&self) -> Option<&dyn Profiled> {
+        self.inner.as_profiled()
+    }
+}
+
+impl KvRestore for Checked<'_> {
+    fn append_kv(&mut self, step: &AttnStep<'_>) -> Result<()> {
+        self.admit(step)?;
+        let name = self.inner.name().to_string();
+        self.inner
+            .as_restore()
+            .ok_or_else(|| not_restorable(&name, step.layer))?
+            .append_kv(step)
+    }
+}
+
+impl Batched for Checked<'_> {
     fn release(&mut self, seq: usize) {
-        if self.inner.batched() {
-            self.seqs.remove(&seq);
-        } else {
-            self.seqs.clear();
+        self.seqs.remove(&seq);
+        if let Some(b) = self.inner.as_batched() {
+            b.release(seq);
         }
-        self.inner.release(seq);
     }
 
     fn plan(&mut self, loads: &[SeqLoad]) -> Result<Vec<Vec<usize>>> {
-        self.inner.plan(loads)
+        match self.inner.as_batched() {
+            Some(b) => b.plan(loads),
+            None => Ok(vec![(0..loads.len()).collect()]),
+        }
     }
 }
 

@@ -58,7 +58,7 @@ pub trait KvRegen {
 }
 
 /// A [`KvRegen`] with nothing to regenerate from, for steps built outside a model — K/V
-/// restored with [`KvPolicy::append_kv`], policies driven directly — whose policy stores
+/// restored with [`KvRestore::append_kv`](crate::KvRestore::append_kv), policies driven directly — whose policy stores
 /// K/V: asking it to regenerate is a [`KvError::Regen`](crate::KvError::Regen).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct NoRegen;

@@ -207,8 +207,7 @@ impl PolicyRegistry {
                         policy: info.name.to_string(),
                         key: key.clone(),
                         value: s.value.clone(),
-                        expected: "bytes, e.g. 64MiB".to_string(),
-                        reason: e.to_string(),
+                        reason: format!("{e} (expected: bytes, e.g. 64MiB)"),
                     })?;
                 opts.device_kv_budget = Some(bytes);
                 continue;
@@ -240,7 +239,7 @@ impl PolicyRegistry {
     }
 
     /// Builds `spec` for ragged batches of requests: the policy itself when it keeps one
-    /// cache per sequence ([`KvPolicy::batched`]), otherwise one instance per request
+    /// cache per sequence ([`KvPolicy::as_batched`]), otherwise one instance per request
     /// through [`PerSequence`].
     pub fn build_batched(&self, spec: &str, opts: &PolicyOptions) -> Result<Box<dyn KvPolicy>> {
         self.build_batched_spec(&PolicySpec::parse(spec)?, opts)
@@ -253,8 +252,8 @@ impl PolicyRegistry {
         opts: &PolicyOptions,
     ) -> Result<Box<dyn KvPolicy>> {
         let r = self.resolve(spec, opts)?;
-        let first = (r.info.builder)(&r.opts, &r.settings)?;
-        if first.batched() {
+        let mut first = (r.info.builder)(&r.opts, &r.settings)?;
+        if first.as_batched().is_some() {
             return Ok(first);
         }
         let builder = r.info.builder.clone();

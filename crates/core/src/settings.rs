@@ -253,8 +253,7 @@ pub fn parse_settings<S: PolicySettings>(policy: &str, settings: &[Setting]) -> 
                 policy: policy.to_string(),
                 key: s.key.clone(),
                 value: s.value.clone(),
-                expected: kind,
-                reason: e.to_string(),
+                reason: format!("{e} (expected: {kind})"),
             });
         }
     }
@@ -266,7 +265,6 @@ pub fn parse_settings<S: PolicySettings>(policy: &str, settings: &[Setting]) -> 
         policy: policy.to_string(),
         key: pairs.iter().map(|p| p.0).collect::<Vec<_>>().join(", "),
         value: String::new(),
-        expected: String::new(),
         reason: e.to_string(),
     })
 }
@@ -321,7 +319,7 @@ mod tests {
         assert_eq!(parse_settings::<Two>("p", &[])?, Two::default());
         let bad = parse_settings::<Two>("p", &[set("b", "0.5"), set("a", "x")]);
         assert!(
-            matches!(&bad, Err(KvError::BadSetting { key, expected, .. }) if key == "a" && expected == "integer >= 0"),
+            matches!(&bad, Err(KvError::BadSetting { key, reason, .. }) if key == "a" && reason.contains("(expected: integer >= 0)")),
             "{bad:?}"
         );
         let docs = describe::<Two>();

@@ -31,9 +31,9 @@
 //!   Deviation: one ratio per request, computed for ACT blocks on the device; ACT blocks
 //!   that overflow to the host keep it (they move X, still smaller than K+V).
 //! * **Batches** ([`pack`], [`policy`]): the models run a ragged batch packed
-//!   ([`KvPolicy::batched`](kvpolicy_core::KvPolicy)): projections and MLPs over all
+//!   ([`Batched`](kvpolicy_core::Batched)): projections and MLPs over all
 //!   requests' tokens at once, each request attending only over its own cache — no
-//!   padding, no attention across requests. [`KvPolicy::plan`](kvpolicy_core::KvPolicy)
+//!   padding, no attention across requests. [`Batched::plan`](kvpolicy_core::Batched::plan)
 //!   packs the requests into mini-batches whose staged bytes fit one staging unit
 //!   (greedy on the imbalance); the model runs them layer by layer across mini-batches,
 //!   and the policy prefetches the next unit while the current one regenerates and
@@ -42,6 +42,7 @@
 //!   longest request) stages transfers, the rest holds ACT blocks; the number of resident
 //!   blocks never passes what fits (stats: `device_blocks`).
 //! * Exact: the assembled K/V equal what `full` caches, and the attention is the same call.
+#![deny(missing_docs)]
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 pub mod blocks;

@@ -20,6 +20,7 @@ use kvpolicy_core::{
     attend_partial, Advice, AttnStep, DeviceMeter, Knob, KvError, KvPolicy, KvShape, KvStats, Link,
     PolicyMetric, PolicyOption, PolicyOptions, Profile, Result, SeqLoad, TransferEngine,
 };
+use kvpolicy_core::{Batched, Profiled};
 
 use crate::blocks::{BlockTable, Kind, Tier};
 use crate::manager::{BlockManager, PoolSpec};
@@ -418,14 +419,22 @@ impl KvPolicy for HybridPolicy {
         self.link.report(stats)
     }
 
+    fn as_batched(&mut self) -> Option<&mut dyn Batched> {
+        Some(self)
+    }
+
+    fn as_profiled(&self) -> Option<&dyn Profiled> {
+        Some(self)
+    }
+}
+
+impl Profiled for HybridPolicy {
     fn profile(&self) -> Option<&Profile> {
         self.profile.as_ref()
     }
+}
 
-    fn batched(&self) -> bool {
-        true
-    }
-
+impl Batched for HybridPolicy {
     fn release(&mut self, seq: usize) {
         self.stager.release(seq);
         self.blocks.release(seq);

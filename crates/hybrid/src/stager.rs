@@ -224,7 +224,7 @@ impl Stager {
     /// The unit after the one of `seq` at `layer`, column by column: the next mini-batch,
     /// else the first one at the next layer, else — after the last layer — the first one
     /// at layer 0 of the next step (its tokens then include this step's; from layer 1 on,
-    /// when those rows are written). Without a plan (`KvPolicy::plan` not called) a unit is
+    /// when those rows are written). Without a plan (`Batched::plan` not called) a unit is
     /// one sequence, prefetched only when it is the only one.
     fn next_unit(
         &self,

@@ -68,6 +68,7 @@
 //! * On CUDA the attention is the tiled candle-op path until a fused kernel is written and
 //!   measured on a GPU.
 //! * The paper offloads only KV; the weights stay on the device here too.
+#![deny(missing_docs)]
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod plan;

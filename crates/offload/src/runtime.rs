@@ -15,6 +15,7 @@
 //! window only the window's range moves.
 use candle_core::{Device, Tensor};
 use kvpolicy_core::tiered::READ_AHEAD;
+use kvpolicy_core::KvRestore;
 use kvpolicy_core::{
     attend_partial, report_device, round_up, AttnStep, CopyJob, DeviceMeter, Direction, HostLayers,
     KvError, KvPolicy, KvShape, KvStats, Link, Loaded, PingPong, PolicyMetric, PolicyOptions,
@@ -340,24 +341,6 @@ impl KvPolicy for OffloadPolicy {
         })
     }
 
-    /// The step's K/V go to the host tier (RAM or disk) as `attend` writes them back;
-    /// `auto` places units as they attend, so it refuses.
-    fn append_kv(&mut self, step: &AttnStep<'_>) -> Result<()> {
-        if self.residency.is_some() {
-            return Err(KvError::Unsupported(format!(
-                "`{}` places each unit on the device or the host as it attends, so it takes \
-                 no K/V without attention (append_kv); `layer` and `headwise` do",
-                self.name
-            )));
-        }
-        let shape = self.host.shape_for(step)?;
-        self.host.begin(&mut self.link, step, &shape)?;
-        self.host
-            .write(&mut self.link, step.layer, (step.k, step.v), 0, step.pos)?;
-        self.host.advance(step.layer, step.k.dim(2)?);
-        Ok(())
-    }
-
     fn seq_len(&self) -> usize {
         self.host.seq_len()
     }
@@ -399,5 +382,29 @@ impl KvPolicy for OffloadPolicy {
         }
         self.link
             .report(report_device(&self.meter, self.host.report(stats)))
+    }
+
+    fn as_restore(&mut self) -> Option<&mut dyn KvRestore> {
+        Some(self)
+    }
+}
+
+impl KvRestore for OffloadPolicy {
+    /// The step's K/V go to the host tier (RAM or disk) as `attend` writes them back;
+    /// `auto` places units as they attend, so it refuses.
+    fn append_kv(&mut self, step: &AttnStep<'_>) -> Result<()> {
+        if self.residency.is_some() {
+            return Err(KvError::Unsupported(format!(
+                "`{}` places each unit on the device or the host as it attends, so it takes \
+                 no K/V without attention (append_kv); `layer` and `headwise` do",
+                self.name
+            )));
+        }
+        let shape = self.host.shape_for(step)?;
+        self.host.begin(&mut self.link, step, &shape)?;
+        self.host
+            .write(&mut self.link, step.layer, (step.k, step.v), 0, step.pos)?;
+        self.host.advance(step.layer, step.k.dim(2)?);
+        Ok(())
     }
 }

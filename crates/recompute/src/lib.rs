@@ -45,6 +45,7 @@
 //!   for the split; the regenerated K/V are written into the K/V buffer.
 //! * Only the latency (row-by-row) schedule is implemented; HybridServe (`hybrid`) covers
 //!   the throughput side with batched requests.
+#![deny(missing_docs)]
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 pub mod policy;

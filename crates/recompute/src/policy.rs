@@ -11,6 +11,7 @@
 //! results are bitwise `full`'s whenever regeneration reproduces the forward pass's K/V.
 use crate::RecomputeSettings;
 use candle_core::{Device, Tensor};
+use kvpolicy_core::Profiled;
 use kvpolicy_core::{
     attend_partial, grown_host, report_device, round_up, tensor_bytes, Advice, AttnSpec, AttnStep,
     CopyJob, DeviceMeter, Direction, HostKv, HostLayers, Knob, KvError, KvPolicy, KvShape, KvStats,
@@ -465,10 +466,6 @@ impl KvPolicy for RecomputePolicy {
         self.stats = KvStats::default();
     }
 
-    fn profile(&self) -> Option<&Profile> {
-        self.profile.as_ref()
-    }
-
     fn stats(&self) -> KvStats {
         let x_bytes: u64 = self.xs.iter().flatten().map(|h| tensor_bytes(&h.x)).sum();
         let stats = self.host.report(KvStats {
@@ -480,5 +477,15 @@ impl KvPolicy for RecomputePolicy {
             ..stats
         };
         self.link.report(report_device(&self.meter, stats))
+    }
+
+    fn as_profiled(&self) -> Option<&dyn Profiled> {
+        Some(self)
+    }
+}
+
+impl Profiled for RecomputePolicy {
+    fn profile(&self) -> Option<&Profile> {
+        self.profile.as_ref()
     }
 }

@@ -24,6 +24,7 @@
 //! assert_eq!(next.dims(), &[1, TinyConfig::default().vocab]);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
+#![deny(missing_docs)]
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::{embedding, layer_norm, linear, Embedding, LayerNorm, Linear, VarBuilder};
 use kvpolicy::core::Result as KvResult;

@@ -17,6 +17,7 @@
 //!
 //! Unlike the paper this keeps the cached keys' original positions (no re-rotation inside
 //! the cache), which is what a window over an unmodified RoPE model means.
+#![deny(missing_docs)]
 use candle_core::Tensor;
 use kvpolicy::core::{KvBuffer, PolicyMetric};
 use kvpolicy::{

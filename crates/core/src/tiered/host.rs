@@ -16,8 +16,8 @@ use super::link::{Direction, Link};
 use crate::attention::AttnSpec;
 use crate::buffer::round_up;
 use crate::error::{KvError, Result};
-use crate::policy::{AttnStep, KvShape};
 use crate::stats::{KvStats, PolicyMetric};
+use crate::step::{AttnStep, KvShape};
 use crate::transfer::{grown_host, CopyJob};
 
 /// One layer's K/V on the host tier: `(b, kv_heads, cap, head_dim)` each.

@@ -1,0 +1,47 @@
+//! What only some policies do, as traits a policy opts into and a caller discovers from
+//! the trait object ([`KvPolicy::as_restore`](crate::KvPolicy::as_restore),
+//! [`as_batched`](crate::KvPolicy::as_batched), [`as_profiled`](crate::KvPolicy::as_profiled)):
+//! taking K/V without attention, one cache per sequence of a ragged batch, a cost profile.
+use crate::error::Result;
+use crate::profile::Profile;
+use crate::step::AttnStep;
+
+/// A policy that stores K/V computed elsewhere — a restored session, a shared prefix, or a
+/// synthetic history for timing decode at contexts whose prefill would take hours
+/// (`kvbench --synthetic-history`) — where `attend` would, without computing attention.
+pub trait KvRestore {
+    /// Stores the step's K/V (`step.q` is not read); later steps continue the sequence as
+    /// after a prefill. The step follows the same call protocol as `attend`.
+    fn append_kv(&mut self, step: &AttnStep<'_>) -> Result<()>;
+}
+
+/// A policy that keeps one cache per [`AttnStep::seq`], so that requests of different
+/// lengths share forward passes. Policies without it are served in batches through
+/// [`crate::PerSequence`].
+pub trait Batched {
+    /// Frees the cache of sequence `seq` (a finished request); the others go on.
+    fn release(&mut self, seq: usize);
+    /// Splits the sequences of the next step into mini-batches, in the order the model
+    /// should run them (layer by layer across mini-batches); each inner list holds indices
+    /// into `loads`. The default is one mini-batch holding every sequence.
+    fn plan(&mut self, loads: &[SeqLoad]) -> Result<Vec<Vec<usize>>> {
+        Ok(vec![(0..loads.len()).collect()])
+    }
+}
+
+/// A policy that plans with a cost profile (transfer and recompute rates).
+pub trait Profiled {
+    /// The profile, once known (given, or measured at the first step).
+    fn profile(&self) -> Option<&Profile>;
+}
+
+/// What one sequence brings to the next forward step, for [`Batched::plan`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SeqLoad {
+    /// The sequence's slot ([`AttnStep::seq`]).
+    pub seq: usize,
+    /// Tokens it has cached.
+    pub cached: usize,
+    /// Tokens the step adds.
+    pub new: usize,
+}

@@ -1,0 +1,24 @@
+//! K/V given to a policy without attention ([`KvRestore`](crate::KvRestore)): a restored session, a shared
+//! prefix, a synthetic history. [`append_kv`] calls it on any policy, and says clearly when
+//! the policy stores something else.
+use crate::error::Result;
+use crate::policy::KvPolicy;
+use crate::step::AttnStep;
+
+/// Stores `step`'s K/V in `policy` without attention ([`KvRestore::append_kv`](crate::KvRestore::append_kv)), or fails
+/// naming the policy when it does not take K/V that way.
+pub fn append_kv(policy: &mut dyn KvPolicy, step: &AttnStep<'_>) -> Result<()> {
+    let name = policy.name().to_string();
+    policy
+        .as_restore()
+        .ok_or_else(|| not_restorable(&name, step.layer))?
+        .append_kv(step)
+}
+
+/// The error for `append_kv` on `policy`, which takes no K/V without attention.
+pub(crate) fn not_restorable(policy: &str, layer: usize) -> crate::error::KvError {
+    crate::error::KvError::Unsupported(format!(
+        "`{policy}` does not take K/V without computing attention (append_kv; layer {layer}); \
+         `full`, `layer` and `headwise` do"
+    ))
+}
