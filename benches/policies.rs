@@ -17,8 +17,10 @@ use candle_core::{DType, Device, Tensor};
 use criterion::{
     criterion_group, criterion_main, BenchmarkId, Criterion, SamplingMode, Throughput,
 };
-use kvpolicy::core::{engine_for, CopyJob, CpuTransferEngine, SyncTransferEngine, TransferEngine};
 use kvpolicy::models::{load, prefill, resolve, ModelSpec};
+use kvpolicy::tiered::{
+    engine_for, CopyJob, CpuTransferEngine, SyncTransferEngine, TransferEngine,
+};
 use kvpolicy::{build_policy, CausalLm, KvPolicy, LogitsMode, PolicyOptions};
 
 const POLICIES: [&str; 4] = ["full", "layer", "headwise:1", "recompute"];

@@ -22,6 +22,7 @@ pub use kvpolicy_hybrid as hybrid;
 pub use kvpolicy_models as models;
 pub use kvpolicy_offload as offload;
 pub use kvpolicy_recompute as recompute;
+pub use kvpolicy_tiered as tiered;
 
 pub use kvpolicy_core::{
     attend, attend_partial, merge_partials, parse_bytes, AttnSpec, AttnStep, Knob, KvError,

@@ -10,8 +10,8 @@ mod common;
 
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
-use kvpolicy::core::{engine_for, CopyJob, TransferEngine};
 use kvpolicy::models::{load, resolve, ModelSpec};
+use kvpolicy::tiered::{engine_for, CopyJob, TransferEngine};
 use kvpolicy::{build_policy, HeadGroup, PolicyOptions};
 
 fn gpu() -> Result<Device> {

@@ -5,11 +5,11 @@ mod common;
 
 use anyhow::Result;
 use candle_core::Tensor;
-use kvpolicy::core::{CopyJob, CpuTransferEngine, Ticket, TransferEngine};
 use kvpolicy::hybrid::{HybridPolicy, HybridSettings};
 use kvpolicy::models::{generate, GenerateConfig};
 use kvpolicy::offload::{Grouping, OffloadPolicy};
 use kvpolicy::recompute::{RecomputePolicy, RecomputeSettings};
+use kvpolicy::tiered::{CopyJob, CpuTransferEngine, Ticket, TransferEngine};
 use kvpolicy::{build_policy, CausalLm, HeadGroup, KvError, KvPolicy, PolicyOptions};
 
 /// Fails the `fail_at`-th submission (from 1), once; everything else goes to a CPU engine.

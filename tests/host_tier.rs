@@ -11,11 +11,11 @@ use std::sync::{Arc, Mutex};
 
 use anyhow::Result;
 use candle_core::{DType, Device, Shape, Tensor, TensorId};
-use kvpolicy::core::{CopyJob, CpuTransferEngine, Ticket, TransferEngine};
 use kvpolicy::hybrid::{HybridPolicy, HybridSettings};
 use kvpolicy::models::prefill;
 use kvpolicy::offload::{Grouping, OffloadPolicy};
 use kvpolicy::recompute::{RecomputePolicy, RecomputeSettings};
+use kvpolicy::tiered::{CopyJob, CpuTransferEngine, Ticket, TransferEngine};
 use kvpolicy::{build_policy, HeadGroup, KvPolicy, LogitsMode, PolicyOptions};
 
 #[derive(Default)]

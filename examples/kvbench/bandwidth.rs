@@ -6,7 +6,7 @@
 //! copy stream under CUDA; a worker thread on the CPU).
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
-use kvpolicy::core::{engine_for, CopyJob};
+use kvpolicy::tiered::{engine_for, CopyJob};
 
 use crate::sweep::median;
 

@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use plotters::prelude::*;
 
-use crate::atomic::write_atomic;
 use crate::sweep::Row;
+use kvpolicy_cli::atomic::write_atomic;
 
 /// One chart: which value, its axis title, the file name, whether the y axis is logarithmic.
 struct Chart {

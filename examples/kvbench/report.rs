@@ -5,8 +5,8 @@ use std::path::Path;
 use anyhow::Result;
 use kvpolicy::core::format_bytes;
 
-use crate::atomic::write_atomic;
 use crate::sweep::Row;
+use kvpolicy_cli::atomic::write_atomic;
 
 /// `full`'s row at `context`, the anchor of the ratios.
 fn anchor(rows: &[Row], context: usize) -> Option<&Row> {

@@ -26,7 +26,7 @@ impl Variant {
     /// setting or value fails before any model work.
     pub fn parse(label: &str, base: &PolicyOptions) -> Result<Self> {
         let spec = PolicySpec::parse(label)?;
-        crate::registry::registry().build_spec(&spec, base)?;
+        kvpolicy_cli::registry::registry().build_spec(&spec, base)?;
         Ok(Self {
             label: label.to_string(),
             spec,
@@ -36,7 +36,7 @@ impl Variant {
 
     /// A fresh policy for one run.
     pub fn build(&self) -> Result<Box<dyn kvpolicy::KvPolicy>> {
-        Ok(crate::registry::registry().build_spec(&self.spec, &self.opts)?)
+        Ok(kvpolicy_cli::registry::registry().build_spec(&self.spec, &self.opts)?)
     }
 }
 

@@ -54,7 +54,7 @@ pub fn fill(
 /// before decode, while right after a fill of seconds the first direct reads would wait for
 /// that writeback.
 pub fn settle() -> Result<()> {
-    Ok(kvpolicy::core::tiered::sync_disk_files()?)
+    Ok(kvpolicy::tiered::sync_disk_files()?)
 }
 
 /// Checks, before any variant is measured, that `policy` (the variant `label`) takes a

@@ -8,7 +8,7 @@ use crate::error::{ModelError, Result};
 
 pub mod numbers;
 mod rope;
-pub use rope::{check_theta, rope_scaling_from, RopeParameters, RopeParams};
+pub use rope::{check_theta, rope_for, rope_scaling_from, RopeParameters, RopeParams};
 
 /// A token id or a list of them (`eos_token_id` is either on the hub).
 #[derive(Clone, Debug, Deserialize)]
@@ -166,6 +166,22 @@ fn check_sizes(num_hidden_layers: usize, fields: &[(&str, usize)]) -> Result<()>
 }
 
 impl LlamaConfig {
+    /// The RoPE configuration, from either spelling (the `full_attention` one where
+    /// `rope_parameters` has one per layer type).
+    pub fn rope(&self) -> Result<crate::rope::RopeConfig> {
+        self.rope_for("full_attention")
+    }
+
+    /// The RoPE configuration of layers of `layer_type` ([`rope_for`]).
+    pub fn rope_for(&self, layer_type: &str) -> Result<crate::rope::RopeConfig> {
+        rope_for(
+            self.rope_parameters.as_ref(),
+            self.rope_scaling.as_ref(),
+            self.rope_theta,
+            layer_type,
+        )
+    }
+
     /// Per layer: the sliding window, if that layer has one. `default_sliding(i)` says
     /// which layers slide when config.json has no `layer_types`.
     pub fn windows(&self, default_sliding: impl Fn(usize) -> bool) -> Result<Vec<Option<usize>>> {

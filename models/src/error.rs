@@ -85,3 +85,8 @@ impl ModelError {
         }
     }
 }
+
+/// A tokenizer error as a [`ModelError::Tokenizer`].
+pub(crate) fn tok_err(e: impl std::fmt::Display) -> ModelError {
+    ModelError::Tokenizer(e.to_string())
+}

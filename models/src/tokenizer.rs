@@ -17,7 +17,7 @@ use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::{AddedToken, SplitDelimiterBehavior, Tokenizer};
 
-use crate::error::{ModelError, Result};
+use crate::error::{tok_err, ModelError, Result};
 use crate::gguf::GgufFile;
 
 mod guard;
@@ -91,10 +91,6 @@ fn byte_level_bpe(g: &GgufFile, tokens: &[String]) -> Result<Tokenizer> {
     inner.with_pre_tokenizer(Some(pre_tok));
     inner.with_decoder(Some(ByteLevelDecoder::default()));
     Ok(inner)
-}
-
-fn tok_err(e: impl std::fmt::Display) -> ModelError {
-    ModelError::Tokenizer(e.to_string())
 }
 
 fn special_text(v: Option<&serde_json::Value>) -> String {

@@ -4,7 +4,7 @@
 //! its hard limit first as a server would) and a `--random-prompt` that memory cannot hold.
 use anyhow::{bail, Result};
 use kvpolicy::core::format_bytes;
-use kvpolicy::core::tiered::free_disk_bytes;
+use kvpolicy::tiered::free_disk_bytes;
 use kvpolicy::{ModelInfo, PolicyOption};
 
 use crate::args::Args;
@@ -28,7 +28,7 @@ pub fn check_descriptors(args: &Args, info: &ModelInfo, prompt_lens: &[usize]) -
         return Ok(());
     }
     let limit = rlimit::increase_nofile_limit(u64::MAX).unwrap_or(0);
-    let reads_in_flight = (kvpolicy::core::tiered::READ_AHEAD + 1) as u64;
+    let reads_in_flight = (kvpolicy::tiered::READ_AHEAD + 1) as u64;
     let budget = args.host_kv_budget.unwrap_or(0);
     let mut on_disk = 0u64;
     for &p in prompt_lens {

@@ -11,14 +11,12 @@
 //! repeating K/V, and partial attentions that carry their log-sum-exp so that a policy may
 //! attend over pieces of the cache (head groups, token ranges) and merge them exactly.
 //!
-//! Policies that keep the cache off the device move it through a [`TransferEngine`]: a
-//! worker thread on the CPU ([`CpuTransferEngine`]), a copy stream with a page-locked host
-//! tier and events on CUDA (`CudaTransferEngine`, feature `cuda`), picked by
-//! [`engine_for`]. Host-tier buffers are allocated through the engine
-//! ([`TransferEngine::host_zeros`]) so the CUDA one can page-lock them. Offloading policies
-//! are built from the [`tiered`] toolkit: a [`Link`] (engine + copy accounting),
-//! [`HostLayers`] (each layer's K/V on the host) and [`PingPong`] (two device buffers with a
-//! keyed prefetch).
+//! This crate is the contract every policy author reads: the trait and its call protocol
+//! ([`KvPolicy`], [`protocol`]), the steps ([`step`]), the optional capabilities
+//! ([`capabilities`]), attention, stats and metrics, errors, the shared options and each
+//! policy's settings ([`options`], [`settings`]), and the registry. The toolkit offloading
+//! policies build on — host and disk tiers, the host-device link, transfer engines — is
+//! the crate `kvpolicy-tiered`.
 //!
 //! Errors are [`KvError`] variants with data; messages name options by their
 //! [`PolicyOptions`] field and budget errors carry [`Advice`], which front ends map to
@@ -43,8 +41,7 @@ pub mod settings;
 pub mod size;
 pub mod stats;
 pub mod step;
-pub mod tiered;
-pub mod transfer;
+pub mod storage;
 pub mod userfile;
 
 pub use attention::{attend, attend_partial, merge_partials, AttnSpec, Partial};
@@ -55,7 +52,7 @@ pub use error::{Advice, KvError, Result};
 pub use knob::{Knob, PolicyOption};
 pub use options::PolicyOptions;
 pub use policy::KvPolicy;
-pub use profile::{Probe, Profile};
+pub use profile::Profile;
 pub use protocol::Checked;
 pub use regen::{KvRegen, NoRegen};
 pub use registry::{PolicyBuilder, PolicyInfo, PolicyRegistry, BUDGET_KEY};
@@ -64,14 +61,4 @@ pub use settings::{NoSettings, PolicySettings, PolicySpec, SettingDoc};
 pub use size::{format_bytes, parse_bytes};
 pub use stats::{DeviceMeter, KvStats, MetricKind, PolicyMetric};
 pub use step::{AttnStep, KvShape};
-pub use tiered::{
-    report_device, tensor_bytes, Direction, DiskIo, DiskKv, DiskTier, HostKv, HostLayers,
-    HostStore, KvCodec, Link, Loaded, PingPong,
-};
-pub use transfer::runs::{copy_runs, Run};
-#[cfg(feature = "cuda")]
-pub use transfer::CudaTransferEngine;
-pub use transfer::{
-    engine_for, grown_host, run_jobs, CopyJob, CpuTransferEngine, SyncTransferEngine, Ticket,
-    TransferEngine,
-};
+pub use storage::{DiskIo, KvCodec};

@@ -3,8 +3,6 @@
 //! its settings ([`crate::settings`]), not fields here.
 use candle_core::Device;
 
-use crate::error::{KvError, Result};
-use crate::knob::{Knob, PolicyOption};
 use crate::profile::Profile;
 
 /// Options every policy may read; each ignores what does not concern it. What only one
@@ -28,11 +26,11 @@ pub struct PolicyOptions {
     /// Directory of the disk tier's files; `None` = no disk tier.
     pub disk_dir: Option<std::path::PathBuf>,
     /// How the disk tier reads its files: past the page cache (the default) or through it.
-    pub disk_io: crate::tiered::DiskIo,
+    pub disk_io: crate::storage::DiskIo,
     /// LOSSY unless `Model`, opt-in: how K/V are stored on the host tier (and disk, and in
     /// the streaming buffers), decoded to the model's dtype before attention — f16, bf16
     /// or q8_0; `Model` (the default) = the model's own dtype, lossless.
-    pub host_kv_dtype: crate::tiered::KvCodec,
+    pub host_kv_dtype: crate::storage::KvCodec,
 }
 
 impl Default for PolicyOptions {
@@ -45,49 +43,8 @@ impl Default for PolicyOptions {
             link_bandwidth: None,
             host_kv_budget: None,
             disk_dir: None,
-            disk_io: crate::tiered::DiskIo::Direct,
-            host_kv_dtype: crate::tiered::KvCodec::Model,
-        }
-    }
-}
-
-impl PolicyOptions {
-    /// The disk tier the options ask for: `disk_dir` (an existing directory where a file
-    /// can be created: probed now, so a read-only one fails before any work) with
-    /// `host_kv_budget` bytes of RAM first (0 without one); `None` without `disk_dir`. A
-    /// host budget without a directory is an error naming `policy`.
-    pub fn disk_tier(&self, policy: &str) -> Result<Option<crate::tiered::DiskTier>> {
-        let bad = |option, message: String| KvError::InvalidOption {
-            policy: policy.to_string(),
-            option,
-            message,
-        };
-        match (&self.disk_dir, self.host_kv_budget) {
-            (None, None) => Ok(None),
-            (None, Some(b)) => Err(bad(
-                Knob::Option(PolicyOption::HostKvBudget),
-                format!("{b} needs a disk directory (`disk_dir`) for the layers past it"),
-            )),
-            (Some(dir), _) if !dir.is_dir() => Err(bad(
-                Knob::Option(PolicyOption::DiskDir),
-                format!("{} is not an existing directory", dir.display()),
-            )),
-            (Some(dir), budget) => {
-                crate::tiered::probe_disk_dir(dir).map_err(|e| {
-                    bad(
-                        Knob::Option(PolicyOption::DiskDir),
-                        format!(
-                            "{} cannot hold the disk tier's files ({e}); give a writable directory",
-                            dir.display()
-                        ),
-                    )
-                })?;
-                Ok(Some(crate::tiered::DiskTier {
-                    dir: dir.clone(),
-                    host_budget: budget.unwrap_or(0),
-                    io: self.disk_io,
-                }))
-            }
+            disk_io: crate::storage::DiskIo::Direct,
+            host_kv_dtype: crate::storage::KvCodec::Model,
         }
     }
 }

@@ -4,7 +4,8 @@
 //! and kind; a request's [`BlockTable`] maps its logical blocks to pool slots, and freeing
 //! the request returns them.
 use candle_core::{DType, Device, Tensor};
-use kvpolicy_core::{grown, grown_host, KvError, Result, TransferEngine};
+use kvpolicy_core::{grown, KvError, Result};
+use kvpolicy_tiered::{grown_host, TransferEngine};
 
 /// What a block stores.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

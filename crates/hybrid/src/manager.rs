@@ -7,7 +7,8 @@
 use std::collections::BTreeMap;
 
 use candle_core::{DType, Device, Tensor};
-use kvpolicy_core::{AttnStep, CopyJob, Direction, KvError, Link, Result, TransferEngine};
+use kvpolicy_core::{AttnStep, KvError, Result};
+use kvpolicy_tiered::{CopyJob, Direction, Link, TransferEngine};
 
 use crate::blocks::{BlockRef, BlockTable, Kind, Pool, PoolLayout, Rows, Tier};
 use crate::ratio::is_kv_block;

@@ -14,13 +14,14 @@
 //!   is [`kvpolicy_core::attend`], the same call `full` makes, so results are exact.
 //! * **Write-back.** The step's new tokens go into their blocks for this layer (K/V rows
 //!   or X rows), synchronously, before any later gather can read them.
-use crate::HybridSettings;
+use crate::settings::HybridSettings;
 use candle_core::{Device, Tensor};
 use kvpolicy_core::{
-    attend_partial, Advice, AttnStep, DeviceMeter, Knob, KvError, KvPolicy, KvShape, KvStats, Link,
-    PolicyMetric, PolicyOption, PolicyOptions, Profile, Result, SeqLoad, TransferEngine,
+    attend_partial, Advice, AttnStep, DeviceMeter, Knob, KvError, KvPolicy, KvShape, KvStats,
+    PolicyMetric, PolicyOption, PolicyOptions, Profile, Result, SeqLoad,
 };
 use kvpolicy_core::{Batched, Profiled};
+use kvpolicy_tiered::{Link, TransferEngine};
 
 use crate::blocks::{BlockTable, Kind, Tier};
 use crate::manager::{BlockManager, PoolSpec};

@@ -3,7 +3,8 @@
 //! given profile (lines through the origin), or measured by transferring and regenerating
 //! 16, 64 and 256 tokens on the run's device and link and fitting lines.
 use candle_core::Device;
-use kvpolicy_core::{KvRegen, KvShape, Probe, Profile, Result, TransferEngine};
+use kvpolicy_core::{KvRegen, KvShape, Profile, Result};
+use kvpolicy_tiered::{Probe, TransferEngine};
 
 use crate::ratio::{Costs, LinearCost};
 
@@ -54,7 +55,8 @@ pub fn fit_costs(
                     tokens,
                     link: site.link,
                 };
-                let p = Profile::measure_cached(&probe, &mut *site.engine, site.regen)?;
+                let p =
+                    kvpolicy_tiered::probe::measure_cached(&probe, &mut *site.engine, site.regen)?;
                 tp.push((tokens as f64, p.transfer_s((tokens as u64 * kvb) as f64)));
                 rp.push((tokens as f64, p.recompute_s(tokens as f64)));
             }

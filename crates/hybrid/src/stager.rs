@@ -7,7 +7,8 @@
 use std::collections::HashMap;
 
 use candle_core::{Device, Tensor};
-use kvpolicy_core::{CopyJob, Direction, KvError, Link, Result, SeqLoad, Ticket};
+use kvpolicy_core::{KvError, Result, SeqLoad};
+use kvpolicy_tiered::{CopyJob, Direction, Link, Ticket};
 
 use crate::blocks::{Kind, Pool, Rows, Tier};
 use crate::manager::BlockManager;

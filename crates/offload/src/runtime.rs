@@ -14,12 +14,14 @@
 //! history moves host→device once and only the step's new entries move back. With a sliding
 //! window only the window's range moves.
 use candle_core::{Device, Tensor};
-use kvpolicy_core::tiered::READ_AHEAD;
 use kvpolicy_core::KvRestore;
 use kvpolicy_core::{
-    attend_partial, report_device, round_up, AttnStep, CopyJob, DeviceMeter, Direction, HostLayers,
-    KvError, KvPolicy, KvShape, KvStats, Link, Loaded, PingPong, PolicyMetric, PolicyOptions,
-    Result, TransferEngine,
+    attend_partial, round_up, AttnStep, DeviceMeter, KvError, KvPolicy, KvShape, KvStats,
+    PolicyMetric, PolicyOptions, Result,
+};
+use kvpolicy_tiered::READ_AHEAD;
+use kvpolicy_tiered::{
+    report_device, CopyJob, Direction, HostLayers, Link, Loaded, PingPong, TransferEngine,
 };
 
 use crate::resident::Residency;
@@ -76,8 +78,11 @@ impl OffloadPolicy {
             grow_tokens: opts.grow_tokens.max(1),
             device: opts.device.clone(),
             link: Link::for_device(&opts.device, opts.link_bandwidth)?,
-            host: HostLayers::new(opts.grow_tokens, opts.disk_tier(name)?)
-                .with_codec(opts.host_kv_dtype),
+            host: HostLayers::new(
+                opts.grow_tokens,
+                kvpolicy_tiered::DiskTier::from_options(opts, name)?,
+            )
+            .with_codec(opts.host_kv_dtype),
             group: 0,
             pingpong: PingPong::default(),
             residency: (grouping == Grouping::Resident).then(Residency::default),

@@ -50,30 +50,13 @@
 
 pub mod policy;
 pub mod scheduler;
+mod settings;
 
 pub use policy::RecomputePolicy;
 pub use scheduler::SplitCosts;
+pub use settings::RecomputeSettings;
 
 use kvpolicy_core::{PolicyOption, PolicyRegistry};
-
-/// `recompute`'s settings.
-#[derive(
-    Clone,
-    Copy,
-    Debug,
-    Default,
-    PartialEq,
-    Eq,
-    serde::Deserialize,
-    serde::Serialize,
-    schemars::JsonSchema,
-)]
-#[serde(default, deny_unknown_fields)]
-pub struct RecomputeSettings {
-    /// Tokens regenerated per layer and step, forced: the first `split` cached tokens of
-    /// every layer (clamped to the tokens cached so far); unset: the scheduler's split.
-    pub split: Option<usize>,
-}
 
 /// Registers `recompute`.
 pub fn register(reg: &mut PolicyRegistry) {

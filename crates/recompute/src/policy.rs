@@ -9,14 +9,16 @@
 //! while the merge's rounding (~1e-7) is enough to flip near-tied greedy choices of a
 //! 4-bit model. One attention over the assembled buffer is the computation `full` runs, so
 //! results are bitwise `full`'s whenever regeneration reproduces the forward pass's K/V.
-use crate::RecomputeSettings;
+use crate::settings::RecomputeSettings;
 use candle_core::{Device, Tensor};
 use kvpolicy_core::Profiled;
 use kvpolicy_core::{
-    attend_partial, grown_host, report_device, round_up, tensor_bytes, Advice, AttnSpec, AttnStep,
-    CopyJob, DeviceMeter, Direction, HostKv, HostLayers, Knob, KvError, KvPolicy, KvShape, KvStats,
-    Link, Loaded, PingPong, PolicyMetric, PolicyOption, PolicyOptions, Probe, Profile, Result,
-    TransferEngine,
+    attend_partial, round_up, Advice, AttnSpec, AttnStep, DeviceMeter, Knob, KvError, KvPolicy,
+    KvShape, KvStats, PolicyMetric, PolicyOption, PolicyOptions, Profile, Result,
+};
+use kvpolicy_tiered::{
+    grown_host, report_device, tensor_bytes, CopyJob, Direction, HostKv, HostLayers, Link, Loaded,
+    PingPong, Probe, TransferEngine,
 };
 
 use crate::scheduler::SplitCosts;
@@ -144,7 +146,7 @@ impl RecomputePolicy {
                     tokens: PROBE_TOKENS,
                     link: self.link_bandwidth,
                 };
-                Profile::measure_cached(&probe, self.link.engine(), step.regen)?
+                kvpolicy_tiered::probe::measure_cached(&probe, self.link.engine(), step.regen)?
             }
         };
         let costs = SplitCosts::new(

@@ -5,7 +5,7 @@
 //! split-K for decode).
 use std::sync::{Mutex, MutexGuard};
 
-use super::{splits_for, FlashParams, Geometry, Meter, TILE_KEYS};
+use super::plan::{splits_for, threads, FlashParams, Geometry, Meter, TILE_KEYS};
 
 /// An f32 scratch buffer counted by a [`Meter`] while it lives.
 struct Scratch<'m> {
@@ -445,7 +445,7 @@ pub(super) fn compute<T: Elem>(
             }
         }
     }
-    let threads = super::threads();
+    let threads = threads();
     let kernel = Kernel { g, p, q, k, v };
     // Tasks: each item's visible keys, split into ranges of whole tiles when items alone
     // would leave threads idle.

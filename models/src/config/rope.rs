@@ -3,7 +3,6 @@
 //! each `rope_type` asks for.
 use serde::Deserialize;
 
-use super::LlamaConfig;
 use crate::error::{ModelError, Result};
 use crate::rope::{RopeConfig, RopeScaling};
 
@@ -36,47 +35,41 @@ pub enum RopeParameters {
     One(RopeParams),
 }
 
-impl LlamaConfig {
-    /// The RoPE configuration, from either spelling (the `full_attention` one where
-    /// `rope_parameters` has one per layer type).
-    pub fn rope(&self) -> Result<RopeConfig> {
-        self.rope_for("full_attention")
-    }
-
-    /// The RoPE configuration of layers of `layer_type` (`full_attention` or
-    /// `sliding_attention`); the same for every type unless `rope_parameters` is keyed by
-    /// type.
-    pub fn rope_for(&self, layer_type: &str) -> Result<RopeConfig> {
-        let (params, prefix) = match (&self.rope_parameters, &self.rope_scaling) {
-            (Some(RopeParameters::One(p)), _) => (p.clone(), "rope_parameters".to_string()),
-            (Some(RopeParameters::PerLayerType(m)), _) if m.is_empty() => {
-                (RopeParams::default(), "rope_parameters".to_string())
-            }
-            (Some(RopeParameters::PerLayerType(m)), _) => {
-                let prefix = format!("rope_parameters.{layer_type}");
-                let p = m.get(layer_type).cloned().ok_or_else(|| {
-                    ModelError::config(&prefix, "missing; give one block per layer type")
-                })?;
-                (p, prefix)
-            }
-            (None, Some(p)) => (p.clone(), "rope_scaling".to_string()),
-            (None, None) => (RopeParams::default(), "rope_scaling".to_string()),
-        };
-        let (theta, field) = match params.rope_theta {
-            Some(t) => (t, format!("{prefix}.rope_theta")),
-            None => (
-                self.rope_theta.unwrap_or(10_000.0),
-                "rope_theta".to_string(),
-            ),
-        };
-        check_theta(theta, &field)?;
-        let scaling = rope_scaling_from(&params, &prefix)?;
-        Ok(RopeConfig {
-            theta,
-            scaling,
-            freq_factors: None,
-        })
-    }
+/// The RoPE configuration of layers of `layer_type` (`full_attention` or
+/// `sliding_attention`) from a config's `rope_parameters`, `rope_scaling` and `rope_theta`:
+/// the same for every type unless `rope_parameters` is keyed by type.
+pub fn rope_for(
+    parameters: Option<&RopeParameters>,
+    scaling: Option<&RopeParams>,
+    rope_theta: Option<f64>,
+    layer_type: &str,
+) -> Result<RopeConfig> {
+    let (params, prefix) = match (parameters, scaling) {
+        (Some(RopeParameters::One(p)), _) => (p.clone(), "rope_parameters".to_string()),
+        (Some(RopeParameters::PerLayerType(m)), _) if m.is_empty() => {
+            (RopeParams::default(), "rope_parameters".to_string())
+        }
+        (Some(RopeParameters::PerLayerType(m)), _) => {
+            let prefix = format!("rope_parameters.{layer_type}");
+            let p = m.get(layer_type).cloned().ok_or_else(|| {
+                ModelError::config(&prefix, "missing; give one block per layer type")
+            })?;
+            (p, prefix)
+        }
+        (None, Some(p)) => (p.clone(), "rope_scaling".to_string()),
+        (None, None) => (RopeParams::default(), "rope_scaling".to_string()),
+    };
+    let (theta, field) = match params.rope_theta {
+        Some(t) => (t, format!("{prefix}.rope_theta")),
+        None => (rope_theta.unwrap_or(10_000.0), "rope_theta".to_string()),
+    };
+    check_theta(theta, &field)?;
+    let scaling = rope_scaling_from(&params, &prefix)?;
+    Ok(RopeConfig {
+        theta,
+        scaling,
+        freq_factors: None,
+    })
 }
 
 /// A RoPE base must be a finite number above 0 (θ ≤ 0 makes every angle NaN or infinite).

@@ -21,7 +21,7 @@ use tokenizers::normalizers::utils::Sequence as NormalizerSequence;
 use tokenizers::normalizers::NormalizerWrapper;
 use tokenizers::Tokenizer;
 
-use super::tok_err;
+use crate::error::tok_err;
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
 

@@ -5,7 +5,7 @@
 //! runs it on one tile at a time ([`super::tiled`]).
 use candle_core::{DType, Tensor, D};
 
-use super::{AttnSpec, Partial};
+use super::spec::{AttnSpec, Partial};
 use crate::error::{KvError, Result};
 
 /// The additive mask for queries at `q_pos..q_pos+t` over keys at `k_pos..k_pos+s`, or

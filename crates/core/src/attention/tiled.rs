@@ -6,7 +6,8 @@
 //! mask. Scratch is bounded by one tile's scores, whatever the context.
 use candle_core::Tensor;
 
-use super::{eager, merge_partials, AttnSpec, Partial};
+use super::eager;
+use super::spec::{merge_partials, AttnSpec, Partial};
 use crate::error::Result;
 
 /// Query positions per tile.

@@ -7,8 +7,8 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use super::{run_jobs, CopyJob, Ticket, TransferEngine};
-use crate::error::{KvError, Result};
+use super::engine::{run_jobs, CopyJob, Ticket, TransferEngine};
+use kvpolicy_core::{KvError, Result};
 
 /// Copies at submission time.
 #[derive(Debug, Default)]

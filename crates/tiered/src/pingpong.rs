@@ -1,9 +1,9 @@
 //! Two device buffers and at most one keyed prefetch: while a unit is attended in one
 //! buffer, the next fills the other (HeadInfer §3.2's ping-pong; KVPR §3.3's transfer ∥
 //! regeneration; FlexGen's layer-wise overlap).
-use super::link::Link;
-use crate::error::{KvError, Result};
+use crate::link::Link;
 use crate::transfer::Ticket;
+use kvpolicy_core::{KvError, Result};
 
 /// What a [`PingPong`] buffer was (or is being) filled with.
 #[derive(Debug, Clone, Copy)]

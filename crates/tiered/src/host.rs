@@ -9,16 +9,17 @@ use std::time::Instant;
 
 use candle_core::{DType, Tensor};
 
-use super::codec::KvCodec;
-use super::disk::DiskKv;
-use super::disk_read::{DiskIo, DiskRead};
-use super::link::{Direction, Link};
-use crate::attention::AttnSpec;
-use crate::buffer::round_up;
-use crate::error::{KvError, Result};
-use crate::stats::{KvStats, PolicyMetric};
-use crate::step::{AttnStep, KvShape};
+use crate::disk::DiskKv;
+use crate::disk_read::DiskRead;
+use crate::link::{Direction, Link};
 use crate::transfer::{grown_host, CopyJob};
+use kvpolicy_core::round_up;
+use kvpolicy_core::AttnSpec;
+use kvpolicy_core::DiskIo;
+use kvpolicy_core::KvCodec;
+use kvpolicy_core::{AttnStep, KvShape};
+use kvpolicy_core::{Knob, KvError, PolicyOption, PolicyOptions, Result};
+use kvpolicy_core::{KvStats, PolicyMetric};
 
 /// One layer's K/V on the host tier: `(b, kv_heads, cap, head_dim)` each.
 #[derive(Debug)]
@@ -49,6 +50,47 @@ pub struct DiskTier {
     pub host_budget: u64,
     /// How the files are read.
     pub io: DiskIo,
+}
+
+impl DiskTier {
+    /// The disk tier `opts` ask for: `disk_dir` (an existing directory where a file can be
+    /// created: probed now, so a read-only one fails before any work) with
+    /// `host_kv_budget` bytes of RAM first (0 without one); `None` without `disk_dir`. A
+    /// host budget without a directory is an error naming `policy`.
+    pub fn from_options(opts: &PolicyOptions, policy: &str) -> Result<Option<Self>> {
+        let bad = |option, message: String| KvError::InvalidOption {
+            policy: policy.to_string(),
+            option: Knob::Option(option),
+            message,
+        };
+        match (&opts.disk_dir, opts.host_kv_budget) {
+            (None, None) => Ok(None),
+            (None, Some(b)) => Err(bad(
+                PolicyOption::HostKvBudget,
+                format!("{b} needs a disk directory (`disk_dir`) for the layers past it"),
+            )),
+            (Some(dir), _) if !dir.is_dir() => Err(bad(
+                PolicyOption::DiskDir,
+                format!("{} is not an existing directory", dir.display()),
+            )),
+            (Some(dir), budget) => {
+                crate::disk_fs::probe_disk_dir(dir).map_err(|e| {
+                    bad(
+                        PolicyOption::DiskDir,
+                        format!(
+                            "{} cannot hold the disk tier's files ({e}); give a writable directory",
+                            dir.display()
+                        ),
+                    )
+                })?;
+                Ok(Some(Self {
+                    dir: dir.clone(),
+                    host_budget: budget.unwrap_or(0),
+                    io: opts.disk_io,
+                }))
+            }
+        }
+    }
 }
 
 /// Bytes a tensor's elements take.
@@ -151,7 +193,7 @@ impl HostLayers {
         self.chunk
     }
 
-    /// Records the run's shape (from [`KvPolicy::prepare`](crate::KvPolicy::prepare)).
+    /// Records the run's shape (from [`KvPolicy::prepare`](kvpolicy_core::KvPolicy::prepare)).
     pub fn set_shape(&mut self, shape: &KvShape) {
         self.shape = Some(shape.clone());
     }

@@ -25,9 +25,10 @@ use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
 
-use super::disk_format::{disk_err, round_up, ALIGN, MAGIC};
-use super::disk_read::{DiskIo, DiskRead, Piece};
-use crate::error::{KvError, Result};
+use crate::disk_format::{disk_err, round_up, ALIGN, MAGIC};
+use crate::disk_read::{DiskRead, Piece};
+use kvpolicy_core::DiskIo;
+use kvpolicy_core::{KvError, Result};
 
 /// One layer's K/V in a file (see the module docs).
 #[derive(Debug)]
@@ -91,10 +92,10 @@ impl DiskKv {
     ) -> Result<Self> {
         let path = dir.join(format!("{name} (unnamed disk-tier file)"));
         let file =
-            super::disk_fs::unnamed_file(dir).map_err(|e| disk_err("cannot create", &path, e))?;
+            crate::disk_fs::unnamed_file(dir).map_err(|e| disk_err("cannot create", &path, e))?;
         let file = Arc::new(file);
-        super::disk_fs::register(&file);
-        let direct = io == DiskIo::Direct && super::disk_read::open_direct(&file).is_ok();
+        crate::disk_fs::register(&file);
+        let direct = io == DiskIo::Direct && crate::disk_read::open_direct(&file).is_ok();
         Ok(Self {
             path,
             file,

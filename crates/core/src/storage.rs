@@ -1,8 +1,13 @@
-//! How the host (and disk) tier stores K/V: in the model's dtype (lossless), or — LOSSY,
+//! How the offloading policies' host and disk tiers store and read K/V — options every
+//! offloading policy reads ([`PolicyOptions`](crate::PolicyOptions)), implemented by the
+//! toolkit (`kvpolicy-tiered`).
+//!
+//! [`KvCodec`]: the stored form — in the model's dtype (lossless), or — LOSSY,
 //! opt-in — in a smaller one, encoded on the device before anything moves and decoded
 //! before attention: f16/bf16 (half the bytes of f32), or llama.cpp's `q8_0` (blocks of 32
 //! values as one f16 scale and 32 signed bytes: 34 bytes per 32 values, 0.266× f32; HF's
-//! `QuantizedCache` quantizes K/V too, but cannot offload it).
+//! `QuantizedCache` quantizes K/V too, but cannot offload it). [`DiskIo`]: how the disk
+//! tier reads its files.
 use std::borrow::Cow;
 
 use candle_core::quantized::{GgmlDType, QStorage, QTensor};
@@ -120,5 +125,31 @@ mod tests {
         // One step of a block's scale (its max / 127) at most, half of it when rounding.
         assert!(err <= max / 127.0, "{err} vs {max}");
         Ok(())
+    }
+}
+
+/// How the disk tier reads its files.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum DiskIo {
+    /// `O_DIRECT` reads into aligned buffers, past the page cache: what the disk delivers,
+    /// and reads that do not fill RAM with the files the host budget kept out of it. Falls
+    /// back to [`DiskIo::Buffered`] on a file system that refuses `O_DIRECT` (tmpfs).
+    #[default]
+    Direct,
+    /// Plain `pread` through the page cache: re-reads of KV that fits in free RAM come
+    /// from memory.
+    Buffered,
+}
+
+impl std::str::FromStr for DiskIo {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "direct" => Ok(Self::Direct),
+            "buffered" => Ok(Self::Buffered),
+            other => Err(format!(
+                "unknown disk I/O mode `{other}`: use `direct` or `buffered`"
+            )),
+        }
     }
 }

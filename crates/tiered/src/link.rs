@@ -3,9 +3,9 @@
 //! §4.2 all overlap these copies with compute; the counts say how much moved).
 use candle_core::Device;
 
-use crate::error::Result;
-use crate::stats::{DeviceMeter, KvStats};
 use crate::transfer::{engine_for, CopyJob, Ticket, TransferEngine};
+use kvpolicy_core::Result;
+use kvpolicy_core::{DeviceMeter, KvStats};
 
 /// Which way a batch of copies goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

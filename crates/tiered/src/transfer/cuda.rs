@@ -30,9 +30,9 @@ use candle_core::cuda::cudarc::driver::{sys, CudaEvent, CudaStream, DevicePtr};
 use candle_core::cuda::CudaStorageSlice;
 use candle_core::{CpuStorage, CudaDevice, DType, Device, Shape, Storage, Tensor, TensorId};
 
+use super::engine::{CopyJob, Ticket, TransferEngine};
 use super::runs::{copy_runs, Run};
-use super::{CopyJob, Ticket, TransferEngine};
-use crate::error::{KvError, Result};
+use kvpolicy_core::{KvError, Result};
 
 /// Host buffers below this size stay pageable: registration works on whole pages, and small
 /// allocations may share a page with other data.

@@ -3,7 +3,7 @@
 //! header checked against what the store wrote — read past the page cache (`O_DIRECT` into
 //! an aligned bounce buffer, header page and data in one request) or through it
 //! ([`DiskIo`]), K's pieces and V's side by side. The file layout is
-//! [`DiskKv`](super::DiskKv)'s.
+//! [`DiskKv`](crate::DiskKv)'s.
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -11,34 +11,8 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 
-use super::disk_format::{disk_err, round_up, ALIGN, HEADER, MAGIC};
-use crate::error::{KvError, Result};
-
-/// How the disk tier reads its files.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub enum DiskIo {
-    /// `O_DIRECT` reads into aligned buffers, past the page cache: what the disk delivers,
-    /// and reads that do not fill RAM with the files the host budget kept out of it. Falls
-    /// back to [`DiskIo::Buffered`] on a file system that refuses `O_DIRECT` (tmpfs).
-    #[default]
-    Direct,
-    /// Plain `pread` through the page cache: re-reads of KV that fits in free RAM come
-    /// from memory.
-    Buffered,
-}
-
-impl std::str::FromStr for DiskIo {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s {
-            "direct" => Ok(Self::Direct),
-            "buffered" => Ok(Self::Buffered),
-            other => Err(format!(
-                "unknown disk I/O mode `{other}`: use `direct` or `buffered`"
-            )),
-        }
-    }
-}
+use crate::disk_format::{disk_err, round_up, ALIGN, HEADER, MAGIC};
+use kvpolicy_core::{KvError, Result};
 
 /// `file` opened anew for `O_DIRECT` reads through its `/proc/self/fd` link (the disk
 /// tier's files have no name; the link reaches them all the same): its own open file, so

@@ -2,7 +2,7 @@
 //! (`O_TMPFILE`, mode 0600, so no kill leaves one behind), registered while a store holds
 //! one (for a benchmark's sync), and the checks made of a directory before any work — that a
 //! file can be made there, and how many bytes it has free. The files' layout is
-//! [`DiskKv`](super::DiskKv)'s.
+//! [`DiskKv`](crate::DiskKv)'s.
 use std::fs::File;
 use std::path::Path;
 use std::sync::{Arc, Mutex, Weak};

@@ -1,9 +1,9 @@
-//! The disk tier's file format, shared by its writer ([`super::disk`]) and its reader
-//! ([`super::disk_read`]): page-aligned blocks, each a header (magic, the tokens written)
+//! The disk tier's file format, shared by its writer ([`crate::disk`]) and its reader
+//! ([`crate::disk_read`]): page-aligned blocks, each a header (magic, the tokens written)
 //! and the block's rows; and how I/O errors name the file.
 use std::path::Path;
 
-use crate::error::KvError;
+use kvpolicy_core::KvError;
 
 /// Bytes of a block header: magic, first and end of the tokens written (u32 each).
 pub(super) const HEADER: usize = 12;
