@@ -4,11 +4,11 @@
 //! new entries in place and attends over a strided view of the buffer. With a device
 //! budget the policy fails before allocating past it and points to the offload policies.
 use candle_core::{Device, Tensor};
-use kvpolicy_core::KvRestore;
 use kvpolicy_core::{
     attend_partial, round_up, Advice, AttnStep, DeviceMeter, Knob, KvBuffer, KvError, KvPolicy,
     KvShape, KvStats, PolicyOption, PolicyOptions, Result,
 };
+use kvpolicy_core::{KvRestore, Need};
 
 /// Why `full` cannot shrink to a device budget.
 const NOTE: &str = "`full` keeps every layer's KV on the device";
@@ -61,19 +61,17 @@ impl KvPolicy for FullPolicy {
                 shape.step_scratch_bytes(shape.n_kv_heads, shape.max_tokens, &self.device);
             let need = shape.n_layers as u64 * shape.kv_bytes(shape.n_kv_heads, cap) + scratch;
             if need > budget {
-                return Err(KvError::BudgetExceeded {
-                    what: format!(
+                return Err(self.meter.exceeded(
+                    format!(
                         "all {} layers' KV for {} tokens and a step's scratch ({})",
                         shape.n_layers,
                         shape.max_tokens,
                         kvpolicy_core::format_bytes(scratch)
                     ),
-                    needed: need,
-                    budget,
-                    in_use: 0,
-                    note: NOTE,
-                    advice: advice(),
-                });
+                    Need::Total(need),
+                    NOTE,
+                    advice(),
+                ));
             }
         }
         Ok(())
@@ -130,18 +128,16 @@ impl KvRestore for FullPolicy {
         }
         let grow = buf.growth_bytes(step.k)?;
         if grow > 0 && !self.meter.fits(grow) {
-            return Err(KvError::BudgetExceeded {
-                what: format!(
+            return Err(self.meter.exceeded(
+                format!(
                     "growing layer {} to {} tokens",
                     step.layer,
                     buf.capacity_for(buf.len() + step.k.dim(2)?)
                 ),
-                needed: grow,
-                budget: self.meter.budget().unwrap_or(0),
-                in_use: self.meter.current(),
-                note: NOTE,
-                advice: advice(),
-            });
+                Need::More(grow),
+                NOTE,
+                advice(),
+            ));
         }
         buf.append_metered(step.k, step.v, &mut self.meter)
     }

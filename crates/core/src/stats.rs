@@ -5,6 +5,8 @@
 //! count allocated buffer bytes), so tests assert them exactly; times are for reports only.
 use serde::Serialize;
 
+use crate::error::{Advice, KvError};
+
 /// Whether a metric is a current value or accumulates since the last `reset`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -167,6 +169,15 @@ impl KvStats {
     }
 }
 
+/// How much a [`DeviceMeter::exceeded`] allocation needs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Need {
+    /// The whole of what the device must hold (a plan checked before the run).
+    Total(u64),
+    /// Bytes on top of what the meter holds now (a buffer growing).
+    More(u64),
+}
+
 /// Tracks the device tier's current and peak bytes against an optional budget.
 #[derive(Clone, Debug, Default)]
 pub struct DeviceMeter {
@@ -220,6 +231,30 @@ impl DeviceMeter {
     pub fn set(&mut self, bytes: u64) {
         self.current = bytes;
         self.peak = self.peak.max(bytes);
+    }
+
+    /// The [`KvError::BudgetExceeded`] for `what`, which needs `need` against this meter's
+    /// budget: `note` says why it cannot be made smaller here (may be empty), `advice` what
+    /// the user can change, best first. The one way a policy builds a budget error.
+    pub fn exceeded(
+        &self,
+        what: impl Into<String>,
+        need: Need,
+        note: &'static str,
+        advice: Vec<Advice>,
+    ) -> KvError {
+        let (needed, in_use) = match need {
+            Need::Total(bytes) => (bytes, 0),
+            Need::More(bytes) => (bytes, self.current),
+        };
+        KvError::BudgetExceeded {
+            what: what.into(),
+            needed,
+            budget: self.budget.unwrap_or(0),
+            in_use,
+            note,
+            advice,
+        }
     }
 
     /// Forgets everything held (the peak too).

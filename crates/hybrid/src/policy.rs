@@ -20,7 +20,7 @@ use kvpolicy_core::{
     attend_partial, Advice, AttnStep, DeviceMeter, Knob, KvError, KvPolicy, KvShape, KvStats,
     PolicyMetric, PolicyOption, PolicyOptions, Profile, Result, SeqLoad,
 };
-use kvpolicy_core::{Batched, Profiled};
+use kvpolicy_core::{Batched, Need, Profiled};
 use kvpolicy_tiered::{Link, TransferEngine};
 
 use crate::blocks::{BlockTable, Kind, Tier};
@@ -131,35 +131,31 @@ impl HybridPolicy {
             let scratch =
                 shape.step_scratch_bytes(shape.n_kv_heads, shape.max_tokens, &self.device);
             if scratch >= full_budget {
-                return Err(KvError::BudgetExceeded {
-                    what: "a step's attention scratch and activations".into(),
-                    needed: scratch,
-                    budget: full_budget,
-                    in_use: 0,
-                    note: "",
-                    advice: vec![
+                return Err(self.meter.exceeded(
+                    "a step's attention scratch and activations",
+                    Need::Total(scratch),
+                    "",
+                    vec![
                         Advice::Raise(Knob::Option(PolicyOption::DeviceKvBudget)),
                         Advice::SmallerPrefillChunk,
                     ],
-                });
+                ));
             }
             let budget = full_budget - scratch;
             let staging = (2 * one_request).max(budget / 2);
             if staging > budget {
-                return Err(KvError::BudgetExceeded {
-                    what: format!(
-                        "staging one layer of the longest request ({} tokens) twice",
+                return Err(self.meter.exceeded(
+                    format!(
+                        "staging one layer of the longest request ({} tokens) twice, and a step's scratch",
                         shape.max_tokens
                     ),
-                    needed: staging,
-                    budget,
-                    in_use: 0,
-                    note: "",
-                    advice: vec![
+                    Need::Total(staging + scratch),
+                    "",
+                    vec![
                         Advice::Raise(Knob::Option(PolicyOption::DeviceKvBudget)),
                         Advice::ShorterRequests,
                     ],
-                });
+                ));
             }
             let act_slot =
                 (shape.n_layers.max(1) as u64 * self.blocks.block() as u64 * x_row_bytes(shape))

@@ -1,7 +1,7 @@
 //! How an offload policy lays its units out on the device: the head group of a unit, and
 //! under `auto` how many units stay resident (HeadInfer §3.3's adaptive head grouping, and
 //! the resident/streamed split of the `auto` policy).
-use kvpolicy_core::{Advice, Knob, KvError, KvShape, PolicyOption, Result};
+use kvpolicy_core::{Advice, Knob, KvError, KvShape, Need, PolicyOption, Result};
 
 use crate::settings::HeadGroup;
 
@@ -44,25 +44,23 @@ impl OffloadPolicy {
         };
         let fits = |g: usize| budget.is_none_or(|b| need(g) <= b);
         let too_small = |g: usize| {
-            KvError::BudgetExceeded {
-            what: format!(
+            self.meter.exceeded(
+            format!(
                 "two device buffers for {g} KV head(s) at {cap} tokens ({} layer(s), {} head(s) each) and a step's scratch",
                 shape.n_layers, nkv
             ),
-            needed: need(g),
-            budget: budget.unwrap_or(0),
-            in_use: 0,
-            note: match self.grouping {
+            Need::Total(need(g)),
+            match self.grouping {
                 Grouping::Layer => "the budget is smaller than one layer's double buffer (`headwise` streams a group of KV heads at a time)",
                 Grouping::Heads(_) | Grouping::Resident => "the budget is smaller than one head group's buffers",
             },
-            advice: match self.grouping {
+            match self.grouping {
                 Grouping::Layer => vec![Advice::Raise(Knob::Option(PolicyOption::DeviceKvBudget)), Advice::UsePolicy("headwise")],
                 // A group of one head is as small as a group gets: only the budget can change.
                 Grouping::Heads(_) | Grouping::Resident if g <= 1 => vec![Advice::Raise(Knob::Option(PolicyOption::DeviceKvBudget)), Advice::SmallerPrefillChunk],
                 Grouping::Heads(_) | Grouping::Resident => vec![Advice::Raise(Knob::Option(PolicyOption::DeviceKvBudget)), Advice::Lower(Knob::Setting("group"))],
             },
-        }
+        )
         };
         let group = match self.grouping {
             Grouping::Layer => nkv,

@@ -16,9 +16,10 @@
 use candle_core::{Device, Tensor};
 use kvpolicy_core::KvRestore;
 use kvpolicy_core::{
-    attend_partial, round_up, AttnStep, DeviceMeter, KvError, KvPolicy, KvShape, KvStats,
-    PolicyMetric, PolicyOptions, Result,
+    attend_partial, round_up, AttnStep, DeviceMeter, HeadRange, KvError, KvPolicy, KvShape,
+    KvStats, PolicyMetric, PolicyOptions, Result, TokenRange,
 };
+use kvpolicy_tiered::other_buffer;
 use kvpolicy_tiered::READ_AHEAD;
 use kvpolicy_tiered::{
     report_device, CopyJob, Direction, HostLayers, Link, Loaded, PingPong, TransferEngine,
@@ -39,8 +40,28 @@ pub enum Grouping {
     Resident,
 }
 
-/// What a ping-pong buffer holds: (layer, head group, first token, tokens).
-type UnitKey = (usize, usize, usize, usize);
+/// One (layer, head group) unit: the piece of the cache the runtime streams or keeps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Unit {
+    layer: usize,
+    group: usize,
+}
+
+/// What a ping-pong buffer holds: a unit's history of `tokens`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct UnitSpan {
+    unit: Unit,
+    tokens: TokenRange,
+}
+
+/// Where a step stands: its first position, its tokens, and the model's layers (for a
+/// prefetch that wraps into the next step).
+#[derive(Clone, Copy, Debug)]
+struct StepAt {
+    pos: usize,
+    tokens: usize,
+    layers: usize,
+}
 
 /// Offloaded KV with a ping-pong pair of device buffers (see the module docs).
 pub struct OffloadPolicy {
@@ -52,7 +73,7 @@ pub struct OffloadPolicy {
     pub(crate) host: HostLayers,
     /// KV heads per unit (0 before the first step).
     pub(crate) group: usize,
-    pingpong: PingPong<(Tensor, Tensor), UnitKey>,
+    pingpong: PingPong<(Tensor, Tensor), UnitSpan>,
     /// `auto`'s resident units (`None` for `layer` and `headwise`).
     pub(crate) residency: Option<Residency>,
     pub(crate) meter: DeviceMeter,
@@ -155,13 +176,10 @@ impl OffloadPolicy {
 
     /// Copy jobs bringing tokens `start..start+len` of head group `group` into buffer `buf`
     /// (from host memory, or read from the disk tier first).
-    fn load_jobs(
-        &mut self,
-        (layer, group, start, len): UnitKey,
-        buf: usize,
-    ) -> Result<Vec<CopyJob>> {
+    fn load_jobs(&mut self, span: UnitSpan, buf: usize) -> Result<Vec<CopyJob>> {
         let gs = self.group;
-        let (hk, hv) = self.host.history(layer, (group * gs, gs), start, len)?;
+        let heads = HeadRange::new(span.unit.group * gs, gs);
+        let (hk, hv) = self.host.history(span.unit.layer, heads, span.tokens)?;
         let (kb, vb) = self.pingpong.buf(buf)?;
         let batch = kb.dim(0)?;
         let mut jobs = Vec::with_capacity(2 * batch * gs);
@@ -181,14 +199,14 @@ impl OffloadPolicy {
     }
 
     /// Makes the unit's history resident; returns its buffer.
-    fn take_unit(&mut self, key: UnitKey) -> Result<usize> {
+    fn take_unit(&mut self, key: UnitSpan) -> Result<usize> {
         if let Some(p) = self.pingpong.take(&key, &mut self.link)? {
             for t in p.tickets {
                 self.link.wait(t)?;
             }
             return Ok(p.buf);
         }
-        if key.3 > 0 {
+        if key.tokens.len > 0 {
             let jobs = self.load_jobs(key, 0)?;
             let t = self.link.submit(jobs, Direction::H2d)?;
             self.link.wait(t)?;
@@ -202,35 +220,45 @@ impl OffloadPolicy {
     /// step's first, at `pos` + tokens.
     fn next_streamed(
         &self,
-        (layer, group): (usize, usize),
+        from: Unit,
         groups: usize,
         mut pos: usize,
-        wrap: Option<(usize, usize)>,
-    ) -> Option<UnitKey> {
-        let next = |l: usize, g: usize| {
-            if g + 1 < groups {
-                (l, g + 1)
+        wrap: Option<StepAt>,
+    ) -> Option<UnitSpan> {
+        let next = |u: Unit| {
+            if u.group + 1 < groups {
+                Unit {
+                    group: u.group + 1,
+                    ..u
+                }
             } else {
-                (l + 1, 0)
+                Unit {
+                    layer: u.layer + 1,
+                    group: 0,
+                }
             }
         };
-        let (mut nl, mut ng) = next(layer, group);
+        let mut n = next(from);
         let mut wrapped = false;
         loop {
-            if let Some((layers, t)) = wrap {
-                if nl >= layers && !wrapped {
-                    (nl, ng, pos, wrapped) = (0, 0, pos + t, true);
+            if let Some(step) = wrap {
+                if n.layer >= step.layers && !wrapped {
+                    n = Unit { layer: 0, group: 0 };
+                    (pos, wrapped) = (pos + step.tokens, true);
                 }
             }
             let resident = self.residency.as_ref();
-            if !resident.is_some_and(|r| r.is_resident(nl * groups + ng)) {
+            if !resident.is_some_and(|r| r.is_resident(n.layer * groups + n.group)) {
                 break;
             }
-            (nl, ng) = next(nl, ng);
+            n = next(n);
         }
-        let spec = self.host.ready(nl, pos)?;
+        let spec = self.host.ready(n.layer, pos)?;
         let start = spec.window_start(pos);
-        (pos > start).then_some((nl, ng, start, pos - start))
+        (pos > start).then_some(UnitSpan {
+            unit: n,
+            tokens: TokenRange::new(start, pos - start),
+        })
     }
 
     /// Starts copying the streamed unit after (layer, group) into buffer `buf`, and — for
@@ -238,14 +266,8 @@ impl OffloadPolicy {
     /// into the next step's first units once this step's are all read: disk → host →
     /// device, each stage ahead of the compute. (The copy stays within the step: its bytes
     /// are counted, and a step that never comes would have moved them for nothing.)
-    fn prefetch_next(
-        &mut self,
-        unit: (usize, usize),
-        groups: usize,
-        (pos, t, layers): (usize, usize, usize),
-        buf: usize,
-    ) -> Result<()> {
-        let copied = self.next_streamed(unit, groups, pos, None);
+    fn prefetch_next(&mut self, unit: Unit, groups: usize, step: StepAt, buf: usize) -> Result<()> {
+        let copied = self.next_streamed(unit, groups, step.pos, None);
         if let Some(key) = copied {
             let jobs = self.load_jobs(key, buf)?;
             let ticket = self.link.submit(jobs, Direction::H2d)?;
@@ -255,15 +277,15 @@ impl OffloadPolicy {
                 tickets: [ticket, None],
             });
         }
-        let (mut at, mut at_pos, gs) = (unit, pos, self.group);
+        let (mut at, mut at_pos, gs) = (unit, step.pos, self.group);
         for _ in 0..=READ_AHEAD {
-            let Some(key) = self.next_streamed(at, groups, at_pos, Some((layers, t))) else {
+            let Some(key) = self.next_streamed(at, groups, at_pos, Some(step)) else {
                 break;
             };
-            (at, at_pos) = ((key.0, key.1), key.2 + key.3);
+            (at, at_pos) = (key.unit, key.tokens.end());
             if Some(key) != copied {
-                self.host
-                    .read_ahead(key.0, (key.1 * gs, gs), key.2, key.3)?;
+                let heads = HeadRange::new(key.unit.group * gs, gs);
+                self.host.read_ahead(key.unit.layer, heads, key.tokens)?;
             }
         }
         Ok(())
@@ -312,9 +334,17 @@ impl KvPolicy for OffloadPolicy {
                 outs.push(out);
                 continue;
             }
-            let buf = self.take_unit((layer, g, start, hist))?;
-            let at = (pos, t, shape.n_layers);
-            self.prefetch_next((layer, g), groups, at, 1 - buf)?;
+            let here = Unit { layer, group: g };
+            let buf = self.take_unit(UnitSpan {
+                unit: here,
+                tokens: TokenRange::new(start, hist),
+            })?;
+            let at = StepAt {
+                pos,
+                tokens: t,
+                layers: shape.n_layers,
+            };
+            self.prefetch_next(here, groups, at, other_buffer(buf))?;
             let (kb, vb) = self.pingpong.buf(buf)?;
             let (k, v, expanded) = if kb.dtype() == kn.dtype() {
                 kb.slice_set(&kn, 2, hist)?;

@@ -11,11 +11,11 @@
 //! results are bitwise `full`'s whenever regeneration reproduces the forward pass's K/V.
 use crate::settings::RecomputeSettings;
 use candle_core::{Device, Tensor};
-use kvpolicy_core::Profiled;
 use kvpolicy_core::{
     attend_partial, round_up, Advice, AttnSpec, AttnStep, DeviceMeter, Knob, KvError, KvPolicy,
     KvShape, KvStats, PolicyMetric, PolicyOption, PolicyOptions, Profile, Result,
 };
+use kvpolicy_core::{Need, Profiled};
 use kvpolicy_tiered::{
     grown_host, report_device, tensor_bytes, CopyJob, Direction, HostKv, HostLayers, Link, Loaded,
     PingPong, Probe, TransferEngine,
@@ -239,21 +239,19 @@ impl RecomputePolicy {
         if let Some(budget) = self.meter.budget() {
             let scratch = shape.step_scratch_bytes(shape.n_kv_heads, cap, &self.device);
             if needed + scratch > budget {
-                return Err(KvError::BudgetExceeded {
-                    what: format!(
+                return Err(self.meter.exceeded(
+                    format!(
                         "two device buffer sets (K/V at {cap} tokens, X at {xcap} tokens) and a step's scratch ({})",
                         kvpolicy_core::format_bytes(scratch)
                     ),
-                    needed: needed + scratch,
-                    budget,
-                    in_use: 0,
-                    note: "recompute keeps one layer's K/V and X on the device twice",
-                    advice: vec![
+                    Need::Total(needed + scratch),
+                    "recompute keeps one layer's K/V and X on the device twice",
+                    vec![
                         Advice::Raise(Knob::Option(PolicyOption::DeviceKvBudget)),
                         Advice::Lower(Knob::Setting("split")),
                         Advice::UsePolicy("headwise"),
                     ],
-                });
+                ));
             }
         }
         self.pingpong.release(&mut self.link)?;

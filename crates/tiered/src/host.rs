@@ -18,7 +18,7 @@ use kvpolicy_core::AttnSpec;
 use kvpolicy_core::DiskIo;
 use kvpolicy_core::KvCodec;
 use kvpolicy_core::{AttnStep, KvShape};
-use kvpolicy_core::{Knob, KvError, PolicyOption, PolicyOptions, Result};
+use kvpolicy_core::{HeadRange, Knob, KvError, PolicyOption, PolicyOptions, Result, TokenRange};
 use kvpolicy_core::{KvStats, PolicyMetric};
 
 /// One layer's K/V on the host tier: `(b, kv_heads, cap, head_dim)` each.
@@ -98,8 +98,13 @@ pub fn tensor_bytes(t: &Tensor) -> u64 {
     (t.elem_count() * t.dtype().size_in_bytes()) as u64
 }
 
-/// What a read-ahead covers: layer, first head, heads, first token, tokens.
-type ReadKey = (usize, usize, usize, usize, usize);
+/// What a read-ahead covers: heads and tokens of one layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct ReadSpan {
+    layer: usize,
+    heads: HeadRange,
+    tokens: TokenRange,
+}
 
 /// Disk reads in flight at once, each on its own thread: the next units', so that the disk
 /// has requests queued while the compute thread collects one, and a layer in RAM (which
@@ -111,7 +116,7 @@ pub const READ_AHEAD: usize = 3;
 /// A read of the disk tier running on its own thread.
 #[derive(Debug)]
 struct ReadAhead {
-    key: ReadKey,
+    span: ReadSpan,
     thread: std::thread::JoinHandle<Result<(Tensor, Tensor)>>,
 }
 
@@ -317,26 +322,30 @@ impl HostLayers {
         Ok(())
     }
 
-    /// Tokens `start..start + len` of heads `first_head..first_head + g` of `layer` as `(b,
+    /// Tokens `tokens` of heads `heads` (`g` of them) of `layer` as `(b,
     /// g, len, head_dim)` K and V on the host: views of RAM buffers, or read from disk.
     pub fn history(
         &mut self,
         layer: usize,
-        (first_head, g): (usize, usize),
-        start: usize,
-        len: usize,
+        heads: HeadRange,
+        tokens: TokenRange,
     ) -> Result<(Tensor, Tensor)> {
+        let (first_head, g, start, len) = (heads.first, heads.count, tokens.start, tokens.len);
         match self.layers.get(layer).and_then(Option::as_ref) {
             Some(HostStore::Ram(h)) => Ok((
                 h.k.narrow(1, first_head, g)?.narrow(2, start, len)?,
                 h.v.narrow(1, first_head, g)?.narrow(2, start, len)?,
             )),
             Some(HostStore::Disk(d)) => {
-                let key = (layer, first_head, g, start, len);
+                let span = ReadSpan {
+                    layer,
+                    heads,
+                    tokens,
+                };
                 let t0 = Instant::now();
                 // Read-aheads queued before this one were not asked for: finished and
                 // dropped (all of them when this read was not read ahead).
-                let hit = self.ahead.iter().position(|a| a.key == key);
+                let hit = self.ahead.iter().position(|a| a.span == span);
                 let stale = hit.unwrap_or(self.ahead.len());
                 self.ahead.drain(..stale).for_each(ReadAhead::discard);
                 let (k, v) = match hit.and_then(|_| self.ahead.pop_front()) {
@@ -360,26 +369,24 @@ impl HostLayers {
     /// thread, if `layer` is on disk (nothing for a RAM layer, nor when [`READ_AHEAD`] reads
     /// are in flight already). Calls come in the order the reads will be asked for. The
     /// tokens must be written already: a read-ahead never races a write of its blocks.
-    pub fn read_ahead(
-        &mut self,
-        layer: usize,
-        (first_head, g): (usize, usize),
-        start: usize,
-        len: usize,
-    ) -> Result<()> {
-        let key = (layer, first_head, g, start, len);
-        if self.ahead.len() >= READ_AHEAD || self.ahead.iter().any(|a| a.key == key) {
+    pub fn read_ahead(&mut self, layer: usize, heads: HeadRange, tokens: TokenRange) -> Result<()> {
+        let span = ReadSpan {
+            layer,
+            heads,
+            tokens,
+        };
+        if self.ahead.len() >= READ_AHEAD || self.ahead.iter().any(|a| a.span == span) {
             return Ok(());
         }
         let Some(HostStore::Disk(d)) = self.layers.get(layer).and_then(Option::as_ref) else {
             return Ok(());
         };
-        let plan: DiskRead = d.plan_read((first_head, g), start, len)?;
+        let plan: DiskRead = d.plan_read((heads.first, heads.count), tokens.start, tokens.len)?;
         let thread = std::thread::Builder::new()
             .name("kv-disk-read".into())
             .spawn(move || plan.run())
             .map_err(|e| KvError::invariant(format!("cannot start a disk read thread: {e}")))?;
-        self.ahead.push_back(ReadAhead { key, thread });
+        self.ahead.push_back(ReadAhead { span, thread });
         self.read_aheads += 1;
         Ok(())
     }
@@ -422,11 +429,11 @@ impl HostLayers {
                 // A read-ahead of these blocks planned before this write would find their
                 // headers changed: it is finished and dropped first (callers read ahead
                 // only what they wrote, so this is a guard).
-                let heads = first_head..first_head + k.dim(1)?;
-                let (stale, keep): (Vec<_>, Vec<_>) = self.ahead.drain(..).partition(|a| {
-                    let (l, h, g) = (a.key.0, a.key.1, a.key.2);
-                    l == layer && h < heads.end && heads.start < h + g
-                });
+                let heads = HeadRange::new(first_head, k.dim(1)?);
+                let (stale, keep): (Vec<_>, Vec<_>) = self
+                    .ahead
+                    .drain(..)
+                    .partition(|a| a.span.layer == layer && a.span.heads.overlaps(&heads));
                 self.ahead = keep.into();
                 stale.into_iter().for_each(ReadAhead::discard);
                 let n = d.write(k, v, first_head, offset)?;

@@ -48,7 +48,7 @@ pub use disk::{raw_bytes, DiskKv};
 pub use disk_fs::{free_disk_bytes, probe_disk_dir, sync_disk_files};
 pub use host::{tensor_bytes, DiskTier, HostKv, HostLayers, HostStore, READ_AHEAD};
 pub use link::{report_device, Direction, Link};
-pub use pingpong::{Loaded, PingPong};
+pub use pingpong::{other_buffer, Loaded, PingPong};
 pub use probe::Probe;
 pub use transfer::runs::{copy_runs, Run};
 #[cfg(feature = "cuda")]

@@ -5,6 +5,12 @@ use crate::link::Link;
 use crate::transfer::Ticket;
 use kvpolicy_core::{KvError, Result};
 
+/// The other of a [`PingPong`]'s two buffers (where the next unit is prefetched while
+/// `buf` is attended).
+pub fn other_buffer(buf: usize) -> usize {
+    1 - buf.min(1)
+}
+
 /// What a [`PingPong`] buffer was (or is being) filled with.
 #[derive(Debug, Clone, Copy)]
 pub struct Loaded<K> {
