@@ -4,7 +4,6 @@
 //! full KV cache lives in CPU memory"). With a [`DiskTier`], a layer whose growth would take
 //! the host tier past its budget moves to a file instead ([`DiskKv`]): reads and writes of
 //! that layer go to disk, the rest stays in RAM.
-use std::path::PathBuf;
 use std::time::Instant;
 
 use candle_core::{DType, Tensor};
@@ -15,10 +14,11 @@ use crate::link::{Direction, Link};
 use crate::transfer::{grown_host, CopyJob};
 use kvpolicy_core::round_up;
 use kvpolicy_core::AttnSpec;
-use kvpolicy_core::DiskIo;
 use kvpolicy_core::KvCodec;
 use kvpolicy_core::{AttnStep, KvShape};
-use kvpolicy_core::{HeadRange, Knob, KvError, PolicyOption, PolicyOptions, Result, TokenRange};
+use kvpolicy_core::{HeadRange, KvError, Result, TokenRange};
+
+use crate::disk_tier::DiskTier;
 use kvpolicy_core::{KvStats, PolicyMetric};
 
 /// One layer's K/V on the host tier: `(b, kv_heads, cap, head_dim)` each.
@@ -39,58 +39,6 @@ pub enum HostStore {
     Ram(HostKv),
     /// In a file of the disk tier.
     Disk(DiskKv),
-}
-
-/// Where host-tier layers go once host memory is spent.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DiskTier {
-    /// The directory the files are made in.
-    pub dir: PathBuf,
-    /// Host bytes of K/V kept in RAM; layers beyond it go to disk.
-    pub host_budget: u64,
-    /// How the files are read.
-    pub io: DiskIo,
-}
-
-impl DiskTier {
-    /// The disk tier `opts` ask for: `disk_dir` (an existing directory where a file can be
-    /// created: probed now, so a read-only one fails before any work) with
-    /// `host_kv_budget` bytes of RAM first (0 without one); `None` without `disk_dir`. A
-    /// host budget without a directory is an error naming `policy`.
-    pub fn from_options(opts: &PolicyOptions, policy: &str) -> Result<Option<Self>> {
-        let bad = |option, message: String| KvError::InvalidOption {
-            policy: policy.to_string(),
-            option: Knob::Option(option),
-            message,
-        };
-        match (&opts.disk_dir, opts.host_kv_budget) {
-            (None, None) => Ok(None),
-            (None, Some(b)) => Err(bad(
-                PolicyOption::HostKvBudget,
-                format!("{b} needs a disk directory (`disk_dir`) for the layers past it"),
-            )),
-            (Some(dir), _) if !dir.is_dir() => Err(bad(
-                PolicyOption::DiskDir,
-                format!("{} is not an existing directory", dir.display()),
-            )),
-            (Some(dir), budget) => {
-                crate::disk_fs::probe_disk_dir(dir).map_err(|e| {
-                    bad(
-                        PolicyOption::DiskDir,
-                        format!(
-                            "{} cannot hold the disk tier's files ({e}); give a writable directory",
-                            dir.display()
-                        ),
-                    )
-                })?;
-                Ok(Some(Self {
-                    dir: dir.clone(),
-                    host_budget: budget.unwrap_or(0),
-                    io: opts.disk_io,
-                }))
-            }
-        }
-    }
 }
 
 /// Bytes a tensor's elements take.

@@ -35,6 +35,7 @@
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod disk;
+mod disk_tier;
 mod disk_format;
 mod disk_fs;
 mod disk_read;
@@ -46,7 +47,8 @@ pub mod transfer;
 
 pub use disk::{raw_bytes, DiskKv};
 pub use disk_fs::{free_disk_bytes, probe_disk_dir, sync_disk_files};
-pub use host::{tensor_bytes, DiskTier, HostKv, HostLayers, HostStore, READ_AHEAD};
+pub use disk_tier::DiskTier;
+pub use host::{tensor_bytes, HostKv, HostLayers, HostStore, READ_AHEAD};
 pub use link::{report_device, Direction, Link};
 pub use pingpong::{other_buffer, Loaded, PingPong};
 pub use probe::Probe;
