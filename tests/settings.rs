@@ -199,6 +199,42 @@ fn sinks_takes_its_settings_reports_evictions_and_is_labeled_lossy() -> Result<(
 }
 
 #[test]
+fn a_batch_under_sinks_is_lossy_and_counts_evictions() -> Result<()> {
+    // Each request gets its own `sinks` (one instance per sequence): the batch's stats say
+    // lossy and sum the evictions.
+    let dir = tempfile::tempdir()?;
+    let prompts = dir.path().join("prompts.jsonl");
+    std::fs::write(
+        &prompts,
+        "[1,2,3,4,5,6,7,8,9,10,11,12]\n[5,6,7,8,9,10,11,12,13,14]\n",
+    )?;
+    let path = dir.path().join("stats.json");
+    let o = llama(&[
+        "--model-dir",
+        &gqa(),
+        "--prompts-file",
+        &prompts.to_string_lossy(),
+        "--max-new-tokens",
+        "8",
+        "--policy",
+        "sinks:sinks=2,window=4",
+        "--stats-out",
+        &path.to_string_lossy(),
+    ])?;
+    let err = String::from_utf8_lossy(&o.stderr);
+    ensure!(o.status.success(), "{err}");
+    ensure!(
+        err.contains("LOSSY: logits differ from full (an approximate policy)"),
+        "{err}"
+    );
+    let st: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path)?)?;
+    ensure!(st["lossy"] == true, "{st}");
+    let evicted = st["policy_metrics"]["evicted_tokens"]["value"].as_u64();
+    ensure!(evicted > Some(0), "{st}");
+    Ok(())
+}
+
+#[test]
 fn kvbench_takes_specs_with_settings_and_writes_metric_columns() -> Result<()> {
     let dir = tempfile::tempdir()?;
     let csv = dir.path().join("sweep.csv");

@@ -111,6 +111,8 @@ impl KvPolicy for PerSequence {
             add_cumulative(&mut s, &q);
             s.add_metrics(&q.policy_metrics, true);
             s.kv_tokens = s.kv_tokens.max(q.kv_tokens);
+            // An approximate policy (or a lossy host form) is lossy for the whole batch.
+            s.lossy |= q.lossy;
         }
         s.device_kv_peak_bytes = self.device_peak;
         s.sequences = self.seqs.len() as u64;
@@ -157,6 +159,7 @@ impl Batched for PerSequence {
             let q = p.stats();
             add_cumulative(&mut self.retired, &q);
             self.retired.add_metrics(&q.policy_metrics, false);
+            self.retired.lossy |= q.lossy;
         }
     }
 }

@@ -35,10 +35,10 @@
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod disk;
-mod disk_tier;
 mod disk_format;
 mod disk_fs;
 mod disk_read;
+mod disk_tier;
 mod host;
 mod link;
 mod pingpong;
