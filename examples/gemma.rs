@@ -8,5 +8,6 @@ fn main() -> std::process::ExitCode {
         Some(kvpolicy::models::ModelSpec::Pypi(
             &kvpolicy::models::pypi::GEMMA3_270M,
         )),
+        kvpolicy_custom_policy::registry(),
     )
 }

@@ -6,5 +6,6 @@ fn main() -> std::process::ExitCode {
         "llama",
         &["llama"],
         Some(kvpolicy::models::ModelSpec::Default),
+        kvpolicy_custom_policy::registry(),
     )
 }

@@ -2,5 +2,5 @@
 //!
 //! `cargo run --release --example opt -- --model-dir path/to/opt-125m --policy recompute --prompt "…"`
 fn main() -> std::process::ExitCode {
-    kvpolicy_cli::main("opt", &["opt"], None)
+    kvpolicy_cli::main("opt", &["opt"], None, kvpolicy_custom_policy::registry())
 }

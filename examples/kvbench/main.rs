@@ -124,9 +124,11 @@ fn parse_size(s: &str) -> std::result::Result<u64, String> {
 
 fn main() -> std::process::ExitCode {
     threads::settle();
+    // kvpolicy's policies and the downstream crate's `sinks`.
+    registry::install(kvpolicy_custom_policy::registry());
     let args = Args::parse();
     if args.list_policies {
-        println!("{}", flags::list_policies(&registry::registry()));
+        println!("{}", flags::list_policies(&registry::registry(), false));
         return std::process::ExitCode::SUCCESS;
     }
     match run(args) {
@@ -179,7 +181,7 @@ fn run(mut args: Args) -> Result<()> {
         disk_io: args.disk_io,
         ..PolicyOptions::default()
     };
-    let variants: Vec<Variant> = sweep::join_specs(&args.policies)
+    let variants: Vec<Variant> = sweep::join_specs(&args.policies)?
         .iter()
         .map(|p| Variant::parse(p, &base))
         .collect::<Result<_>>()?;

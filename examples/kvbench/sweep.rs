@@ -42,19 +42,26 @@ impl Variant {
 
 /// `--policies` as clap splits it at every comma, with the settings of one spec joined
 /// back (`sinks:sinks=4`, `window=256` → `sinks:sinks=4,window=256`): a piece with `=`
-/// and no `:` continues the spec before it.
-pub fn join_specs(pieces: &[String]) -> Vec<String> {
+/// and no `:` continues the spec before it, which must have settings of its own.
+pub fn join_specs(pieces: &[String]) -> Result<Vec<String>> {
     let mut specs: Vec<String> = Vec::new();
     for p in pieces {
+        if !p.contains('=') || p.contains(':') {
+            specs.push(p.clone());
+            continue;
+        }
         match specs.last_mut() {
-            Some(last) if p.contains('=') && !p.contains(':') => {
+            Some(last) if last.contains(':') => {
                 last.push(',');
                 last.push_str(p);
             }
-            _ => specs.push(p.clone()),
+            Some(last) => anyhow::bail!(
+                "--policies: `{p}` follows `{last}`, which has no settings; write {last}:{p}"
+            ),
+            None => anyhow::bail!("--policies: `{p}` names no policy; write NAME:{p}"),
         }
     }
-    specs
+    Ok(specs)
 }
 
 /// What one variant measured at one context.

@@ -8,6 +8,18 @@ use clap::parser::ValueSource;
 use clap::ArgMatches;
 use kvpolicy::{PolicyOption, PolicyRegistry, PolicySpec};
 
+/// The clap id of the flag that sets `option` (the field of [`crate::Args`]).
+fn option_id(option: PolicyOption) -> &'static str {
+    match option {
+        PolicyOption::DeviceKvBudget => "device_kv_budget",
+        PolicyOption::Profile => "profile",
+        PolicyOption::LinkBandwidth => "link_bandwidth",
+        PolicyOption::HostKvBudget => "host_kv_budget",
+        PolicyOption::DiskDir => "disk_dir",
+        PolicyOption::HostKvDtype => "host_kv_dtype",
+    }
+}
+
 /// The flag that sets `option`.
 pub fn option_flag(option: PolicyOption) -> &'static str {
     match option {
@@ -94,8 +106,7 @@ pub fn run_spec(
     }
     for o in PolicyOption::ALL {
         let flag = option_flag(o);
-        let id = flag.trim_start_matches("--").replace('-', "_");
-        if given(&id) && !info.reads.contains(&o) {
+        if given(option_id(o)) && !info.reads.contains(&o) {
             warnings.push(format!(
                 "warning: {flag} does not apply to the `{}` policy and is ignored (it is read by {})",
                 spec.name,
@@ -109,8 +120,9 @@ pub fn run_spec(
 }
 
 /// `--list-policies`: every policy with its description and settings (key, type, default,
-/// docs, and the flag that aliases it), then the shared options' flags it reads.
-pub fn list_policies(reg: &PolicyRegistry) -> String {
+/// docs), and for the runner (`with_flags`) the flag that aliases each setting and the
+/// shared options' flags the policy reads (kvbench has neither: its settings are specs).
+pub fn list_policies(reg: &PolicyRegistry, with_flags: bool) -> String {
     let mut out = String::new();
     for p in reg.policies() {
         let _ = writeln!(out, "{}\n    {}", p.name, p.description);
@@ -119,6 +131,7 @@ pub fn list_policies(reg: &PolicyRegistry) -> String {
         }
         for s in &p.settings {
             let alias = match (setting_flag(&s.key), s.key.as_str()) {
+                _ if !with_flags => String::new(),
                 (Some(f), _) => format!("; flag {f}"),
                 (None, "budget") => format!("; flag {}", option_flag(PolicyOption::DeviceKvBudget)),
                 _ => String::new(),
@@ -130,7 +143,7 @@ pub fn list_policies(reg: &PolicyRegistry) -> String {
             );
         }
         let reads: Vec<&str> = p.reads.iter().map(|o| option_flag(*o)).collect();
-        if !reads.is_empty() {
+        if with_flags && !reads.is_empty() {
             let _ = writeln!(out, "    reads: {}", reads.join(" "));
         }
     }

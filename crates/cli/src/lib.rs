@@ -8,7 +8,8 @@
 //!
 //! ```no_run
 //! fn main() -> std::process::ExitCode {
-//!     kvpolicy_cli::main("llama", &["llama"], Some(kvpolicy::models::ModelSpec::Default))
+//!     let policies = kvpolicy::registry(); // plus a crate's own: `my_policies::register(&mut reg)`
+//!     kvpolicy_cli::main("llama", &["llama"], Some(kvpolicy::models::ModelSpec::Default), policies)
 //! }
 //! ```
 //!

@@ -32,15 +32,22 @@ fn random_prompt(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
 
 /// Parses the flags, runs, and maps errors to a message and exit code 1. `example` is the
 /// example's name, `archs` the architectures (`ModelInfo::architecture`) it runs and
-/// `default` the model it loads when no model flag is given.
-pub fn main(example: &str, archs: &[&str], default: Option<ModelSpec>) -> ExitCode {
+/// `default` the model it loads when no model flag is given; `policies` the registry it
+/// builds `--policy` from (kvpolicy's own, plus a crate's own policies).
+pub fn main(
+    example: &str,
+    archs: &[&str],
+    default: Option<ModelSpec>,
+    policies: kvpolicy::PolicyRegistry,
+) -> ExitCode {
     threads::settle();
+    registry::install(policies);
     let matches = Args::command().get_matches();
     let args = Args::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     init_tracing();
     let reg = registry::registry();
     if args.list_policies {
-        println!("{}", flags::list_policies(&reg));
+        println!("{}", flags::list_policies(&reg, true));
         return ExitCode::SUCCESS;
     }
     let fail = |e: anyhow::Error| {

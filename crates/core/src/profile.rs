@@ -5,7 +5,7 @@
 //! A [`Profile`] is either measured on the actual device at the first step (by the toolkit,
 //! `kvpolicy-tiered`'s `probe`, cached per device and layer shape for the life of the
 //! process) or
-//! read from a JSON file (a `profile` file, `--profile FILE` in the examples), so that schedules are reproducible and
+//! read from a JSON file (the `profile` option), so that schedules are reproducible and
 //! testable:
 //!
 //! ```json

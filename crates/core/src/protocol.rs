@@ -53,6 +53,13 @@ impl<'a> Checked<'a> {
                 step.layer, step.seq, step.pos
             )))
         };
+        if step.seq != 0 && self.inner.as_batched().is_none() {
+            return err(format!(
+                "`{}` keeps one sequence (slot 0); a ragged batch needs a policy built with \
+                 build_policy_batched (or wrapped in PerSequence)",
+                self.inner.name()
+            ));
+        }
         let layers = self.layers;
         let s = self.seqs.entry(step.seq).or_default();
         // A step that reached the last layer is complete.

@@ -52,6 +52,9 @@ pub struct PolicyInfo {
     pub reads: &'static [PolicyOption],
     /// Its settings, in declaration order, then `budget` when it reads the device budget.
     pub settings: Vec<SettingDoc>,
+    /// Whether `budget` in a spec sets the shared device budget (the policy reads it and
+    /// declares no `budget` setting of its own).
+    budget_option: bool,
     builder: PolicyBuilder,
 }
 
@@ -100,9 +103,9 @@ impl PolicyRegistry {
         F: Fn(&PolicyOptions, S) -> Result<Box<dyn KvPolicy>> + Send + Sync + 'static,
     {
         let mut settings = describe::<S>();
-        if reads.contains(&PolicyOption::DeviceKvBudget)
-            && !settings.iter().any(|s| s.key == BUDGET_KEY)
-        {
+        let budget_option = reads.contains(&PolicyOption::DeviceKvBudget)
+            && !settings.iter().any(|s| s.key == BUDGET_KEY);
+        if budget_option {
             settings.push(SettingDoc {
                 key: BUDGET_KEY.to_string(),
                 kind: "bytes".to_string(),
@@ -119,6 +122,7 @@ impl PolicyRegistry {
             description,
             reads,
             settings,
+            budget_option,
             builder,
         });
     }
@@ -187,10 +191,12 @@ impl PolicyRegistry {
                 (Some(k), _) => k.clone(),
                 (None, Some(k)) => k.to_string(),
                 (None, None) => {
-                    return Err(KvError::UnknownSetting {
-                        policy: info.name.to_string(),
-                        key: s.value.clone(),
-                        valid: Vec::new(),
+                    return Err(KvError::BadSpec {
+                        spec: spec.to_string(),
+                        reason: format!(
+                            "`{}` takes no settings, so the value `{}` sets nothing",
+                            info.name, s.value
+                        ),
                     })
                 }
             };
@@ -201,7 +207,7 @@ impl PolicyRegistry {
                     valid: valid(),
                 });
             }
-            if key == BUDGET_KEY && info.reads.contains(&PolicyOption::DeviceKvBudget) {
+            if key == BUDGET_KEY && info.budget_option {
                 let bytes =
                     crate::size::parse_bytes(&s.value).map_err(|e| KvError::BadSetting {
                         policy: info.name.to_string(),

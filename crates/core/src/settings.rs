@@ -8,8 +8,8 @@
 //! against what the policy declares; an unknown key or a bad value is a typed error naming
 //! the policy, the key and the valid keys.
 //!
-//! A settings struct derives `Deserialize`, `JsonSchema` and `Default`, with
-//! `#[serde(default, deny_unknown_fields)]`:
+//! A settings struct derives `Deserialize`, `JsonSchema` and `Default` (and `Serialize`, so
+//! that listings show its defaults), with `#[serde(default, deny_unknown_fields)]`:
 //!
 //! ```
 //! use kvpolicy_core::settings::{describe, PolicySettings};

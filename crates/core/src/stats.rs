@@ -18,8 +18,9 @@ pub enum MetricKind {
 }
 
 /// A number one policy counts: a name, a value, a unit, and whether it is a gauge or a
-/// counter. Shown in the runner's summary, in `--stats-out` under `"policy_metrics"` and as
-/// kvbench columns.
+/// counter. Shown in the runner's summary, in its stats file under `"policy_metrics"` and
+/// as kvbench columns. Summed over the sequences of a batch ([`crate::PerSequence`]):
+/// counters always, gauges of the live sequences.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct PolicyMetric {
     /// Its name (`resident_units`, `evicted_tokens`), unique within a policy.
@@ -56,6 +57,7 @@ impl PolicyMetric {
     }
 }
 
+/// Writes a whole value as an integer (`10`, not `10.0`), any other as a float.
 fn whole_as_integer<S: serde::Serializer>(v: &f64, s: S) -> Result<S::Ok, S::Error> {
     if v.fract() == 0.0 && v.abs() < 9.0e15 {
         s.serialize_i64(*v as i64)
@@ -64,13 +66,14 @@ fn whole_as_integer<S: serde::Serializer>(v: &f64, s: S) -> Result<S::Ok, S::Err
     }
 }
 
+/// Writes the metrics as a map from their names.
 fn metrics_by_name<S: serde::Serializer>(m: &[PolicyMetric], s: S) -> Result<S::Ok, S::Error> {
     s.collect_map(m.iter().map(|x| (x.name, x)))
 }
 
 /// Counters every policy keeps; every field is cumulative (or a peak) since the last
-/// `reset` except `device_kv_bytes`, `host_kv_bytes`, `kv_tokens` and `sequences`, which
-/// are current values. What only one policy counts is in `policy_metrics`.
+/// `reset` except `device_kv_bytes`, `host_kv_bytes`, `disk_kv_bytes`, `kv_tokens` and
+/// `sequences`, which are current values. What only one policy counts is in `policy_metrics`.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct KvStats {
     /// Bytes of KV (or activation) buffers held on the device tier now.

@@ -16,17 +16,17 @@
 //!
 //! ## What this implementation does
 //!
-//! * **Blocks** ([`blocks`]): `--block-size` tokens (default 16) of every layer; per
+//! * **Blocks** ([`blocks`]): `block_size` tokens (a setting, default 16) of every layer; per
 //!   request a [`BlockTable`](blocks::BlockTable) of (kind, tier, slot); pools per tier and
 //!   kind, allocated in slots for every layer and grown by doubling; freeing a request
 //!   returns its slots. ACT blocks live on the device while its pool has room, then on the
 //!   host; KV blocks on the host.
 //! * **Ratio** ([`ratio`]): lines `t₀ + t₁·tokens` fitted (least squares) to the
 //!   profiler's measurements at 16, 64 and 256 tokens (or through the origin from
-//!   `--profile`); the share of KV blocks that balances transfer against recompute, rounded
+//!   the `profile` option); the share of KV blocks that balances transfer against recompute, rounded
 //!   to whole blocks (checked against a brute-force search). All-KV whenever one token's X
 //!   is at least its K+V — every GQA model with two or more query heads per KV head.
-//!   `--kv-act-ratio R` forces the share of KV blocks (1 = all KV, 0 = all ACT). A request
+//!   The `kv_act_ratio` setting forces the share of KV blocks (1 = all KV, 0 = all ACT). A request
 //!   keeps its share as it grows: KV blocks are spread evenly through its table.
 //!   Deviation: one ratio per request, computed for ACT blocks on the device; ACT blocks
 //!   that overflow to the host keep it (they move X, still smaller than K+V).
@@ -38,7 +38,7 @@
 //!   (greedy on the imbalance); the model runs them layer by layer across mini-batches,
 //!   and the policy prefetches the next unit while the current one regenerates and
 //!   attends.
-//! * **Device budget** (`--device-kv-budget`): half of it (at least two units of the
+//! * **Device budget** (`device_kv_budget`): half of it (at least two units of the
 //!   longest request) stages transfers, the rest holds ACT blocks; the number of resident
 //!   blocks never passes what fits (stats: `device_blocks`).
 //! * Exact: the assembled K/V equal what `full` caches, and the attention is the same call.

@@ -1,4 +1,4 @@
-//! `hybrid`'s own settings (a `--policy hybrid:KEY=VALUE` spec), next to the options every
+//! `hybrid`'s own settings (a `hybrid:KEY=VALUE` spec), next to the options every
 //! policy shares.
 
 /// `hybrid`'s settings.

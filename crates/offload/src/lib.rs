@@ -3,7 +3,7 @@
 //! after HeadInfer, Luo et al., ICML 2025) and `auto` (resident units under a device
 //! budget, the rest streamed head-wise).
 //!
-//! Files: `runtime` the ping-pong runtime on `kvpolicy-core`'s tiered toolkit, `plan` the
+//! Files: `runtime` the ping-pong runtime on `kvpolicy-tiered`'s toolkit, `plan` the
 //! head group and the resident count, `resident` `auto`'s resident units and demotion.
 //!
 //! ## What the paper does
@@ -29,7 +29,7 @@
 //!   first group) is prefetched by the transfer engine — a worker thread on CPU — while the
 //!   current one attends, and new entries go back behind it. A step's first unit is loaded
 //!   synchronously: the next step's new tokens are not known before it starts.
-//! * `head_group` N fixes the group; `auto` picks the largest group (a divisor of the KV
+//! * The `group` setting (`headwise:group=N`) fixes the group; `auto` picks the largest group (a divisor of the KV
 //!   heads) whose two buffers and a step's scratch (the unit's attention tiles, the chunk's
 //!   activations) fit `device_kv_budget`, re-chosen as the context grows, and
 //!   without a budget follows the paper's thresholds: all heads below 500K tokens, half as

@@ -57,8 +57,10 @@ impl OffloadPolicy {
             match self.grouping {
                 Grouping::Layer => vec![Advice::Raise(Knob::Option(PolicyOption::DeviceKvBudget)), Advice::UsePolicy("headwise")],
                 // A group of one head is as small as a group gets: only the budget can change.
-                Grouping::Heads(_) | Grouping::Resident if g <= 1 => vec![Advice::Raise(Knob::Option(PolicyOption::DeviceKvBudget)), Advice::SmallerPrefillChunk],
-                Grouping::Heads(_) | Grouping::Resident => vec![Advice::Raise(Knob::Option(PolicyOption::DeviceKvBudget)), Advice::Lower(Knob::Setting("group"))],
+                // `auto` chooses its group itself: only the budget and the chunk can change.
+                Grouping::Resident => vec![Advice::Raise(Knob::Option(PolicyOption::DeviceKvBudget)), Advice::SmallerPrefillChunk],
+                Grouping::Heads(_) if g <= 1 => vec![Advice::Raise(Knob::Option(PolicyOption::DeviceKvBudget)), Advice::SmallerPrefillChunk],
+                Grouping::Heads(_) => vec![Advice::Raise(Knob::Option(PolicyOption::DeviceKvBudget)), Advice::Lower(Knob::Setting("group"))],
             },
         )
         };

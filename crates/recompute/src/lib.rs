@@ -16,7 +16,7 @@
 //! * **Storage.** Per layer the host tier keeps K/V for every token and X for the prefix
 //!   the scheduler can ever recompute: tokens below the largest split it would choose at
 //!   the run's length (known from [`KvPolicy::prepare`](kvpolicy_core::KvPolicy)), or
-//!   below `--recompute-split`. Each token's K/V is still needed in the steps before the
+//!   below the `split` setting. Each token's K/V is still needed in the steps before the
 //!   split (≈ a fixed fraction of the context) overtakes it, and the host tier is not the
 //!   scarce one; like the paper, the prefix has both. For grouped-query models no X is
 //!   kept at all (see below). With a sliding window X is kept for every token.
@@ -26,7 +26,7 @@
 //! * **Profiler** ([`Profile`](kvpolicy_core::Profile)): measured at the first step on the
 //!   actual device — a copy of one layer's K/V size (1–64 MiB) through the transfer engine
 //!   and a regeneration of 64 tokens — and cached per device and layer shape; or read from
-//!   `--profile FILE`.
+//!   the `profile` option.
 //! * **Scheduler** ([`scheduler`]): the exact minimiser of
 //!   `t(l) = l·x/B + max(l·r, (s−l)·kv/B)` (closed form, checked against a scan). It
 //!   derives that `l = 0` whenever one token's X is at least its K+V — every GQA model

@@ -1,4 +1,4 @@
-//! `recompute`'s own settings (a `--policy recompute:KEY=VALUE` spec), next to the options every
+//! `recompute`'s own settings (a `recompute:KEY=VALUE` spec), next to the options every
 //! policy shares.
 
 /// `recompute`'s settings.

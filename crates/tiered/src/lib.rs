@@ -26,7 +26,7 @@
 //! * [`probe`]: a cost [`Profile`](kvpolicy_core::Profile) measured on the device.
 //!
 //! Files: `link` the engine and its accounting, `host` the host tier (RAM, then disk past
-//! a host budget), `disk` the disk tier's file layout, `disk_format` what its writer and
+//! a host budget), `disk_tier` where it spills and how that is checked, `disk` the disk tier's file layout, `disk_format` what its writer and
 //! reader share, `disk_fs` its files as file-system objects (unnamed, 0600) and the
 //! directory checks, `disk_read` their reads, `pingpong` the device buffers. The stored
 //! forms (`KvCodec`, lossy opt-ins) and the disk I/O mode are options every policy reads,
