@@ -2,7 +2,7 @@
 //! the flag (or spec key) that sets it, and a budget error's [`Advice`] rendered as what to
 //! change on the command line. The library's errors carry these as data ([`Knob`],
 //! [`Advice`]); this renders them by `match`, not by rewriting the library's text.
-use kvpolicy::core::format_bytes;
+use kvpolicy::core::error::budget_text;
 use kvpolicy::core::Advice;
 use kvpolicy::models::ModelError;
 use kvpolicy::{Knob, KvError, PolicyOption};
@@ -64,18 +64,7 @@ pub fn kv_for_cli(e: &KvError, front: Frontend) -> String {
             advice,
         } => {
             let advice: Vec<String> = advice.iter().map(|a| advice_text(a, front)).collect();
-            let sep = if note.is_empty() || advice.is_empty() {
-                ""
-            } else {
-                "; "
-            };
-            format!(
-                "device KV budget exceeded: {what} needs {} but the budget is {} ({} already in use); {note}{sep}{}",
-                format_bytes(*needed),
-                format_bytes(*budget),
-                format_bytes(*in_use),
-                advice.join(", or ")
-            )
+            budget_text(what, *needed, *budget, *in_use, note, &advice)
         }
         KvError::InvalidOption {
             policy,

@@ -64,7 +64,7 @@ pub fn main(
         Err(e) => return fail(e),
     };
     atomic::on_signals();
-    match run(&args, &spec, example, archs, default) {
+    match run(&args, &reg, &spec, example, archs, default) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => fail(e),
     }
@@ -105,6 +105,7 @@ fn example_for(arch: &str) -> &'static str {
 
 fn run(
     args: &Args,
+    reg: &kvpolicy::PolicyRegistry,
     spec: &PolicySpec,
     example: &str,
     archs: &[&str],
@@ -140,9 +141,9 @@ fn run(
         ..PolicyOptions::default()
     };
     let mut policy = if args.prompts_file.is_some() {
-        registry::registry().build_batched_spec(spec, &opts)?
+        reg.build_batched_spec(spec, &opts)?
     } else {
-        registry::registry().build_spec(spec, &opts)?
+        reg.build_spec(spec, &opts)?
     };
     // Output paths that cannot be written fail before any work.
     for (path, flag) in [

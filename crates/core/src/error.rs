@@ -35,10 +35,29 @@ impl std::fmt::Display for Advice {
     }
 }
 
-/// `advice` as one clause: "raise …, or use …".
-pub fn advice_text(advice: &[Advice]) -> String {
-    let parts: Vec<String> = advice.iter().map(Advice::to_string).collect();
-    parts.join(", or ")
+/// The message of a [`KvError::BudgetExceeded`] with its advice already in words (each
+/// item a clause): the library's own (`raise `device_kv_budget``), or a front end's (its
+/// flags). One template, whoever renders the advice.
+pub fn budget_text(
+    what: &str,
+    needed: u64,
+    budget: u64,
+    in_use: u64,
+    note: &str,
+    advice: &[String],
+) -> String {
+    let sep = if note.is_empty() || advice.is_empty() {
+        ""
+    } else {
+        "; "
+    };
+    format!(
+        "device KV budget exceeded: {what} needs {} but the budget is {} ({} already in use); {note}{sep}{}",
+        crate::size::format_bytes(needed),
+        crate::size::format_bytes(budget),
+        crate::size::format_bytes(in_use),
+        advice.join(", or ")
+    )
 }
 
 /// Everything that can go wrong inside a policy or the attention math.
@@ -98,12 +117,8 @@ pub enum KvError {
     },
     /// The device tier would exceed its byte budget.
     #[error(
-        "device KV budget exceeded: {what} needs {} but the budget is {} ({} already in use); {note}{}{}",
-        crate::size::format_bytes(*.needed),
-        crate::size::format_bytes(*.budget),
-        crate::size::format_bytes(*.in_use),
-        if .note.is_empty() || .advice.is_empty() { "" } else { "; " },
-        advice_text(.advice)
+        "{}",
+        budget_text(.what, *.needed, *.budget, *.in_use, .note, &.advice.iter().map(Advice::to_string).collect::<Vec<_>>())
     )]
     BudgetExceeded {
         /// What was being allocated.
