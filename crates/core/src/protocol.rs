@@ -218,11 +218,15 @@ mod tests {
     }
 
     fn call(p: &mut Checked<'_>, layer: usize, pos: usize, t: usize) -> Result<()> {
+        call_seq(p, 0, layer, pos, t)
+    }
+
+    fn call_seq(p: &mut Checked<'_>, seq: usize, layer: usize, pos: usize, t: usize) -> Result<()> {
         let x = Tensor::zeros((1, 1, t, 2), DType::F32, &Device::Cpu)?;
         let spec = AttnSpec::new(1, 1, 2);
         p.attend(&AttnStep {
             layer,
-            seq: 0,
+            seq,
             q: &x,
             k: &x,
             v: &x,
@@ -261,6 +265,15 @@ mod tests {
         // Reset starts the sequence again.
         p.reset();
         call(&mut p, 0, 0, 4)?;
+        Ok(())
+    }
+
+    #[test]
+    fn a_second_sequence_needs_a_batched_policy() -> Result<()> {
+        let mut nothing = Nothing;
+        let mut p = Checked::new(&mut nothing);
+        call(&mut p, 0, 0, 2)?;
+        protocol_error(call_seq(&mut p, 1, 0, 0, 2), "keeps one sequence (slot 0)");
         Ok(())
     }
 }
