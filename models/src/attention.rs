@@ -154,10 +154,13 @@ impl Attention {
         }
         let out = Tensor::cat(&outs, 1)?;
         if out.dim(1)? != total {
-            return Err(crate::error::ModelError::Input(format!(
-                "the segments cover {} of the {total} packed tokens",
-                out.dim(1)?
-            )));
+            return Err(crate::error::ModelError::Input(
+                format!(
+                    "the segments cover {} of the {total} packed tokens",
+                    out.dim(1)?
+                )
+                .into(),
+            ));
         }
         self.o.forward(&out)
     }
@@ -224,11 +227,14 @@ impl KvRegen for Attention {
     fn regen_at(&self, x: &Tensor, positions: &[usize]) -> kvpolicy_core::Result<(Tensor, Tensor)> {
         let run = || -> Result<(Tensor, Tensor)> {
             if x.dim(1)? != positions.len() {
-                return Err(crate::error::ModelError::Input(format!(
-                    "{} stored inputs but {} positions to regenerate",
-                    x.dim(1)?,
-                    positions.len()
-                )));
+                return Err(crate::error::ModelError::Input(
+                    format!(
+                        "{} stored inputs but {} positions to regenerate",
+                        x.dim(1)?,
+                        positions.len()
+                    )
+                    .into(),
+                ));
             }
             let mut k = self.keys(x)?;
             let v = self.heads(x, &self.v, self.spec.n_kv_heads)?;

@@ -141,7 +141,7 @@ impl CausalLm for Decoder {
             return Err(ModelError::Input(format!(
                 "policy `{}` keeps a single sequence; build it with `build_policy_batched` (or wrap it in `PerSequence`) to run a batch",
                 policy.name()
-            )));
+            ).into()));
         }
         let dev = &self.info.device;
         let mut hidden = Vec::with_capacity(groups.len());
@@ -152,10 +152,9 @@ impl CausalLm for Decoder {
             let mut segs = Vec::with_capacity(group.len());
             for c in group {
                 if c.ids.is_empty() {
-                    return Err(ModelError::Input(format!(
-                        "sequence {} brings no tokens to the step",
-                        c.seq
-                    )));
+                    return Err(ModelError::Input(
+                        format!("sequence {} brings no tokens to the step", c.seq).into(),
+                    ));
                 }
                 segs.push(Segment {
                     seq: c.seq,

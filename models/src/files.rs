@@ -17,8 +17,8 @@ pub const TOKENIZER_CAP: u64 = 256 << 20;
 /// cause in the text, not as a source printed a second time).
 fn mapped(path: &Path, what: &str, e: std::io::Error) -> ModelError {
     match e.kind() {
-        std::io::ErrorKind::InvalidInput => ModelError::Input(e.to_string()),
-        _ => ModelError::Input(format!("cannot read {what} {}: {e}", path.display())),
+        std::io::ErrorKind::InvalidInput => ModelError::Input(e.to_string().into()),
+        _ => ModelError::Input(format!("cannot read {what} {}: {e}", path.display()).into()),
     }
 }
 

@@ -8,7 +8,7 @@ use candle_core::Tensor;
 use candle_transformers::generation::{LogitsProcessor, Sampling};
 use kvpolicy_core::{KvPolicy, KvShape, SeqLoad};
 
-use crate::error::{ModelError, Result};
+use crate::error::{Message, ModelError, ModelInput, Result};
 use crate::model::{CausalLm, LogitsMode, ModelInfo, SeqChunk};
 
 /// Prompt tokens per prefill pass by default: long prompts run in chunks, so a step's
@@ -85,8 +85,9 @@ pub struct Generation {
 pub fn validate_request(info: &ModelInfo, prompt: &[u32], cfg: &GenerateConfig) -> Result<()> {
     if prompt.is_empty() {
         return Err(ModelError::Input(
-            "the prompt is empty; give --prompt TEXT or --prompt-ids with at least one token"
-                .into(),
+            Message::from("the prompt is empty; give ")
+                .input(ModelInput::Prompt)
+                .text(" with at least one token"),
         ));
     }
     let check = |ids: &[u32], what: &str| -> Result<()> {
@@ -95,11 +96,14 @@ pub fn validate_request(info: &ModelInfo, prompt: &[u32], cfg: &GenerateConfig) 
             .enumerate()
             .find(|(_, &id)| id as usize >= info.vocab_size)
         {
-            return Err(ModelError::Input(format!(
-                "{what} token {i} is id {id}, but the vocabulary has {} tokens (ids 0..{})",
-                info.vocab_size,
-                info.vocab_size - 1
-            )));
+            return Err(ModelError::Input(
+                format!(
+                    "{what} token {i} is id {id}, but the vocabulary has {} tokens (ids 0..{})",
+                    info.vocab_size,
+                    info.vocab_size - 1
+                )
+                .into(),
+            ));
         }
         Ok(())
     };
@@ -114,20 +118,29 @@ pub fn validate_request(info: &ModelInfo, prompt: &[u32], cfg: &GenerateConfig) 
     // In u128: a huge --max-new-tokens must not wrap around below the model's positions.
     let total = prompt.len() as u128 + new as u128;
     if total > info.max_positions as u128 {
-        return Err(ModelError::Input(format!(
-            "prompt ({} tokens) + generation ({new} tokens) = {total} exceeds the model's {} positions; shorten the prompt or lower --max-new-tokens",
+        return Err(ModelError::Input(Message::from(format!(
+            "prompt ({} tokens) + generation ({new} tokens) = {total} exceeds the model's {} positions; shorten the prompt or lower ",
             prompt.len(),
             info.max_positions
-        )));
+        ))
+        .input(ModelInput::MaxNewTokens)));
     }
     if !(cfg.temperature.is_finite() && cfg.temperature >= 0.0) {
-        return Err(ModelError::Input(format!(
-            "--temperature {} must be a finite number ≥ 0 (0 is greedy)",
-            cfg.temperature
-        )));
+        return Err(ModelError::Input(
+            Message::default()
+                .input(ModelInput::Temperature)
+                .text(format!(
+                    " {} must be a finite number ≥ 0 (0 is greedy)",
+                    cfg.temperature
+                )),
+        ));
     }
     if let Some(p) = cfg.top_p.filter(|&p| !(p > 0.0 && p <= 1.0)) {
-        return Err(ModelError::Input(format!("--top-p {p} must be in (0, 1]")));
+        return Err(ModelError::Input(
+            Message::default()
+                .input(ModelInput::TopP)
+                .text(format!(" {p} must be in (0, 1]")),
+        ));
     }
     Ok(())
 }
@@ -172,7 +185,7 @@ fn check_finite(row: &Tensor, pos: usize) -> Result<()> {
     } else {
         Err(ModelError::Input(format!(
             "the model produced non-finite logits (NaN or infinity) at position {pos}; its weights or its config's numbers (rope_theta, rms_norm_eps, …) are likely broken"
-        )))
+        ).into()))
     }
 }
 
@@ -377,18 +390,24 @@ pub fn batch_step(
         match seen.get_mut(i) {
             Some(s) if !*s => *s = true,
             _ => {
-                return Err(ModelError::Input(format!(
-                    "policy `{}` planned mini-batches that do not hold each sequence once",
-                    policy.name()
-                )))
+                return Err(ModelError::Input(
+                    format!(
+                        "policy `{}` planned mini-batches that do not hold each sequence once",
+                        policy.name()
+                    )
+                    .into(),
+                ))
             }
         }
     }
     if seen.iter().any(|s| !s) {
-        return Err(ModelError::Input(format!(
-            "policy `{}` left a sequence out of its mini-batches",
-            policy.name()
-        )));
+        return Err(ModelError::Input(
+            format!(
+                "policy `{}` left a sequence out of its mini-batches",
+                policy.name()
+            )
+            .into(),
+        ));
     }
     let groups: Vec<Vec<SeqChunk>> = plan
         .iter()
@@ -443,13 +462,15 @@ pub fn generate_batch(
     }
     if cfg.decode_ids.is_some() {
         return Err(ModelError::Input(
-            "teacher forcing (--decode-ids) runs one prompt at a time, not a batch".into(),
+            Message::from("teacher forcing (")
+                .input(ModelInput::DecodeIds)
+                .text(") runs one prompt at a time, not a batch"),
         ));
     }
     for (i, p) in prompts.iter().enumerate() {
         validate_request(&info, p, cfg).map_err(|e| match e {
             ModelError::Input(why) => {
-                ModelError::Input(format!("prompt {} of the batch: {why}", i + 1))
+                ModelError::Input(format!("prompt {} of the batch: {why}", i + 1).into())
             }
             e => e,
         })?;

@@ -10,7 +10,7 @@ use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
 
-use crate::error::{ModelError, Result};
+use crate::error::{Message, ModelError, ModelInput, Result};
 
 /// An open, checked GGUF file.
 pub struct GgufFile {
@@ -74,7 +74,10 @@ impl GgufFile {
         if got < 4 || &magic != b"GGUF" {
             return Err(ModelError::Gguf {
                 path: path.to_path_buf(),
-                message: "is not a GGUF file (it does not start with the GGUF magic bytes); pass a .gguf model with --gguf, or a safetensors directory with --model-dir".into(),
+                message: Message::from("is not a GGUF file (it does not start with the GGUF magic bytes); pass a .gguf model with ")
+                    .input(ModelInput::Gguf)
+                    .text(", or a safetensors directory with ")
+                    .input(ModelInput::ModelDir),
             });
         }
         reader
@@ -84,7 +87,8 @@ impl GgufFile {
             path: path.to_path_buf(),
             message: format!(
                 "has a damaged or truncated GGUF header ({why}); download the file again"
-            ),
+            )
+            .into(),
         };
         // candle's header reader bounds every length by the file size, but a few values
         // (e.g. `general.alignment` = 0) still make it panic; a damaged file must be an
@@ -111,7 +115,7 @@ impl GgufFile {
                     path: path.to_path_buf(),
                     message: format!(
                         "is truncated: tensor `{name}` ends at byte {end} but the file has {file_len} bytes; download the file again"
-                    ),
+                    ).into(),
                 });
             }
         }
@@ -136,7 +140,7 @@ impl GgufFile {
     pub fn corrupt(&self, message: String) -> ModelError {
         ModelError::Gguf {
             path: self.path.clone(),
-            message,
+            message: message.into(),
         }
     }
 

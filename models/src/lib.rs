@@ -34,7 +34,7 @@ pub mod weights;
 
 pub use config::{LlamaConfig, ModelConfig, OptConfig};
 pub use decoder::Decoder;
-pub use error::{ModelError, Result};
+pub use error::{Message, ModelError, ModelInput, Result};
 pub use generate::{
     batch_step, generate, generate_batch, prefill, validate_request, BatchGeneration,
     GenerateConfig, Generation,

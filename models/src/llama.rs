@@ -21,7 +21,8 @@ fn weights_err(path: &Path) -> impl Fn(candle_core::Error) -> ModelError + '_ {
         message: format!(
             "{}; check that config.json belongs to these weights",
             crate::error::candle_message(&e)
-        ),
+        )
+        .into(),
     }
 }
 

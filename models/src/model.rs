@@ -104,9 +104,12 @@ pub trait CausalLm: Send + Sync {
         mode: LogitsMode,
     ) -> Result<Vec<Tensor>> {
         let _ = (groups, policy, mode);
-        Err(crate::error::ModelError::Input(format!(
-            "{} models do not run ragged batches",
-            self.info().architecture
-        )))
+        Err(crate::error::ModelError::Input(
+            format!(
+                "{} models do not run ragged batches",
+                self.info().architecture
+            )
+            .into(),
+        ))
     }
 }

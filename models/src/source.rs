@@ -13,7 +13,7 @@ use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
 
 use crate::config::ModelConfig;
-use crate::error::{ModelError, Result};
+use crate::error::{Message, ModelError, ModelInput, Result};
 use crate::gguf::GgufFile;
 use crate::model::CausalLm;
 use crate::pypi::{PypiGguf, SMOLLM2};
@@ -97,7 +97,12 @@ pub fn dir_files(dir: &Path) -> Result<ModelFiles> {
     if !config.is_file() {
         return Err(ModelError::Weights {
             path: dir.to_path_buf(),
-            message: "has no config.json; --model-dir takes a directory holding config.json and *.safetensors (use --gguf for a GGUF file)".into(),
+            message: Message::default()
+                .text("has no config.json; ")
+                .input(ModelInput::ModelDir)
+                .text(" takes a directory holding config.json and *.safetensors (use ")
+                .input(ModelInput::Gguf)
+                .text(" for a GGUF file)"),
         });
     }
     let mut weights: Vec<PathBuf> = std::fs::read_dir(dir)
@@ -129,7 +134,7 @@ fn hub_offline() -> bool {
 pub fn hub_files(id: &str, revision: &str) -> Result<ModelFiles> {
     use hf_hub::{Repo, RepoType};
     let repo = Repo::with_revision(id.to_string(), RepoType::Model, revision.to_string());
-    let fail = |e: String| ModelError::Fetch(format!("hub repository {id}@{revision}: {e}"));
+    let fail = |e: String| ModelError::Fetch(format!("hub repository {id}@{revision}: {e}").into());
     if hub_offline() {
         let cache = hf_hub::Cache::from_env().repo(repo);
         let get = |f: &str| cache.get(f);
@@ -207,18 +212,20 @@ pub fn pypi_files(model: &PypiGguf) -> Result<ModelFiles> {
         return Ok(ModelFiles::Gguf(cached));
     };
     if hub_offline() {
-        return Err(ModelError::Fetch(format!(
-            "{} is not cached at {} and HF_HUB_OFFLINE forbids fetching it; place the GGUF there, or pass --gguf/--model-dir",
-            model.description,
-            cached.display()
-        )));
-    }
-    crate::pypi::fetch(model, &cached).map_err(|e| {
-        ModelError::Fetch(format!(
-            "{} is not cached at {} and fetching it from PyPI failed: {e}; place the GGUF there, or pass --gguf/--model-dir",
+        return Err(ModelError::Fetch(Message::from(format!(
+            "{} is not cached at {} and HF_HUB_OFFLINE forbids fetching it; place the GGUF there, or pass ",
             model.description,
             cached.display()
         ))
+        .input(ModelInput::ModelSource)));
+    }
+    crate::pypi::fetch(model, &cached).map_err(|e| {
+        ModelError::Fetch(Message::from(format!(
+            "{} is not cached at {} and fetching it from PyPI failed: {e}; place the GGUF there, or pass ",
+            model.description,
+            cached.display()
+        ))
+        .input(ModelInput::ModelSource))
     })?;
     Ok(ModelFiles::Gguf(cached))
 }
@@ -242,29 +249,30 @@ pub fn default_files() -> Result<ModelFiles> {
             Err(e) => tried.push(format!("PyPI: {e}")),
         }
     }
-    Err(ModelError::Fetch(format!(
-        "the default model (SmolLM2-135M-Instruct) is not cached at {} and every source failed ({}); place the GGUF there, or pass --gguf/--model-dir",
+    Err(ModelError::Fetch(Message::from(format!(
+        "the default model (SmolLM2-135M-Instruct) is not cached at {} and every source failed ({}); place the GGUF there, or pass ",
         cached.display(),
         tried
             .iter()
             .map(|t| t.split_whitespace().collect::<Vec<_>>().join(" "))
             .collect::<Vec<_>>()
             .join("; ")
-    )))
+    ))
+    .input(ModelInput::ModelSource)))
 }
 
 /// An error unless `p` is a file: a directory or a missing path is named as such.
-fn need_file(p: &Path, flag: &str, what: &str) -> Result<()> {
+fn need_file(p: &Path, input: ModelInput, what: &str) -> Result<()> {
     let why = if p.is_dir() {
-        format!("{flag} {} is a directory; give {what}", p.display())
+        format!(" {} is a directory; give {what}", p.display())
     } else if !p.exists() {
-        format!("{flag} {}: no such file", p.display())
+        format!(" {}: no such file", p.display())
     } else if p.is_file() {
         return Ok(());
     } else {
-        format!("{flag} {} is not a regular file; give {what}", p.display())
+        format!(" {} is not a regular file; give {what}", p.display())
     };
-    Err(ModelError::Input(why))
+    Err(ModelError::Input(Message::default().input(input).text(why)))
 }
 
 /// Resolves what the user asked for to files on disk.
@@ -273,13 +281,13 @@ pub fn resolve(spec: &ModelSpec) -> Result<ModelFiles> {
         ModelSpec::Dir(d) => dir_files(d),
         ModelSpec::Hub { id, revision } => hub_files(id, revision),
         ModelSpec::Gguf(p) => {
-            need_file(p, "--gguf", "a .gguf file")?;
+            need_file(p, ModelInput::Gguf, "a .gguf file")?;
             Ok(ModelFiles::Gguf(p.clone()))
         }
         ModelSpec::Default => default_files(),
         ModelSpec::Pypi(model) => pypi_files(model),
         ModelSpec::Random { config, seed } => {
-            need_file(config, "--config", "a config.json file")?;
+            need_file(config, ModelInput::Config, "a config.json file")?;
             Ok(ModelFiles::Random {
                 config: config.clone(),
                 seed: *seed,
@@ -288,7 +296,7 @@ pub fn resolve(spec: &ModelSpec) -> Result<ModelFiles> {
     }
 }
 
-/// The activation dtype named by `--dtype` (`f32`, `f16`, `bf16`) or, when none is named,
+/// The activation dtype named `name` (`f32`, `f16`, `bf16`) or, when none is named,
 /// the default for `device` (bf16 on CUDA, f32 elsewhere); `None` for an unknown name.
 pub fn activation_dtype(name: Option<&str>, device: &Device) -> Option<DType> {
     match name {
@@ -353,7 +361,8 @@ pub fn load(
                     message: format!(
                         "cannot be read as safetensors: {}",
                         crate::error::candle_message(&e)
-                    ),
+                    )
+                    .into(),
                 })?;
             cfg.validate_sizes()?;
             crate::sizes::check_layers_present(

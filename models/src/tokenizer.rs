@@ -17,7 +17,7 @@ use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::{AddedToken, SplitDelimiterBehavior, Tokenizer};
 
-use crate::error::{tok_err, ModelError, Result};
+use crate::error::{tok_err, Message, ModelError, ModelInput, Result};
 use crate::gguf::GgufFile;
 
 mod guard;
@@ -81,10 +81,10 @@ fn byte_level_bpe(g: &GgufFile, tokens: &[String]) -> Result<Tokenizer> {
         "qwen2" => Sequence::new(vec![split(QWEN2_REGEX)?, byte_level(false)]),
         "default" | "gpt2" | "gpt-2" => Sequence::new(vec![byte_level(true)]),
         other => {
-            return Err(ModelError::Tokenizer(format!(
-                "{} uses the `{other}` pre-tokenizer, which is not rebuilt from GGUF; pass the model's tokenizer.json with --tokenizer",
+            return Err(ModelError::Tokenizer(Message::from(format!(
+                "{} uses the `{other}` pre-tokenizer, which is not rebuilt from GGUF; pass the model's tokenizer.json with ",
                 g.path().display()
-            )))
+            )).input(ModelInput::Tokenizer)))
         }
     };
     let mut inner = Tokenizer::new(bpe);
@@ -114,11 +114,11 @@ impl TextTokenizer {
             crate::files::TOKENIZER_CAP,
         )
         .map_err(|e| match e.kind() {
-            std::io::ErrorKind::InvalidInput => ModelError::Tokenizer(e.to_string()),
-            _ => ModelError::Tokenizer(format!("cannot load {}: {e}", tokenizer.display())),
+            std::io::ErrorKind::InvalidInput => ModelError::Tokenizer(e.to_string().into()),
+            _ => ModelError::Tokenizer(format!("cannot load {}: {e}", tokenizer.display()).into()),
         })?;
         let inner = Tokenizer::from_bytes(bytes).map_err(|e| {
-            ModelError::Tokenizer(format!("cannot load {}: {e}", tokenizer.display()))
+            ModelError::Tokenizer(format!("cannot load {}: {e}", tokenizer.display()).into())
         })?;
         let mut me = Self {
             inner,
@@ -135,7 +135,7 @@ impl TextTokenizer {
                 crate::files::TOKENIZER_CAP,
             )?;
             let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
-                ModelError::Tokenizer(format!("{} is not valid JSON: {e}", cfg.display()))
+                ModelError::Tokenizer(format!("{} is not valid JSON: {e}", cfg.display()).into())
             })?;
             me.chat_template = match v.get("chat_template") {
                 Some(serde_json::Value::String(s)) => Some(s.clone()),
@@ -163,10 +163,10 @@ impl TextTokenizer {
             "gpt2" => byte_level_bpe(g, &tokens)?,
             "llama" => spm::spm_tokenizer(g, &tokens, &types)?,
             other => {
-                return Err(ModelError::Tokenizer(format!(
-                    "{} has a `{other}` vocabulary; byte-level BPE (`gpt2`) and SentencePiece (`llama`) vocabularies are rebuilt from GGUF — pass the model's tokenizer.json with --tokenizer",
+                return Err(ModelError::Tokenizer(Message::from(format!(
+                    "{} has a `{other}` vocabulary; byte-level BPE (`gpt2`) and SentencePiece (`llama`) vocabularies are rebuilt from GGUF — pass the model's tokenizer.json with ",
                     g.path().display()
-                )))
+                )).input(ModelInput::Tokenizer)))
             }
         };
         // Control and user-defined tokens are matched whole in text (llama.cpp's
@@ -246,7 +246,9 @@ impl TextTokenizer {
     pub fn apply_chat_template(&self, user: &str) -> Result<String> {
         let Some(tpl) = &self.chat_template else {
             return Err(ModelError::Tokenizer(
-                "this model has no chat template; drop --chat and write the prompt yourself".into(),
+                Message::from("this model has no chat template; drop ")
+                    .input(ModelInput::Chat)
+                    .text(" and write the prompt yourself"),
             ));
         };
         let mut env = minijinja::Environment::new();
@@ -263,8 +265,9 @@ impl TextTokenizer {
                 ))
             },
         );
-        env.add_template("chat", tpl)
-            .map_err(|e| ModelError::Tokenizer(format!("the chat template does not parse: {e}")))?;
+        env.add_template("chat", tpl).map_err(|e| {
+            ModelError::Tokenizer(format!("the chat template does not parse: {e}").into())
+        })?;
         let t = env.get_template("chat").map_err(tok_err)?;
         // Rendered into a writer that refuses bytes past the cap, so output that grows
         // within the fuel stops at the cap rather than after it.
@@ -283,9 +286,10 @@ impl TextTokenizer {
                 "the chat template rendered more than {} MiB for a {}-byte message; the template is broken",
                 CHAT_TEMPLATE_OUTPUT >> 20,
                 user.len(),
-            )));
+            ).into()));
         }
-        rendered.map_err(|e| ModelError::Tokenizer(format!("the chat template failed: {e}")))?;
+        rendered
+            .map_err(|e| ModelError::Tokenizer(format!("the chat template failed: {e}").into()))?;
         let text = out.into_string().map_err(|_| {
             ModelError::Tokenizer("the chat template rendered text that is not UTF-8".into())
         })?;

@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use crate::error::{ModelError, Result};
+use crate::error::{Message, ModelError, ModelInput, Result};
 
 /// One tensor of a safetensors header.
 #[derive(Debug, Clone)]
@@ -46,17 +46,19 @@ pub fn check_weight_files(files: &[PathBuf]) -> Result<()> {
                         "holds tensor `{}`, which {} holds too; remove the stray file (two checkpoints in one directory?)",
                         t.name,
                         first.display()
-                    ),
+                    ).into(),
                 });
             }
             let parameter = t.name.ends_with(".weight") || t.name.ends_with(".bias");
             if parameter && INTEGER_DTYPES.contains(&t.dtype.as_str()) {
                 return Err(ModelError::Weights {
                     path: file.clone(),
-                    message: format!(
-                        "stores the parameter `{}` as {} integers; only float weights (F32, F16, BF16) load here — quantized safetensors (GPTQ, AWQ) are not supported, use a GGUF file (--gguf)",
+                    message: Message::from(format!(
+                        "stores the parameter `{}` as {} integers; only float weights (F32, F16, BF16) load here — quantized safetensors (GPTQ, AWQ) are not supported, use a GGUF file (",
                         t.name, t.dtype
-                    ),
+                    ))
+                    .input(ModelInput::Gguf)
+                    .text(")"),
                 });
             }
         }
@@ -70,7 +72,7 @@ pub fn check_safetensors(path: &Path) -> Result<Vec<HeaderTensor>> {
     use std::io::Read;
     let bad = |m: String| ModelError::Weights {
         path: path.to_path_buf(),
-        message: m,
+        message: m.into(),
     };
     let mut f = crate::files::open_regular(path, "the weight file")?;
     let len = f.metadata().map_err(|e| ModelError::io(path, e))?.len();
@@ -165,7 +167,7 @@ fn check_finite(
                     message: format!(
                         "holds a NaN or an infinity in `{}`; the weights are damaged (download them again)",
                         t.name
-                    ),
+                    ).into(),
                 });
             }
             at += n as u64;

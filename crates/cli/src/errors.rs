@@ -1,13 +1,14 @@
 //! The policy layer's errors in the command line's words: an option or setting named by
 //! the flag (or spec key) that sets it, and a budget error's [`Advice`] rendered as what to
-//! change on the command line. The library's errors carry these as data ([`Knob`],
-//! [`Advice`]); this renders them by `match`, not by rewriting the library's text.
+//! change on the command line; a model error's inputs ([`ModelInput`](kvpolicy::models::ModelInput))
+//! by their flags. The library's errors carry these as data ([`Knob`], [`Advice`],
+//! `ModelInput`); this renders them by `match`, not by rewriting the library's text.
 use kvpolicy::core::error::budget_text;
 use kvpolicy::core::Advice;
 use kvpolicy::models::ModelError;
 use kvpolicy::{Knob, KvError, PolicyOption};
 
-use crate::flags::{option_flag, setting_flag};
+use crate::flags::{input_flag, option_flag, setting_flag};
 
 /// Which command line the message is for: the runner's flags, or kvbench's, where
 /// settings are only given in `--policies` specs and the device budget is `auto:BUDGET`.
@@ -101,6 +102,7 @@ pub fn for_cli(e: &anyhow::Error, front: Frontend) -> String {
                 cause.downcast_ref::<ModelError>(),
             ) {
                 (Some(kv), _) | (None, Some(ModelError::Policy(kv))) => kv_for_cli(kv, front),
+                (None, Some(m)) => m.render(&|i| input_flag(i).to_string()),
                 _ => cause.to_string(),
             }
         })

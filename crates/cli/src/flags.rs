@@ -7,6 +7,7 @@ use std::fmt::Write;
 use clap::parser::ValueSource;
 use clap::ArgMatches;
 use kvpolicy::{PolicyOption, PolicyRegistry, PolicySpec};
+use kvpolicy::models::ModelInput;
 
 /// The clap id of the flag that sets `option` (the field of [`crate::Args`]).
 fn option_id(option: PolicyOption) -> &'static str {
@@ -152,4 +153,21 @@ pub fn list_policies(reg: &PolicyRegistry, with_flags: bool) -> String {
         "\nA spec sets settings after a colon: NAME:KEY=VALUE,KEY=VALUE (e.g. headwise:group=1); a lone value sets the first one (headwise:1, auto:64MiB)."
     );
     out
+}
+
+/// The flag that gives a model input: how the runner's messages name it.
+pub fn input_flag(input: ModelInput) -> &'static str {
+    match input {
+        ModelInput::Gguf => "--gguf",
+        ModelInput::ModelDir => "--model-dir",
+        ModelInput::ModelSource => "--gguf/--model-dir",
+        ModelInput::Config => "--config",
+        ModelInput::Tokenizer => "--tokenizer",
+        ModelInput::Prompt => "--prompt TEXT or --prompt-ids",
+        ModelInput::MaxNewTokens => "--max-new-tokens",
+        ModelInput::Temperature => "--temperature",
+        ModelInput::TopP => "--top-p",
+        ModelInput::DecodeIds => "--decode-ids",
+        ModelInput::Chat => "--chat",
+    }
 }

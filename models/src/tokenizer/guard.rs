@@ -45,7 +45,7 @@ pub fn quietly<T>(what: &str, f: impl FnOnce() -> T) -> Result<T> {
             .unwrap_or("an internal failure");
         ModelError::Tokenizer(format!(
             "{what} failed ({why}); the tokenizer's patterns cannot handle this text (a regex that backtracks without end?)"
-        ))
+        ).into())
     })
 }
 
@@ -90,7 +90,7 @@ pub fn check_expansion(normalizer: Option<&NormalizerWrapper>, text: &str) -> Re
     let Some(n) = normalizer else {
         return Ok(());
     };
-    let bad = |e: String| ModelError::Tokenizer(format!("the tokenizer's normalizer: {e}"));
+    let bad = |e: String| ModelError::Tokenizer(format!("the tokenizer's normalizer: {e}").into());
     let mut json = serde_json::to_value(n).map_err(|e| bad(e.to_string()))?;
     // The whole normalizer's bound already keeps this text under the cap (the usual case):
     // no step needs running here, ahead of the encode that runs them anyway.
@@ -114,7 +114,7 @@ pub fn check_expansion(normalizer: Option<&NormalizerWrapper>, text: &str) -> Re
                 step.get("type").and_then(Value::as_str).unwrap_or("?"),
                 s.len(),
                 (NORMALIZED_CAP as u64) >> 20
-            )));
+            ).into()));
         }
         let n: NormalizerWrapper = serde_json::from_value(step).map_err(|e| bad(e.to_string()))?;
         n.normalize(&mut s).map_err(|e| bad(e.to_string()))?;

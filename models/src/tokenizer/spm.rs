@@ -66,12 +66,15 @@ pub(super) fn spm_tokenizer(g: &GgufFile, tokens: &[String], types: &[i64]) -> R
         g.corrupt("has a `llama` (SentencePiece) vocabulary without `tokenizer.ggml.scores`".into())
     })?;
     if scores.len() != tokens.len() {
-        return Err(ModelError::Tokenizer(format!(
-            "{} has {} token scores for {} tokens",
-            g.path().display(),
-            scores.len(),
-            tokens.len()
-        )));
+        return Err(ModelError::Tokenizer(
+            format!(
+                "{} has {} token scores for {} tokens",
+                g.path().display(),
+                scores.len(),
+                tokens.len()
+            )
+            .into(),
+        ));
     }
     let vocab: tokenizers::models::bpe::Vocab = tokens
         .iter()
