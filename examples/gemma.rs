@@ -6,7 +6,7 @@ fn main() -> std::process::ExitCode {
         "gemma",
         &["gemma", "gemma2", "gemma3"],
         Some(kvpolicy::models::ModelSpec::Pypi(
-            &kvpolicy::models::pypi::GEMMA3_270M,
+            &kvpolicy::models::load::pypi::GEMMA3_270M,
         )),
         kvpolicy_custom_policy::registry(),
     )

@@ -8,7 +8,7 @@ use std::process::{Command, Output};
 
 use anyhow::{Context, Result};
 use candle_core::Tensor;
-use kvpolicy::models::generate::kv_shape;
+use kvpolicy::models::engine::generate::kv_shape;
 use kvpolicy::PolicyOptions;
 
 const TOL: f32 = 1e-4;

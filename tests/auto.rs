@@ -7,7 +7,7 @@ mod common;
 
 use anyhow::Result;
 use candle_core::{Device, Tensor};
-use kvpolicy::models::generate::kv_shape;
+use kvpolicy::models::engine::generate::kv_shape;
 use kvpolicy::models::prefill;
 use kvpolicy::{build_policy, LogitsMode, PolicyOptions};
 

@@ -6,7 +6,7 @@
 mod common;
 
 use anyhow::Result;
-use kvpolicy::models::generate::kv_shape;
+use kvpolicy::models::engine::generate::kv_shape;
 use kvpolicy::models::prefill;
 use kvpolicy::{build_policy, HeadGroup, KvError, PolicyOptions};
 

@@ -20,7 +20,7 @@ fn logits_match_candle_quantized_llama() -> Result<()> {
     std::env::set_var("CANDLE_DEQUANTIZE_ALL", "1");
     let path = common::default_gguf()?;
     let dev = Device::Cpu;
-    let ours = kvpolicy::models::gguf_model::from_gguf(&GgufFile::open(&path)?, &dev)?;
+    let ours = kvpolicy::models::load::gguf::build::from_gguf(&GgufFile::open(&path)?, &dev)?;
     let mut file = std::fs::File::open(&path)?;
     let content = candle_core::quantized::gguf_file::Content::read(&mut file)?;
     let mut stock = ModelWeights::from_gguf(content, &mut file, &dev)?;

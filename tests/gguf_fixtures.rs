@@ -15,9 +15,9 @@ mod common;
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
-use kvpolicy::models::generate::DEFAULT_PREFILL_CHUNK;
+use kvpolicy::models::engine::generate::DEFAULT_PREFILL_CHUNK;
 use kvpolicy::models::load;
-use kvpolicy::models::source::ModelFiles;
+use kvpolicy::models::load::source::ModelFiles;
 use kvpolicy::{build_policy, PolicyOptions};
 
 /// Our teacher-forced logits of fixture `name`'s ids on its GGUF.

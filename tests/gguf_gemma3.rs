@@ -13,7 +13,7 @@ mod common;
 
 use anyhow::{Context, Result};
 use candle_core::{DType, Device};
-use kvpolicy::models::source::ModelFiles;
+use kvpolicy::models::load::source::ModelFiles;
 use kvpolicy::models::{generate, load, GenerateConfig, Loaded};
 use kvpolicy::{build_policy, AttnSpec, HeadGroup, PolicyOptions};
 

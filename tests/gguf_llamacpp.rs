@@ -16,7 +16,7 @@ mod common;
 
 use anyhow::{Context, Result};
 use candle_core::{DType, Device};
-use kvpolicy::models::source::ModelFiles;
+use kvpolicy::models::load::source::ModelFiles;
 use kvpolicy::models::{generate, load, GenerateConfig};
 use kvpolicy::{build_policy, PolicyOptions};
 

@@ -258,7 +258,7 @@ fn sizes_that_overflow_or_exceed_memory_are_refused_before_allocating() -> Resul
 
 #[test]
 fn auto_grows_its_resident_units_instead_of_reserving_the_run() -> Result<()> {
-    use kvpolicy::models::generate::kv_shape;
+    use kvpolicy::models::engine::generate::kv_shape;
     // A run declared 10^9 tokens long: `auto` without a budget must hold what `full` holds
     // after the same steps, not 10^9 tokens' worth.
     let loaded = common::load_fixture("llama_gqa")?;

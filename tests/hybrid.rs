@@ -174,7 +174,7 @@ fn resident_blocks_stay_within_the_budget_and_freed_requests_show() -> Result<()
     let slots = 5u64;
     assert!(slots * act_slot <= staging);
     // Plus a step's attention scratch and activations, planned as the policy plans them.
-    let scratch = kvpolicy::models::generate::kv_shape(&info, prompts.len(), max_tokens, 4)
+    let scratch = kvpolicy::models::engine::generate::kv_shape(&info, prompts.len(), max_tokens, 4)
         .step_scratch_bytes(info.n_kv_heads, max_tokens, &candle_core::Device::Cpu);
     let budget = staging + slots * act_slot + scratch;
     let opts = PolicyOptions {

@@ -9,7 +9,7 @@ use std::path::Path;
 
 use anyhow::Result;
 use candle_core::{DType, Device};
-use kvpolicy::models::generate::{chunk_len, kv_shape};
+use kvpolicy::models::engine::generate::{chunk_len, kv_shape};
 use kvpolicy::models::{generate, load, resolve, GenerateConfig, ModelSpec};
 use kvpolicy::{build_policy, HeadGroup, KvStats, PolicyOptions};
 

@@ -4,8 +4,8 @@ mod common;
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
-use kvpolicy::models::generate::{chunk_len, kv_shape};
-use kvpolicy::models::source::ModelFiles;
+use kvpolicy::models::engine::generate::{chunk_len, kv_shape};
+use kvpolicy::models::load::source::ModelFiles;
 use kvpolicy::models::{generate, load, prefill, GenerateConfig};
 use kvpolicy::{build_policy, HeadGroup, PolicyOptions};
 

@@ -5,7 +5,7 @@ mod common;
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
-use kvpolicy::models::source::ModelFiles;
+use kvpolicy::models::load::source::ModelFiles;
 use kvpolicy::models::{generate, load, prefill, GenerateConfig, Generation};
 use kvpolicy::{build_policy, PolicyOptions, Profile};
 

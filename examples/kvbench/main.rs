@@ -26,7 +26,7 @@ use anyhow::{Context, Result};
 use candle_core::Device;
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
-use kvpolicy::models::source::ModelFiles;
+use kvpolicy::models::load::source::ModelFiles;
 use kvpolicy::models::{activation_dtype, load, resolve, ModelSpec};
 use kvpolicy::{PolicyOptions, Profile};
 

@@ -5,7 +5,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use candle_core::{Device, Tensor};
 use kvpolicy::core::PolicyMetric;
-use kvpolicy::models::generate::kv_shape;
+use kvpolicy::models::engine::generate::kv_shape;
 use kvpolicy::models::prefill;
 use kvpolicy::{CausalLm, LogitsMode, PolicyOptions, PolicySpec, Profile};
 

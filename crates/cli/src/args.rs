@@ -110,7 +110,7 @@ pub struct Args {
     #[arg(long)]
     pub cpu: bool,
     /// Prompt tokens per prefill pass, so that a long prompt's activations and attention scratch stay small (0 = the whole prompt in one pass).
-    #[arg(long, default_value_t = kvpolicy::models::generate::DEFAULT_PREFILL_CHUNK)]
+    #[arg(long, default_value_t = kvpolicy::models::engine::generate::DEFAULT_PREFILL_CHUNK)]
     pub prefill_chunk: usize,
     /// Teacher forcing: after the prompt, feed exactly these comma-separated ids, one decode step each.
     #[arg(long, value_delimiter = ',')]

@@ -128,7 +128,7 @@ pub fn check_disk_room(args: &Args, info: &ModelInfo, prompt_lens: &[usize]) -> 
 /// process can still get, before they are drawn.
 pub fn check_random_prompt(n: usize) -> Result<()> {
     let ids = (n as u64).saturating_mul(4);
-    if let Some(avail) = kvpolicy::models::sizes::available_bytes() {
+    if let Some(avail) = kvpolicy::models::load::sizes::available_bytes() {
         if ids > avail / 2 {
             bail!(
                 "--random-prompt {n} needs {} for its ids alone, more than half the {} this machine has available; ask for fewer tokens",

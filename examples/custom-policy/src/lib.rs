@@ -13,7 +13,7 @@
 //! policies in a [`PolicyRegistry`] and build it by spec like any other (the workspace's
 //! runner and kvbench do: `--policy sinks:window=256`, `--policies full,sinks:sinks=4`). A model of one's
 //! own calls `policy.attend(&AttnStep { .. })` from its attention layer the same way
-//! kvpolicy's models do (see `kvpolicy::models::attention`).
+//! kvpolicy's models do (see `kvpolicy::models::arch::attention`).
 //!
 //! Unlike the paper this keeps the cached keys' original positions (no re-rotation inside
 //! the cache), which is what a window over an unmodified RoPE model means.

@@ -3,8 +3,8 @@
 //! each `rope_type` asks for.
 use serde::Deserialize;
 
+use crate::arch::rope::{RopeConfig, RopeScaling};
 use crate::error::{ModelError, Result};
-use crate::rope::{RopeConfig, RopeScaling};
 
 /// RoPE parameters as written in `rope_scaling` or `rope_parameters`.
 #[derive(Clone, Debug, Default, Deserialize)]

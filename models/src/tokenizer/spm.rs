@@ -23,7 +23,7 @@ use tokenizers::Tokenizer;
 
 use crate::error::tok_err;
 use crate::error::{ModelError, Result};
-use crate::gguf::GgufFile;
+use crate::load::gguf::file::GgufFile;
 
 /// llama.cpp's token type of byte-fallback pieces (`<0x0A>`), never merged into.
 const BYTE: i64 = 6;

@@ -12,10 +12,10 @@
 //!   five local sliding-window layers to every global one (`layer_types`, or
 //!   `sliding_window_pattern` = 6), and two RoPE bases: 10K on local layers, 1M (optionally
 //!   scaled) on global ones.
+use crate::arch::llama::Recipe;
+use crate::arch::rope::{RopeConfig, RopeScaling};
 use crate::config::{activation, check_theta, LlamaConfig, RopeParameters};
 use crate::error::{ModelError, Result};
-use crate::llama::Recipe;
-use crate::rope::{RopeConfig, RopeScaling};
 
 /// Gemma reads `hidden_act` (default and legacy `gelu`: the tanh approximation, as
 /// transformers does); Gemma 2 reads `hidden_activation`.

@@ -7,13 +7,12 @@ use std::path::Path;
 use candle_nn::VarBuilder;
 use kvpolicy_core::AttnSpec;
 
-use crate::attention::Attention;
+use crate::arch::attention::Attention;
+use crate::arch::decoder::{Block, Decoder, DecoderParts, ModelIdentity};
+use crate::arch::layers::{Embedding, Linear, Mlp, Norm, RmsNorm};
+use crate::arch::rope::{Rope, RopeStyle};
 use crate::config::{activation, LlamaConfig, TokenIds};
-use crate::decoder::{Block, Decoder};
 use crate::error::{ModelError, Result};
-use crate::layers::{Embedding, Linear, Mlp, Norm, RmsNorm};
-use crate::model::ModelInfo;
-use crate::rope::{Rope, RopeStyle};
 
 fn weights_err(path: &Path) -> impl Fn(candle_core::Error) -> ModelError + '_ {
     move |e| ModelError::Weights {
@@ -45,7 +44,7 @@ fn dense(
 /// differently; every family file turns its config into one of these.
 #[derive(Debug, Clone)]
 pub struct Recipe {
-    /// `ModelInfo::architecture`.
+    /// [`ModelInfo::architecture`](crate::ModelInfo::architecture).
     pub architecture: &'static str,
     /// Biases on q/k/v (Qwen2; Llama's `attention_bias`).
     pub qkv_bias: bool,
@@ -72,7 +71,7 @@ pub struct Recipe {
     /// RMSNorm on queries and keys per head, before RoPE (Gemma 3's `q_norm`/`k_norm`).
     pub qk_norm: bool,
     /// RoPE of the sliding-window layers where it differs from the global layers' (Gemma 3).
-    pub local_rope: Option<crate::rope::RopeConfig>,
+    pub local_rope: Option<crate::arch::rope::RopeConfig>,
 }
 
 impl Recipe {
@@ -209,26 +208,7 @@ pub fn from_varbuilder(
     } else {
         return Err(untied_without_head());
     };
-    let info = ModelInfo {
-        architecture: recipe.architecture.into(),
-        source: source.to_string(),
-        vocab_size: cfg.vocab_size,
-        max_positions: cfg.max_position_embeddings,
-        n_layers: cfg.num_hidden_layers,
-        n_heads: nh,
-        n_kv_heads: nkv,
-        head_dim: hd,
-        hidden: h,
-        intermediate: cfg.intermediate_size,
-        dtype: vb.dtype(),
-        device: vb.device().clone(),
-        bos: TokenIds::first_of(&cfg.bos_token_id),
-        eos: TokenIds::all_of(&cfg.eos_token_id),
-        windows: (0..cfg.num_hidden_layers)
-            .map(|i| recipe.windows.get(i).copied().flatten())
-            .collect(),
-    };
-    Ok(Decoder {
+    let parts = DecoderParts {
         embed: Embedding::Dense(embed),
         embed_scale: recipe.embed_scale.then(|| (h as f64).sqrt()),
         positions: None,
@@ -236,8 +216,19 @@ pub fn from_varbuilder(
         norm: Some(norm),
         lm_head,
         final_softcap: recipe.final_softcap,
-        info,
-    })
+    };
+    Decoder::new(
+        parts,
+        ModelIdentity {
+            architecture: recipe.architecture.into(),
+            source: source.to_string(),
+            max_positions: cfg.max_position_embeddings,
+            bos: TokenIds::first_of(&cfg.bos_token_id),
+            eos: TokenIds::all_of(&cfg.eos_token_id),
+            dtype: vb.dtype(),
+            device: vb.device().clone(),
+        },
+    )
 }
 
 /// An untied model (`tie_word_embeddings` false, or absent for a non-Gemma model) whose

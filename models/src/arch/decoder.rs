@@ -6,13 +6,13 @@
 //! which MLP, which biases, whether blocks have Gemma 2's extra norms after attention and
 //! MLP, and what each layer's [`AttnSpec`](kvpolicy_core::AttnSpec) says (window,
 //! soft-cap, scale).
-use candle_core::{DType, Module, Tensor};
+use candle_core::{DType, Device, Module, Tensor};
 use kvpolicy_core::KvPolicy;
 
-use crate::attention::{Attention, Segment};
+use crate::arch::attention::{Attention, Segment};
+use crate::arch::layers::{Embedding, Linear, Mlp, Norm};
 use crate::error::ModelError;
 use crate::error::Result;
-use crate::layers::{Embedding, Linear, Mlp, Norm};
 use crate::model::{CausalLm, LogitsMode, ModelInfo, SeqChunk};
 
 /// One decoder block: `h += post_attn(attn(attn_norm(h)))`, `h += post_mlp(mlp(mlp_norm(h)))`.
@@ -41,9 +41,9 @@ pub struct LearnedPositions {
     pub offset: usize,
 }
 
-/// A decoder-only transformer whose attention goes through a [`KvPolicy`].
+/// The pieces of a decoder, as an architecture's builder makes them from its weights.
 #[derive(Debug, Clone)]
-pub struct Decoder {
+pub struct DecoderParts {
     /// Token embeddings.
     pub embed: Embedding,
     /// Factor applied to the embeddings (Gemma: `sqrt(hidden)`).
@@ -58,8 +58,79 @@ pub struct Decoder {
     pub lm_head: Linear,
     /// Final-logit soft-cap `cap · tanh(logits / cap)` (Gemma 2).
     pub final_softcap: Option<f64>,
-    /// Shape and identity.
-    pub info: ModelInfo,
+}
+
+/// What a model's files say about it that its layers do not show.
+#[derive(Debug, Clone)]
+pub struct ModelIdentity {
+    /// Architecture (`llama`, …).
+    pub architecture: String,
+    /// Where it was loaded from, for reports.
+    pub source: String,
+    /// Longest sequence (prompt + generation) the model supports.
+    pub max_positions: usize,
+    /// Beginning-of-sequence token, if the model has one.
+    pub bos: Option<u32>,
+    /// End-of-sequence tokens.
+    pub eos: Vec<u32>,
+    /// Activation dtype.
+    pub dtype: DType,
+    /// Compute device.
+    pub device: Device,
+}
+
+/// A decoder-only transformer whose attention goes through a [`KvPolicy`].
+#[derive(Debug, Clone)]
+pub struct Decoder {
+    parts: DecoderParts,
+    info: ModelInfo,
+}
+
+impl Decoder {
+    /// The decoder of `parts`. Its [`ModelInfo`] — built here and nowhere else — reads the
+    /// shape off the parts (layers; heads, head width and window of each layer's
+    /// [`AttnSpec`](kvpolicy_core::AttnSpec); width and vocabulary from the LM head; the
+    /// widest MLP) and the rest from `identity`.
+    pub fn new(parts: DecoderParts, identity: ModelIdentity) -> Result<Self> {
+        let Some(first) = parts.layers.first() else {
+            return Err(ModelError::Input(
+                "a decoder needs at least one layer".into(),
+            ));
+        };
+        let spec = &first.attn.spec;
+        let info = ModelInfo {
+            architecture: identity.architecture,
+            source: identity.source,
+            vocab_size: parts.lm_head.out_dim(),
+            max_positions: identity.max_positions,
+            n_layers: parts.layers.len(),
+            n_heads: spec.n_heads,
+            n_kv_heads: spec.n_kv_heads,
+            head_dim: spec.head_dim,
+            hidden: parts.lm_head.in_dim(),
+            intermediate: parts
+                .layers
+                .iter()
+                .map(|b| b.mlp.inner_dim())
+                .max()
+                .unwrap_or(0),
+            dtype: identity.dtype,
+            device: identity.device,
+            bos: identity.bos,
+            eos: identity.eos,
+            windows: parts
+                .layers
+                .iter()
+                .map(|b| b.attn.spec.sliding_window)
+                .collect(),
+        };
+        Ok(Self { parts, info })
+    }
+
+    /// The pieces it runs.
+    pub fn parts(&self) -> &DecoderParts {
+        &self.parts
+    }
 }
 
 impl Block {
@@ -81,11 +152,11 @@ impl Block {
 impl Decoder {
     /// Token embeddings (scaled) plus learned positions `positions` (one per token).
     fn embed(&self, ids: &Tensor, positions: &[usize]) -> Result<Tensor> {
-        let mut h = self.embed.forward(ids)?;
-        if let Some(s) = self.embed_scale {
+        let mut h = self.parts.embed.forward(ids)?;
+        if let Some(s) = self.parts.embed_scale {
             h = (h * s)?;
         }
-        if let Some(p) = &self.positions {
+        if let Some(p) = &self.parts.positions {
             let rows: Vec<u32> = positions.iter().map(|&q| (q + p.offset) as u32).collect();
             let idx = Tensor::new(rows.as_slice(), ids.device())?;
             h = h.broadcast_add(&p.table.forward(&idx)?)?;
@@ -95,12 +166,12 @@ impl Decoder {
 
     /// Final norm, LM head and soft-cap.
     fn head(&self, h: &Tensor) -> Result<Tensor> {
-        let h = match &self.norm {
+        let h = match &self.parts.norm {
             Some(n) => n.forward(h)?,
             None => h.clone(),
         };
-        let mut logits = self.lm_head.forward(&h)?;
-        if let Some(cap) = self.final_softcap {
+        let mut logits = self.parts.lm_head.forward(&h)?;
+        if let Some(cap) = self.parts.final_softcap {
             logits = ((logits / cap)?.tanh()? * cap)?;
         }
         Ok(logits.to_dtype(DType::F32)?)
@@ -122,7 +193,7 @@ impl CausalLm for Decoder {
         let (_b, t) = ids.dims2()?;
         let positions: Vec<usize> = (pos..pos + t).collect();
         let mut h = self.embed(ids, &positions)?;
-        for block in &self.layers {
+        for block in &self.parts.layers {
             h = block.forward(&h, |x| block.attn.forward(x, pos, policy))?;
         }
         if mode == LogitsMode::Last && t > 1 {
@@ -173,7 +244,7 @@ impl CausalLm for Decoder {
             segments.push(segs);
         }
         // Column by column: every mini-batch through layer l before any enters layer l+1.
-        for block in &self.layers {
+        for block in &self.parts.layers {
             for (h, segs) in hidden.iter_mut().zip(&segments) {
                 *h = block.forward(h, |x| block.attn.forward_packed(x, segs, policy))?;
             }

@@ -8,12 +8,11 @@ use std::path::Path;
 use candle_nn::VarBuilder;
 use kvpolicy_core::AttnSpec;
 
-use crate::attention::Attention;
+use crate::arch::attention::Attention;
+use crate::arch::decoder::{Block, Decoder, DecoderParts, LearnedPositions, ModelIdentity};
+use crate::arch::layers::{Embedding, Linear, Mlp, Norm};
 use crate::config::{activation, OptConfig, TokenIds};
-use crate::decoder::{Block, Decoder, LearnedPositions};
 use crate::error::{ModelError, Result};
-use crate::layers::{Embedding, Linear, Mlp, Norm};
-use crate::model::ModelInfo;
 
 /// Row of the position table that position 0 reads (a quirk of the original fairseq code).
 pub const POSITION_OFFSET: usize = 2;
@@ -95,28 +94,11 @@ pub fn from_varbuilder(
     let lm_head = if cfg.tie_word_embeddings {
         Linear::Dense(candle_nn::Linear::new(embed.embeddings().clone(), None))
     } else if !vb.contains_tensor("lm_head.weight") {
-        return Err(crate::llama::untied_without_head());
+        return Err(crate::arch::llama::untied_without_head());
     } else {
         Linear::Dense(candle_nn::linear_no_bias(h, cfg.vocab_size, vb.pp("lm_head")).map_err(err)?)
     };
-    let info = ModelInfo {
-        architecture: "opt".into(),
-        source: source.to_string(),
-        vocab_size: cfg.vocab_size,
-        max_positions: cfg.max_position_embeddings,
-        n_layers: cfg.num_hidden_layers,
-        n_heads: nh,
-        n_kv_heads: nh,
-        head_dim: hd,
-        hidden: h,
-        intermediate: cfg.ffn_dim,
-        dtype: vb.dtype(),
-        device: vb.device().clone(),
-        bos: TokenIds::first_of(&cfg.bos_token_id),
-        eos: TokenIds::all_of(&cfg.eos_token_id),
-        windows: vec![None; cfg.num_hidden_layers],
-    };
-    Ok(Decoder {
+    let parts = DecoderParts {
         embed: Embedding::Dense(embed),
         embed_scale: None,
         positions: Some(LearnedPositions {
@@ -127,6 +109,17 @@ pub fn from_varbuilder(
         norm,
         lm_head,
         final_softcap: None,
-        info,
-    })
+    };
+    Decoder::new(
+        parts,
+        ModelIdentity {
+            architecture: "opt".into(),
+            source: source.to_string(),
+            max_positions: cfg.max_position_embeddings,
+            bos: TokenIds::first_of(&cfg.bos_token_id),
+            eos: TokenIds::all_of(&cfg.eos_token_id),
+            dtype: vb.dtype(),
+            device: vb.device().clone(),
+        },
+    )
 }

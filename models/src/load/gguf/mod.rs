@@ -1,0 +1,7 @@
+//! GGUF files: the container ([`file`]: header, metadata, tensor extents checked), the
+//! hyperparameters its metadata gives ([`hparams`]), llama.cpp's per-architecture rules
+//! ([`rules`]), and the decoder built from its tensors ([`build`]).
+pub mod build;
+pub mod file;
+pub mod hparams;
+pub mod rules;
