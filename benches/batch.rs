@@ -67,8 +67,13 @@ fn batch(c: &mut Criterion) {
             let mut p = build_policy_batched(name, &opts).unwrap_or_else(|e| panic!("{e}"));
             let lens: Vec<usize> = (0..b).map(|i| 128 + (i * 40) % 128).collect();
             let max = lens.iter().max().copied().unwrap_or(0) + 2048;
-            p.prepare(&kvpolicy::models::engine::generate::kv_shape(m.info(), b, max, 0))
-                .unwrap_or_else(|e| panic!("{e}"));
+            p.prepare(&kvpolicy::models::engine::generate::kv_shape(
+                m.info(),
+                b,
+                max,
+                0,
+            ))
+            .unwrap_or_else(|e| panic!("{e}"));
             let prompts: Vec<SeqChunk> = lens
                 .iter()
                 .enumerate()

@@ -5,8 +5,8 @@
 //! Each function takes arbitrary bytes and must return normally: errors are fine, panics
 //! and allocations sized by a field of the input (rather than its length) are bugs.
 use candle_core::{DType, Device, Tensor};
-use kvpolicy::models::config::ModelConfig;
 use kvpolicy::models::arch::llama::Recipe;
+use kvpolicy::models::config::ModelConfig;
 use kvpolicy::models::{load, resolve, GgufFile, ModelSpec, TextTokenizer};
 use kvpolicy::{build_policy, AttnSpec, AttnStep, KvRegen, PolicyOptions};
 

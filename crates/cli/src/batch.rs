@@ -26,7 +26,8 @@ const PROMPTS_CAP: u64 = 256 << 20;
 /// Reads `path` (a regular file of at most [`PROMPTS_CAP`] bytes): `.jsonl` → one JSON array of token ids per line, else plain text, one
 /// prompt per line; blank lines are skipped; no prompt at all is an error.
 pub fn read(path: &Path) -> Result<Prompts> {
-    let text = kvpolicy::models::load::files::read_text_capped(path, "--prompts-file", PROMPTS_CAP)?;
+    let text =
+        kvpolicy::models::load::files::read_text_capped(path, "--prompts-file", PROMPTS_CAP)?;
     let lines: Vec<(usize, &str)> = text
         .lines()
         .enumerate()

@@ -6,8 +6,8 @@ use std::fmt::Write;
 
 use clap::parser::ValueSource;
 use clap::ArgMatches;
-use kvpolicy::{PolicyOption, PolicyRegistry, PolicySpec};
 use kvpolicy::models::ModelInput;
+use kvpolicy::{PolicyOption, PolicyRegistry, PolicySpec};
 
 /// The clap id of the flag that sets `option` (the field of [`crate::Args`]).
 fn option_id(option: PolicyOption) -> &'static str {
