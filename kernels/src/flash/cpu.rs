@@ -3,31 +3,10 @@
 //! workspace per thread, tile products through `gemm`, the online softmax per tile, and the
 //! merge of split ranges by their running maxima (FlashAttention §3.1; FlashDecoding's
 //! split-K for decode).
-use std::sync::{Mutex, MutexGuard};
+use std::sync::Mutex;
 
 use super::plan::{splits_for, threads, FlashParams, Geometry, Meter, TILE_KEYS};
-
-/// An f32 scratch buffer counted by a [`Meter`] while it lives.
-struct Scratch<'m> {
-    buf: Vec<f32>,
-    meter: &'m Meter,
-}
-
-impl<'m> Scratch<'m> {
-    fn new(len: usize, fill: f32, meter: &'m Meter) -> Self {
-        meter.take((len * 4) as u64);
-        Self {
-            buf: vec![fill; len],
-            meter,
-        }
-    }
-}
-
-impl Drop for Scratch<'_> {
-    fn drop(&mut self) {
-        self.meter.give((self.buf.len() * 4) as u64);
-    }
-}
+use super::workspace::{Pool, Scratch, Sink, Workspace};
 
 /// Element types read by the kernel, widened to f32.
 pub(super) trait Elem: Copy + Send + Sync + 'static {
@@ -86,60 +65,6 @@ struct Task {
     lo: usize,
     hi: usize,
     slot: Option<usize>,
-}
-
-/// The scratch one running task uses: scaled queries, the accumulator (output rows,
-/// running max and sum), a score tile and, for half-precision inputs, widened K/V tiles.
-struct Workspace<'m> {
-    qs: Scratch<'m>,
-    o: Scratch<'m>,
-    m: Scratch<'m>,
-    l: Scratch<'m>,
-    sc: Scratch<'m>,
-    kt: Option<Scratch<'m>>,
-    vt: Option<Scratch<'m>>,
-    /// One finished output row (d values and the log-sum-exp).
-    line: Scratch<'m>,
-}
-
-impl<'m> Workspace<'m> {
-    /// Scratch for `rows` query rows against tiles of `tk` keys of width `d`.
-    fn new(rows: usize, tk: usize, d: usize, widen: bool, meter: &'m Meter) -> Self {
-        Self {
-            qs: Scratch::new(rows * d, 0.0, meter),
-            o: Scratch::new(rows * d, 0.0, meter),
-            m: Scratch::new(rows, 0.0, meter),
-            l: Scratch::new(rows, 0.0, meter),
-            sc: Scratch::new(rows * tk, 0.0, meter),
-            kt: widen.then(|| Scratch::new(tk * d, 0.0, meter)),
-            vt: widen.then(|| Scratch::new(tk * d, 0.0, meter)),
-            line: Scratch::new(d + 1, 0.0, meter),
-        }
-    }
-}
-
-/// Where the next [`Pool::take`] starts looking, so concurrent tasks start apart.
-static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-
-/// Workspaces shared by the tasks: as many as can run at once, each taken by one task at a
-/// time, so a call's scratch is fixed by the tiles and the thread count.
-struct Pool<'m>(Vec<Mutex<Workspace<'m>>>);
-
-impl<'m> Pool<'m> {
-    fn take(&self) -> MutexGuard<'_, Workspace<'m>> {
-        // At most `len` tasks run at once, so a free workspace always exists; a task that
-        // races another for the same one moves on to the next.
-        let n = self.0.len();
-        let start = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % n.max(1);
-        loop {
-            for i in 0..n {
-                if let Ok(ws) = self.0[(start + i) % n].try_lock() {
-                    return ws;
-                }
-            }
-            std::thread::yield_now();
-        }
-    }
 }
 
 struct Kernel<'a, T> {
@@ -363,34 +288,6 @@ impl<T: Elem> Kernel<'_, T> {
         let (g, n) = (self.g.group(), item.i1 - item.i0);
         let (h, i) = (r / n, item.i0 + r % n);
         ((item.bi * self.g.nh + item.kvh * g + h) * self.g.t + i) * (self.g.d + 1)
-    }
-}
-
-/// A buffer written at disjoint ranges from several threads.
-struct Sink {
-    ptr: *mut f32,
-    len: usize,
-}
-
-// SAFETY: writers touch disjoint ranges (each output row belongs to one item, each partial
-// slot to one task) and the buffer outlives the parallel loops that write it.
-unsafe impl Sync for Sink {}
-
-impl Sink {
-    fn of(buf: &mut [f32]) -> Self {
-        Self {
-            ptr: buf.as_mut_ptr(),
-            len: buf.len(),
-        }
-    }
-
-    fn write(&self, at: usize, vals: &[f32]) {
-        assert!(
-            at + vals.len() <= self.len,
-            "flash_attn: write out of range"
-        );
-        // SAFETY: in bounds (checked above) and no other writer touches these elements.
-        unsafe { std::ptr::copy_nonoverlapping(vals.as_ptr(), self.ptr.add(at), vals.len()) }
     }
 }
 
