@@ -108,6 +108,7 @@ impl KvPolicy for PerSequence {
             s.device_kv_bytes += q.device_kv_bytes;
             s.host_kv_bytes += q.host_kv_bytes;
             s.host_pinned_bytes += q.host_pinned_bytes;
+            s.disk_kv_bytes += q.disk_kv_bytes;
             add_cumulative(&mut s, &q);
             s.add_metrics(&q.policy_metrics, true);
             s.kv_tokens = s.kv_tokens.max(q.kv_tokens);
@@ -164,7 +165,8 @@ impl Batched for PerSequence {
     }
 }
 
-/// Adds the cumulative counters of `q` to `s`.
+/// Adds the cumulative counters of `q` to `s` (sums; the scratch peaks are the larger, as
+/// sequences attend one at a time; direct I/O if any sequence's disk tier used it).
 fn add_cumulative(s: &mut KvStats, q: &KvStats) {
     s.h2d_bytes += q.h2d_bytes;
     s.d2h_bytes += q.d2h_bytes;
@@ -172,4 +174,61 @@ fn add_cumulative(s: &mut KvStats, q: &KvStats) {
     s.recompute_tokens += q.recompute_tokens;
     s.transfer_wait_s += q.transfer_wait_s;
     s.copy_s += q.copy_s;
+    s.disk_read_bytes += q.disk_read_bytes;
+    s.disk_write_bytes += q.disk_write_bytes;
+    s.disk_wait_s += q.disk_wait_s;
+    s.disk_direct_io |= q.disk_direct_io;
+    s.attn_scratch_peak_bytes = s.attn_scratch_peak_bytes.max(q.attn_scratch_peak_bytes);
+    s.device_scratch_peak_bytes = s.device_scratch_peak_bytes.max(q.device_scratch_peak_bytes);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A policy that only reports fixed disk and scratch counters.
+    struct Fixed;
+
+    impl KvPolicy for Fixed {
+        fn name(&self) -> &str {
+            "fixed"
+        }
+        fn prepare(&mut self, _: &KvShape) -> Result<()> {
+            Ok(())
+        }
+        fn attend(&mut self, step: &AttnStep<'_>) -> Result<Tensor> {
+            Ok(step.q.clone())
+        }
+        fn seq_len(&self) -> usize {
+            0
+        }
+        fn reset(&mut self) {}
+        fn stats(&self) -> KvStats {
+            KvStats {
+                disk_kv_bytes: 100,
+                disk_read_bytes: 10,
+                disk_write_bytes: 7,
+                disk_direct_io: true,
+                attn_scratch_peak_bytes: 5,
+                ..KvStats::default()
+            }
+        }
+    }
+
+    /// Disk bytes are summed over live and released sequences like every other counter.
+    #[test]
+    fn disk_counters_add_up_over_sequences() -> Result<()> {
+        let mut b = PerSequence::new("fixed", Box::new(|| Ok(Box::new(Fixed))));
+        for seq in 0..3 {
+            b.cache(seq)?;
+        }
+        b.release(2);
+        let s = b.stats();
+        assert_eq!(s.disk_kv_bytes, 200, "live sequences' files");
+        assert_eq!(s.disk_read_bytes, 30);
+        assert_eq!(s.disk_write_bytes, 21);
+        assert!(s.disk_direct_io);
+        assert_eq!(s.attn_scratch_peak_bytes, 5);
+        Ok(())
+    }
 }
