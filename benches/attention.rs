@@ -6,7 +6,7 @@
 use candle_core::{Device, Tensor};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use kvpolicy::core::attention::attend_partial_eager;
-use kvpolicy::{attend_partial, AttnSpec};
+use kvpolicy::{attend_partial, AttnInputs, AttnSpec};
 
 fn inputs(t: usize, s: usize) -> (Tensor, Tensor, Tensor) {
     let dev = Device::Cpu;
@@ -25,10 +25,34 @@ fn bench(c: &mut Criterion) {
             let (q, k, v) = inputs(t, s);
             let pos = s - t;
             g.bench_with_input(BenchmarkId::new("tiled", s), &s, |b, _| {
-                b.iter(|| attend_partial(&q, &k, &v, pos, 0, &spec).map(|p| p.out))
+                b.iter(|| {
+                    attend_partial(
+                        AttnInputs {
+                            q: &q,
+                            k: &k,
+                            v: &v,
+                            q_pos: pos,
+                            k_pos: 0,
+                        },
+                        &spec,
+                    )
+                    .map(|p| p.out)
+                })
             });
             g.bench_with_input(BenchmarkId::new("eager", s), &s, |b, _| {
-                b.iter(|| attend_partial_eager(&q, &k, &v, pos, 0, &spec).map(|p| p.out))
+                b.iter(|| {
+                    attend_partial_eager(
+                        AttnInputs {
+                            q: &q,
+                            k: &k,
+                            v: &v,
+                            q_pos: pos,
+                            k_pos: 0,
+                        },
+                        &spec,
+                    )
+                    .map(|p| p.out)
+                })
             });
         }
         g.finish();

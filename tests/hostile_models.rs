@@ -96,7 +96,16 @@ fn attention_keeps_a_nan_that_fills_a_score_row() -> Result<()> {
         let q = Tensor::full(f32::NAN, (1, 4, t, 16), &dev)?;
         let k = Tensor::randn(0f32, 1.0, (1, 2, s, 16), &dev)?;
         let v = Tensor::randn(0f32, 1.0, (1, 2, s, 16), &dev)?;
-        let out = kvpolicy::attend(&q, &k, &v, s - t, 0, &spec)?;
+        let out = kvpolicy::attend(
+            kvpolicy::AttnInputs {
+                q: &q,
+                k: &k,
+                v: &v,
+                q_pos: s - t,
+                k_pos: 0,
+            },
+            &spec,
+        )?;
         let nan = out
             .flatten_all()?
             .to_vec1::<f32>()?

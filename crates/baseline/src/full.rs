@@ -5,8 +5,8 @@
 //! budget the policy fails before allocating past it and points to the offload policies.
 use candle_core::{Device, Tensor};
 use kvpolicy_core::{
-    attend_partial, round_up, Advice, AttnStep, DeviceMeter, Knob, KvBuffer, KvError, KvPolicy,
-    KvShape, KvStats, PolicyOption, PolicyOptions, Result,
+    attend_partial, round_up, Advice, AttnInputs, AttnStep, DeviceMeter, Knob, KvBuffer, KvError,
+    KvPolicy, KvShape, KvStats, PolicyOption, PolicyOptions, Result,
 };
 use kvpolicy_core::{KvRestore, Need};
 
@@ -81,7 +81,16 @@ impl KvPolicy for FullPolicy {
         self.append_kv(step)?;
         let buf = &self.layers[step.layer];
         let (k, v) = buf.view(0, buf.len())?;
-        let out = attend_partial(step.q, &k, &v, step.pos, 0, step.spec)?;
+        let out = attend_partial(
+            AttnInputs {
+                q: step.q,
+                k: &k,
+                v: &v,
+                q_pos: step.pos,
+                k_pos: 0,
+            },
+            step.spec,
+        )?;
         let t = step.q.dim(2)?;
         let act = self.shape.as_ref().map_or(0, |s| s.activation_bytes(t));
         self.stats.note_scratch(out.scratch_bytes, act);

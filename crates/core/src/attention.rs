@@ -33,37 +33,46 @@ pub mod eager;
 mod spec;
 pub mod tiled;
 
-pub use spec::{merge_partials, AttnSpec, Partial};
+pub use spec::{merge_partials, AttnInputs, AttnSpec, Partial};
 
 pub use eager::{attend_eager, attend_partial_eager, mask_values};
 
 /// Attention of `q` `(b, n_heads, t, d)` over `k`, `v` `(b, n_kv_heads, s, d)`; returns
 /// `(b, n_heads, t, d)` in the dtype of `q`. Queries sit at `q_pos..`, keys at `k_pos..`.
 /// A query that sees no key gets 0.
-pub fn attend(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    q_pos: usize,
-    k_pos: usize,
-    spec: &AttnSpec,
-) -> Result<Tensor> {
-    Ok(attend_partial(q, k, v, q_pos, k_pos, spec)?
-        .out
-        .to_dtype(q.dtype())?)
+pub fn attend(x: AttnInputs<'_>, spec: &AttnSpec) -> Result<Tensor> {
+    let AttnInputs {
+        q,
+        k,
+        v,
+        q_pos,
+        k_pos,
+    } = x;
+    Ok(attend_partial(
+        AttnInputs {
+            q,
+            k,
+            v,
+            q_pos,
+            k_pos,
+        },
+        spec,
+    )?
+    .out
+    .to_dtype(q.dtype())?)
 }
 
 /// Like [`attend`] but returns the f32 output together with each row's log-sum-exp (so that
 /// attentions over disjoint key sets can be merged with [`merge_partials`]) and the scratch
 /// the call used.
-pub fn attend_partial(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    q_pos: usize,
-    k_pos: usize,
-    spec: &AttnSpec,
-) -> Result<Partial> {
+pub fn attend_partial(x: AttnInputs<'_>, spec: &AttnSpec) -> Result<Partial> {
+    let AttnInputs {
+        q,
+        k,
+        v,
+        q_pos,
+        k_pos,
+    } = x;
     let (b, nh, t, d) = q.dims4()?;
     let (kb, nkv, s, kd) = k.dims4()?;
     if kb != b || kd != d || nkv == 0 || nh % nkv != 0 || v.dims() != k.dims() {
@@ -79,13 +88,15 @@ pub fn attend_partial(
     }
     if !q.device().is_cpu() {
         return tiled::attend_partial_tiled(
-            q,
-            k,
-            v,
-            q_pos,
-            k_pos,
+            AttnInputs {
+                q,
+                k,
+                v,
+                q_pos,
+                k_pos,
+            },
             spec,
-            (tiled::TILE_QUERIES, tiled::TILE_KEYS),
+            tiled::Tiles::default(),
         );
     }
     let dt = q.dtype();
@@ -185,26 +196,48 @@ mod tests {
             let k = Tensor::randn(0f32, 2.0, (2, 2, s, 8), &dev)?;
             let v = Tensor::randn(0f32, 1.0, (2, 2, s, 8), &dev)?;
             let want = naive(&q, &k, &v, q_pos, &spec)?;
-            let got = attend(&q, &k, &v, q_pos, 0, &spec)?;
+            let got = attend(
+                AttnInputs {
+                    q: &q,
+                    k: &k,
+                    v: &v,
+                    q_pos,
+                    k_pos: 0,
+                },
+                &spec,
+            )?;
             assert!(max_diff(&want, &got)? < 1e-5);
-            let part = attend_partial(&q, &k, &v, q_pos, 0, &spec)?;
+            let part = attend_partial(
+                AttnInputs {
+                    q: &q,
+                    k: &k,
+                    v: &v,
+                    q_pos,
+                    k_pos: 0,
+                },
+                &spec,
+            )?;
             assert!(max_diff(&want, &part.out)? < 1e-5);
             // Split the keys at every point and merge: must equal the whole.
             for cut in 0..=s {
                 let a = attend_partial(
-                    &q,
-                    &k.narrow(2, 0, cut)?,
-                    &v.narrow(2, 0, cut)?,
-                    q_pos,
-                    0,
+                    AttnInputs {
+                        q: &q,
+                        k: &k.narrow(2, 0, cut)?,
+                        v: &v.narrow(2, 0, cut)?,
+                        q_pos,
+                        k_pos: 0,
+                    },
                     &spec,
                 )?;
                 let b = attend_partial(
-                    &q,
-                    &k.narrow(2, cut, s - cut)?,
-                    &v.narrow(2, cut, s - cut)?,
-                    q_pos,
-                    cut,
+                    AttnInputs {
+                        q: &q,
+                        k: &k.narrow(2, cut, s - cut)?,
+                        v: &v.narrow(2, cut, s - cut)?,
+                        q_pos,
+                        k_pos: cut,
+                    },
                     &spec,
                 )?;
                 let m = merge_partials(&[a, b])?;

@@ -45,7 +45,7 @@ pub mod step;
 pub mod storage;
 pub mod userfile;
 
-pub use attention::{attend, attend_partial, merge_partials, AttnSpec, Partial};
+pub use attention::{attend, attend_partial, merge_partials, AttnInputs, AttnSpec, Partial};
 pub use batch::{PerSequence, PolicyFactory};
 pub use buffer::{grown, round_up, KvBuffer};
 pub use capabilities::{Batched, KvRestore, Profiled, SeqLoad};

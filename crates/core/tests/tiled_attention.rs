@@ -4,8 +4,8 @@
 //! offset, strided K/V views, and sizes on both sides of every tile boundary (decode's
 //! `t = 1` included).
 use candle_core::{DType, Device, Tensor};
-use kvpolicy_core::attention::{attend_partial_eager, tiled::attend_partial_tiled};
-use kvpolicy_core::{attend, attend_partial, AttnSpec, Partial};
+use kvpolicy_core::attention::{attend_partial_eager, tiled::attend_partial_tiled, tiled::Tiles};
+use kvpolicy_core::{attend, attend_partial, AttnInputs, AttnSpec, Partial};
 use proptest::prelude::*;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -28,7 +28,7 @@ struct Case {
     spare: usize,
     /// Keys and values laid out (b, s, heads, d) and transposed into place.
     transposed: bool,
-    tiles: (usize, usize),
+    tiles: Tiles,
     seed: u64,
 }
 
@@ -72,7 +72,10 @@ fn case() -> impl Strategy<Value = Case> {
                 causal,
                 spare,
                 transposed,
-                tiles,
+                tiles: Tiles {
+                    queries: tiles.0,
+                    keys: tiles.1,
+                },
                 seed,
             },
         )
@@ -153,12 +156,12 @@ proptest! {
     #[test]
     fn tiled_equals_eager(c in case()) {
         let i = inputs(&c).map_err(|e| TestCaseError::fail(e.to_string()))?;
-        let want = attend_partial_eager(&i.q, &i.k, &i.v, i.q_pos, i.k_pos, &i.spec)
+        let want = attend_partial_eager(AttnInputs { q: &i.q, k: &i.k, v: &i.v, q_pos: i.q_pos, k_pos: i.k_pos }, &i.spec)
             .map_err(|e| TestCaseError::fail(e.to_string()))?;
-        let kernel = attend_partial(&i.q, &i.k, &i.v, i.q_pos, i.k_pos, &i.spec)
+        let kernel = attend_partial(AttnInputs { q: &i.q, k: &i.k, v: &i.v, q_pos: i.q_pos, k_pos: i.k_pos }, &i.spec)
             .map_err(|e| TestCaseError::fail(e.to_string()))?;
         check(&want, &kernel, "cpu kernel")?;
-        let ops = attend_partial_tiled(&i.q, &i.k, &i.v, i.q_pos, i.k_pos, &i.spec, c.tiles)
+        let ops = attend_partial_tiled(AttnInputs { q: &i.q, k: &i.k, v: &i.v, q_pos: i.q_pos, k_pos: i.k_pos }, &i.spec, c.tiles)
             .map_err(|e| TestCaseError::fail(e.to_string()))?;
         check(&want, &ops, "candle-op tiles")?;
     }
@@ -183,17 +186,51 @@ fn half_inputs_accumulate_in_f32() -> anyhow::Result<()> {
                 causal: true,
                 spare: 5,
                 transposed: false,
-                tiles: (1, 1),
+                tiles: Tiles {
+                    queries: 1,
+                    keys: 1,
+                },
                 seed: 7,
             };
             let i = inputs(&c)?;
             let (q, k, v) = (i.q.to_dtype(dt)?, i.k.to_dtype(dt)?, i.v.to_dtype(dt)?);
             let f32s = |x: &Tensor| x.to_dtype(DType::F32);
-            let want = attend_partial_eager(&f32s(&q)?, &f32s(&k)?, &f32s(&v)?, hist, 0, &i.spec)?;
-            let got = attend_partial(&q, &k, &v, hist, 0, &i.spec)?;
+            let want = attend_partial_eager(
+                AttnInputs {
+                    q: &f32s(&q)?,
+                    k: &f32s(&k)?,
+                    v: &f32s(&v)?,
+                    q_pos: hist,
+                    k_pos: 0,
+                },
+                &i.spec,
+            )?;
+            let got = attend_partial(
+                AttnInputs {
+                    q: &q,
+                    k: &k,
+                    v: &v,
+                    q_pos: hist,
+                    k_pos: 0,
+                },
+                &i.spec,
+            )?;
             let d = max_diff(&want.out, &got.out);
             assert!(d <= 1e-5, "{dt:?} t={t}: {d}");
-            assert_eq!(attend(&q, &k, &v, hist, 0, &i.spec)?.dtype(), dt);
+            assert_eq!(
+                attend(
+                    AttnInputs {
+                        q: &q,
+                        k: &k,
+                        v: &v,
+                        q_pos: hist,
+                        k_pos: 0
+                    },
+                    &i.spec
+                )?
+                .dtype(),
+                dt
+            );
         }
     }
     Ok(())
@@ -213,7 +250,18 @@ fn scratch_does_not_grow_with_the_context() -> anyhow::Result<()> {
         for s in [1024usize, 4096, 16384] {
             let q = Tensor::randn(0f32, 1.0, (1, 9, t, 64), &dev)?;
             let k = Tensor::randn(0f32, 1.0, (1, 3, s, 64), &dev)?;
-            let p = pool.install(|| attend_partial(&q, &k, &k, s - t, 0, &spec))?;
+            let p = pool.install(|| {
+                attend_partial(
+                    AttnInputs {
+                        q: &q,
+                        k: &k,
+                        v: &k,
+                        q_pos: s - t,
+                        k_pos: 0,
+                    },
+                    &spec,
+                )
+            })?;
             seen.push(p.scratch_bytes);
         }
         assert!(seen[0] > 0, "t={t}: no scratch counted");

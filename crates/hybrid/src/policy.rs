@@ -17,8 +17,8 @@
 use crate::settings::HybridSettings;
 use candle_core::{Device, Tensor};
 use kvpolicy_core::{
-    attend_partial, Advice, AttnStep, DeviceMeter, Knob, KvError, KvPolicy, KvShape, KvStats,
-    PolicyMetric, PolicyOption, PolicyOptions, Profile, Result, SeqLoad,
+    attend_partial, Advice, AttnInputs, AttnStep, DeviceMeter, Knob, KvError, KvPolicy, KvShape,
+    KvStats, PolicyMetric, PolicyOption, PolicyOptions, Profile, Result, SeqLoad,
 };
 use kvpolicy_core::{Batched, Need, Profiled};
 use kvpolicy_tiered::{Link, TransferEngine};
@@ -372,7 +372,16 @@ impl KvPolicy for HybridPolicy {
             ),
             None => (step.k.clone(), step.v.clone()),
         };
-        let part = attend_partial(step.q, &k, &v, pos, 0, step.spec)?;
+        let part = attend_partial(
+            AttnInputs {
+                q: step.q,
+                k: &k,
+                v: &v,
+                q_pos: pos,
+                k_pos: 0,
+            },
+            step.spec,
+        )?;
         let act = KvShape { batch: 1, ..shape }.activation_bytes(step.q.dim(2)?);
         self.stats.note_scratch(part.scratch_bytes, act);
         let out = part.out.to_dtype(step.q.dtype())?;

@@ -3,8 +3,12 @@
 //! after HeadInfer, Luo et al., ICML 2025) and `auto` (resident units under a device
 //! budget, the rest streamed head-wise).
 //!
-//! Files: `runtime` the ping-pong runtime on `kvpolicy-tiered`'s toolkit, `plan` the
-//! head group and the resident count, `resident` `auto`'s resident units and demotion.
+//! Files, one type and its `impl` each: `runtime` the policy ([`OffloadPolicy`]), which
+//! composes the others and owns what they share (link, host tier, device meter, stats);
+//! `plan` its fixed layout choices ([`Grouping`], the head group, the resident bytes);
+//! `stream` the ping-pong buffers on `kvpolicy-tiered`'s toolkit, the unit order, prefetch
+//! and disk read-ahead; `resident` `auto`'s resident units, attended in place;
+//! `settings` `headwise`'s settings.
 //!
 //! ## What the paper does
 //!
@@ -73,12 +77,12 @@
 
 mod plan;
 mod resident;
-mod resident_attend;
 mod runtime;
 mod settings;
+mod stream;
 
-pub use plan::AUTO_ALL_HEADS_BELOW;
-pub use runtime::{Grouping, OffloadPolicy};
+pub use plan::{Grouping, AUTO_ALL_HEADS_BELOW};
+pub use runtime::OffloadPolicy;
 pub use settings::{HeadGroup, HeadwiseSettings};
 
 use kvpolicy_core::settings::NoSettings;

@@ -1,50 +1,133 @@
-//! How an offload policy lays its units out on the device: the head group of a unit, and
-//! under `auto` how many units stay resident (HeadInfer §3.3's adaptive head grouping, and
-//! the resident/streamed split of the `auto` policy).
-use kvpolicy_core::{Advice, Knob, KvError, KvShape, Need, PolicyOption, Result};
+//! How an offload policy lays its units out on the device ([`Plan`]): the head group of a
+//! unit, and under `auto` the bytes resident units may take (HeadInfer §3.3's adaptive
+//! head grouping, and the resident/streamed split of the `auto` policy). The plan holds
+//! the policy's fixed choices (its name, its [`Grouping`], the device, the growth step) and
+//! answers from them, the host tier's stored form and the device budget, returning values:
+//! it changes nothing.
+use candle_core::Device;
+use kvpolicy_core::Result;
+use kvpolicy_core::{round_up, Advice, DeviceMeter, Knob, KvError, KvShape, Need, PolicyOption};
+use kvpolicy_tiered::HostLayers;
 
 use crate::settings::HeadGroup;
-
-use crate::runtime::{Grouping, OffloadPolicy};
 
 /// Contexts below this keep all heads of a layer in one unit under `auto` without a budget;
 /// each doubling beyond halves the unit (HeadInfer §3.3's adaptive head grouping).
 pub const AUTO_ALL_HEADS_BELOW: usize = 500_000;
 
-pub(crate) fn divisors_desc(n: usize) -> Vec<usize> {
+/// How KV heads are grouped into units.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Grouping {
+    /// One unit per layer (layer-wise offload).
+    Layer,
+    /// Units of KV heads (head-wise offload).
+    Heads(HeadGroup),
+    /// `auto`: as many units as the budget holds stay resident on the device, the rest
+    /// stream in head groups (the group chosen as for `headwise:auto`).
+    Resident,
+}
+
+fn divisors_desc(n: usize) -> Vec<usize> {
     (1..=n).rev().filter(|d| n % d == 0).collect()
 }
 
-impl OffloadPolicy {
+/// An offload policy's fixed layout choices (module docs).
+#[derive(Debug)]
+pub(crate) struct Plan {
+    name: &'static str,
+    grouping: Grouping,
+    /// The compute device: a step's scratch is sized for it, and the streaming buffers live
+    /// on it.
+    device: Device,
+    /// Tokens by which device buffers grow.
+    grow_tokens: usize,
+}
+
+impl Plan {
+    /// The plan of the policy registered as `name`, grouping its units as `grouping`, on
+    /// `device`, its device buffers growing `grow_tokens` at a time (at least 1).
+    pub(crate) fn new(
+        name: &'static str,
+        grouping: Grouping,
+        device: Device,
+        grow_tokens: usize,
+    ) -> Self {
+        Self {
+            name,
+            grouping,
+            device,
+            grow_tokens: grow_tokens.max(1),
+        }
+    }
+
+    /// The policy's registry name.
+    pub(crate) fn name(&self) -> &'static str {
+        self.name
+    }
+
+    /// How KV heads are grouped into units.
+    pub(crate) fn grouping(&self) -> Grouping {
+        self.grouping
+    }
+
+    /// The compute device.
+    pub(crate) fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Tokens by which device buffers grow.
+    pub(crate) fn grow_tokens(&self) -> usize {
+        self.grow_tokens
+    }
+
+    /// Device buffer capacity for `tokens`: whole growth steps.
+    pub(crate) fn capacity_for(&self, tokens: usize) -> usize {
+        round_up(tokens, self.grow_tokens)
+    }
+
+    /// Device bytes a step holds besides the KV when attending `heads` KV heads at a time
+    /// over `context` keys ([`KvShape::step_scratch_bytes`] on this device).
+    pub(crate) fn scratch_bytes(&self, shape: &KvShape, heads: usize, context: usize) -> u64 {
+        shape.step_scratch_bytes(heads, context, &self.device)
+    }
+
     /// Device bytes of the two streaming buffers for `group` heads at capacity `cap`, as
-    /// stored; with a smaller host dtype (lossy) plus the unit expanded to the model's
-    /// dtype before attention (the expanded history and its concatenation with the step).
-    pub(crate) fn buffers_bytes(&self, shape: &KvShape, group: usize, cap: usize) -> u64 {
+    /// `host` stores them; with a smaller host dtype (lossy) plus the unit expanded to the
+    /// model's dtype before attention (the expanded history and its concatenation with the
+    /// step).
+    pub(crate) fn buffers_bytes(
+        &self,
+        host: &HostLayers,
+        shape: &KvShape,
+        group: usize,
+        cap: usize,
+    ) -> u64 {
         let model = shape.kv_bytes(group, cap);
-        if self.host.codec().lossy(shape.dtype) {
-            2 * self.host.stored_bytes(shape, group, cap) + 2 * model
+        if host.codec().lossy(shape.dtype) {
+            2 * host.stored_bytes(shape, group, cap) + 2 * model
         } else {
             2 * model
         }
     }
 
-    /// The unit size for a context needing `cap` tokens of buffer.
+    /// The unit size for a context needing `cap` tokens of buffer, under `meter`'s budget.
     pub(crate) fn choose_group(
         &self,
+        host: &HostLayers,
+        meter: &DeviceMeter,
         shape: &KvShape,
         cap: usize,
         context: usize,
     ) -> Result<usize> {
         let nkv = shape.n_kv_heads;
-        let budget = self.meter.budget();
+        let budget = meter.budget();
         // The two buffers plus what a step holds besides them (attention scratch for one
         // unit, the model's activations).
-        let need = |g: usize| {
-            self.buffers_bytes(shape, g, cap) + shape.step_scratch_bytes(g, cap, &self.device)
-        };
+        let need =
+            |g: usize| self.buffers_bytes(host, shape, g, cap) + self.scratch_bytes(shape, g, cap);
         let fits = |g: usize| budget.is_none_or(|b| need(g) <= b);
         let too_small = |g: usize| {
-            self.meter.exceeded(
+            meter.exceeded(
             format!(
                 "two device buffers for {g} KV head(s) at {cap} tokens ({} layer(s), {} head(s) each) and a step's scratch",
                 shape.n_layers, nkv
@@ -109,13 +192,20 @@ impl OffloadPolicy {
         Ok(group)
     }
 
-    /// Under `auto`, the bytes resident units may take: what the budget leaves after the two
-    /// streaming buffers of `group` KV heads and a step's scratch at capacity `cap` (the
-    /// capacity the run will reach, when `prepare` said it); `None` without a budget.
-    pub(crate) fn resident_bytes(&self, shape: &KvShape, group: usize, cap: usize) -> Option<u64> {
-        let budget = self.meter.budget()?;
-        let streaming = self.buffers_bytes(shape, group, cap)
-            + shape.step_scratch_bytes(group, cap, &self.device);
+    /// Under `auto`, the bytes resident units may take: what `meter`'s budget leaves after
+    /// the two streaming buffers of `group` KV heads and a step's scratch at capacity `cap`
+    /// (the capacity the run will reach, when `prepare` said it); `None` without a budget.
+    pub(crate) fn resident_bytes(
+        &self,
+        host: &HostLayers,
+        meter: &DeviceMeter,
+        shape: &KvShape,
+        group: usize,
+        cap: usize,
+    ) -> Option<u64> {
+        let budget = meter.budget()?;
+        let streaming =
+            self.buffers_bytes(host, shape, group, cap) + self.scratch_bytes(shape, group, cap);
         Some(budget.saturating_sub(streaming))
     }
 }

@@ -7,16 +7,49 @@
 //! resident while the budget's bytes allow, streamed after. A resident unit whose growth no
 //! longer fits is demoted once — the last-decided first: its history is copied to the host
 //! tier (counted) and it streams from then on — so the device never holds more than the
-//! budget.
+//! budget. A resident unit is attended in place ([`Residency::attend`]): its new entries
+//! appended to its buffer, what no later query sees dropped before it would grow; when its
+//! growth no longer fits it says so, and the runtime demotes it.
 use std::collections::HashMap;
 
-use kvpolicy_core::{round_up, KvBuffer, KvShape};
+use candle_core::Tensor;
+use kvpolicy_core::Result;
+use kvpolicy_core::{
+    attend_partial, round_up, AttnInputs, AttnStep, DeviceMeter, KvBuffer, KvShape, Partial,
+};
 
 /// One resident unit's device K/V: tokens `base..base + buf.len()`.
 #[derive(Debug)]
 pub(crate) struct ResidentKv {
-    pub(crate) buf: KvBuffer,
-    pub(crate) base: usize,
+    buf: KvBuffer,
+    base: usize,
+}
+
+impl ResidentKv {
+    /// Its K and V with the position of their first token; `None` when it holds none
+    /// (tokens before that position were dropped from a window: no query reads them again).
+    pub(crate) fn history(&self) -> Result<Option<((Tensor, Tensor), usize)>> {
+        if self.buf.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some((self.buf.view(0, self.buf.len())?, self.base)))
+    }
+
+    /// Device bytes its buffer holds.
+    pub(crate) fn allocated_bytes(&self) -> u64 {
+        self.buf.allocated_bytes()
+    }
+}
+
+/// What became of a unit attended in place ([`Residency::attend`]).
+pub(crate) enum InPlace {
+    /// It streams: attend it from the streaming buffers.
+    Streams,
+    /// It is resident, but its growth (and a step's scratch) no longer fits the budget: it
+    /// is to be demoted, and streams from now on.
+    Demote,
+    /// Attended in its device buffer.
+    Attended(Partial),
 }
 
 /// Which units stay on the device, and their buffers.
@@ -40,13 +73,50 @@ pub(crate) struct Residency {
     /// Resident units in the order they were decided (demotion takes the last).
     order: Vec<usize>,
     /// Units demoted to the host since the last reset.
-    pub demotions: u64,
+    demotions: u64,
 }
 
 impl Residency {
-    /// Resident `unit`'s device K/V; `None` when it streams (or was never decided).
-    pub(crate) fn resident_mut(&mut self, unit: usize) -> Option<&mut ResidentKv> {
-        self.units.get_mut(unit).and_then(Option::as_mut)
+    /// Attends `unit` in place if it is resident: the step's new entries `kn`, `vn` appended
+    /// to its device buffer (charged to `meter`), queries `q`. A buffer about to grow first
+    /// drops the tokens no later query sees (before the window). When the growth and a
+    /// step's scratch (`reserve`) no longer fit `meter`'s budget nothing is appended: the
+    /// unit is to be demoted.
+    pub(crate) fn attend(
+        &mut self,
+        unit: usize,
+        (q, kn, vn): (&Tensor, &Tensor, &Tensor),
+        step: &AttnStep<'_>,
+        reserve: u64,
+        meter: &mut DeviceMeter,
+    ) -> Result<InPlace> {
+        let (pos, t) = (step.pos, kn.dim(2)?);
+        let Some(res) = self.units.get_mut(unit).and_then(Option::as_mut) else {
+            return Ok(InPlace::Streams);
+        };
+        let start = step.spec.window_start(pos);
+        if res.buf.len() + t > res.buf.capacity() && start > res.base {
+            // No later query sees the tokens before the window: drop them, not grow.
+            res.buf.drop_front(start - res.base)?;
+            res.base = start;
+        }
+        let buf = &mut res.buf;
+        let grow = buf.growth_bytes(kn)?;
+        if grow > 0 && !meter.fits(grow + reserve) {
+            return Ok(InPlace::Demote);
+        }
+        buf.append_metered(kn, vn, meter)?;
+        let (k, v) = buf.view(start - res.base, pos + t - start)?;
+        Ok(InPlace::Attended(attend_partial(
+            AttnInputs {
+                q,
+                k: &k,
+                v: &v,
+                q_pos: pos,
+                k_pos: start,
+            },
+            step.spec,
+        )?))
     }
 
     /// Plans the run at its first step with `avail` bytes for resident units (`None`: no
@@ -159,6 +229,11 @@ impl Residency {
     /// Units decided so far that stream.
     pub fn streamed(&self) -> usize {
         self.units.len() - self.resident()
+    }
+
+    /// Units demoted to the host since the last reset.
+    pub fn demotions(&self) -> u64 {
+        self.demotions
     }
 
     /// Forgets every unit and the plan (a new sequence plans again at its first step).

@@ -12,8 +12,8 @@
 use crate::settings::RecomputeSettings;
 use candle_core::{Device, Tensor};
 use kvpolicy_core::{
-    attend_partial, round_up, Advice, AttnSpec, AttnStep, DeviceMeter, Knob, KvError, KvPolicy,
-    KvShape, KvStats, PolicyMetric, PolicyOption, PolicyOptions, Profile, Result,
+    attend_partial, round_up, Advice, AttnInputs, AttnSpec, AttnStep, DeviceMeter, Knob, KvError,
+    KvPolicy, KvShape, KvStats, PolicyMetric, PolicyOption, PolicyOptions, Profile, Result,
 };
 use kvpolicy_core::{Need, Profiled};
 use kvpolicy_tiered::{
@@ -413,11 +413,13 @@ impl KvPolicy for RecomputePolicy {
         dev.v.slice_set(&v_new, 2, hist)?;
         let n = hist + t;
         let part = attend_partial(
-            step.q,
-            &dev.k.narrow(2, 0, n)?,
-            &dev.v.narrow(2, 0, n)?,
-            pos,
-            start,
+            AttnInputs {
+                q: step.q,
+                k: &dev.k.narrow(2, 0, n)?,
+                v: &dev.v.narrow(2, 0, n)?,
+                q_pos: pos,
+                k_pos: start,
+            },
             step.spec,
         )?;
         self.stats

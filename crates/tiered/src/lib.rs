@@ -26,9 +26,13 @@
 //! * [`probe`]: a cost [`Profile`](kvpolicy_core::Profile) measured on the device.
 //!
 //! Files: `link` the engine and its accounting, `host` the host tier (RAM, then disk past
-//! a host budget), `disk_tier` where it spills and how that is checked, `disk` the disk tier's file layout, `disk_format` what its writer and
-//! reader share, `disk_fs` its files as file-system objects (unnamed, 0600) and the
-//! directory checks, `disk_read` their reads, `pingpong` the device buffers. The stored
+//! a host budget: `host/mod.rs` [`HostLayers`], which routes to each layer's store through
+//! one store trait, `host/store.rs`; `host/ram.rs` the RAM store, `host/disk_layer.rs` the
+//! disk tier's file as a store, `host/disk_traffic.rs` the disk reads ahead and the disk
+//! counts), `disk_tier` where it spills and how that is checked, `disk` the disk tier's
+//! file layout, `disk_format` what its writer and reader share, `disk_fs` its files as
+//! file-system objects (unnamed, 0600) and the directory checks, `disk_read` their reads,
+//! `pingpong` the device buffers. The stored
 //! forms (`KvCodec`, lossy opt-ins) and the disk I/O mode are options every policy reads,
 //! in `kvpolicy-core`'s `storage`.
 #![deny(missing_docs)]
@@ -48,7 +52,7 @@ pub mod transfer;
 pub use disk::{raw_bytes, DiskKv};
 pub use disk_fs::{free_disk_bytes, probe_disk_dir, sync_disk_files};
 pub use disk_tier::DiskTier;
-pub use host::{tensor_bytes, HostKv, HostLayers, HostStore, READ_AHEAD};
+pub use host::{tensor_bytes, HostKv, HostLayers, WriteAt, READ_AHEAD};
 pub use link::{report_device, Direction, Link};
 pub use pingpong::{other_buffer, Loaded, PingPong};
 pub use probe::Probe;

@@ -21,8 +21,8 @@
 use candle_core::Tensor;
 use kvpolicy::core::{KvBuffer, PolicyMetric};
 use kvpolicy::{
-    attend_partial, merge_partials, AttnStep, Knob, KvError, KvPolicy, KvStats, PolicyOption,
-    PolicyOptions, PolicyRegistry,
+    attend_partial, merge_partials, AttnInputs, AttnStep, Knob, KvError, KvPolicy, KvStats,
+    PolicyOption, PolicyOptions, PolicyRegistry,
 };
 
 /// Sinks kept when the settings do not say (StreamingLLM's 4).
@@ -117,7 +117,16 @@ impl KvPolicy for SinkWindow {
         let mut parts = Vec::with_capacity(2);
         if !self.head[layer].is_empty() {
             let (k, v) = self.head[layer].view(0, self.head[layer].len())?;
-            parts.push(attend_partial(step.q, &k, &v, pos, 0, step.spec)?);
+            parts.push(attend_partial(
+                AttnInputs {
+                    q: step.q,
+                    k: &k,
+                    v: &v,
+                    q_pos: pos,
+                    k_pos: 0,
+                },
+                step.spec,
+            )?);
         }
         let (tail, first) = &mut self.tail[layer];
         if !tail.is_empty() {
@@ -128,7 +137,16 @@ impl KvPolicy for SinkWindow {
                     .map_or(self.window, |w| w.min(self.window)),
             );
             let (k, v) = tail.view(0, tail.len())?;
-            parts.push(attend_partial(step.q, &k, &v, pos, *first, &spec)?);
+            parts.push(attend_partial(
+                AttnInputs {
+                    q: step.q,
+                    k: &k,
+                    v: &v,
+                    q_pos: pos,
+                    k_pos: *first,
+                },
+                &spec,
+            )?);
             // Evict what no later query can see: keep `window` tokens (a chunk's earliest
             // query needs them); rebuilt when twice that has piled up.
             if tail.len() > 2 * self.window + t {

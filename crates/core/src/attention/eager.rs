@@ -5,7 +5,7 @@
 //! runs it on one tile at a time ([`super::tiled`]).
 use candle_core::{DType, Tensor, D};
 
-use super::spec::{AttnSpec, Partial};
+use super::spec::{AttnInputs, AttnSpec, Partial};
 use crate::error::{KvError, Result};
 
 /// The additive mask for queries at `q_pos..q_pos+t` over keys at `k_pos..k_pos+s`, or
@@ -81,14 +81,14 @@ fn scores(q: &Tensor, k: &Tensor, q_pos: usize, k_pos: usize, spec: &AttnSpec) -
 
 /// Attention of `q` `(b, n_heads, t, d)` over `k`, `v` `(b, n_kv_heads, s, d)`; returns
 /// `(b, n_heads, t, d)` in the dtype of `q`. Queries sit at `q_pos..`, keys at `k_pos..`.
-pub fn attend_eager(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    q_pos: usize,
-    k_pos: usize,
-    spec: &AttnSpec,
-) -> Result<Tensor> {
+pub fn attend_eager(x: AttnInputs<'_>, spec: &AttnSpec) -> Result<Tensor> {
+    let AttnInputs {
+        q,
+        k,
+        v,
+        q_pos,
+        k_pos,
+    } = x;
     let Scores { scores, dims } = scores(q, k, q_pos, k_pos, spec)?;
     let (b, nh, _nkv, _g, t, d) = dims;
     let p = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(v.dtype())?;
@@ -98,14 +98,14 @@ pub fn attend_eager(
 
 /// Like [`attend_eager`] but returns the f32 output together with each row's log-sum-exp, so
 /// that attentions over disjoint key sets can be merged with [`super::merge_partials`].
-pub fn attend_partial_eager(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    q_pos: usize,
-    k_pos: usize,
-    spec: &AttnSpec,
-) -> Result<Partial> {
+pub fn attend_partial_eager(x: AttnInputs<'_>, spec: &AttnSpec) -> Result<Partial> {
+    let AttnInputs {
+        q,
+        k,
+        v,
+        q_pos,
+        k_pos,
+    } = x;
     if k.dim(2)? == 0 {
         // No keys: contributes nothing to a merge.
         let (b, nh, t, d) = q.dims4()?;

@@ -1,9 +1,26 @@
-//! What an attention call computes ([`AttnSpec`]) and a partial result over some of the
-//! keys, with its log-sum-exp ([`Partial`]), merged exactly by
+//! What an attention call takes ([`AttnInputs`]) and computes ([`AttnSpec`]), and a partial
+//! result over some of the keys, with its log-sum-exp ([`Partial`]), merged exactly by
 //! [`merge_partials`].
 use candle_core::{DType, Device, Tensor, D};
 
 use crate::error::{KvError, Result};
+
+/// One attention call's inputs: queries `q` `(b, n_heads, t, d)` at absolute positions
+/// `q_pos..q_pos + t`, and keys `k` and values `v` `(b, n_kv_heads, s, d)` at
+/// `k_pos..k_pos + s` (a piece of the cache starts at its first token's position).
+#[derive(Clone, Copy, Debug)]
+pub struct AttnInputs<'a> {
+    /// Queries.
+    pub q: &'a Tensor,
+    /// Keys.
+    pub k: &'a Tensor,
+    /// Values.
+    pub v: &'a Tensor,
+    /// Position of the first query.
+    pub q_pos: usize,
+    /// Position of the first key.
+    pub k_pos: usize,
+}
 
 /// What a layer's attention computes: head counts, scale, causality, window and soft-cap.
 #[derive(Clone, Debug, PartialEq)]

@@ -7,13 +7,32 @@
 use candle_core::Tensor;
 
 use super::eager;
-use super::spec::{merge_partials, AttnSpec, Partial};
+use super::spec::{merge_partials, AttnInputs, AttnSpec, Partial};
 use crate::error::Result;
 
 /// Query positions per tile.
 pub const TILE_QUERIES: usize = 512;
 /// Keys per tile.
 pub const TILE_KEYS: usize = 2048;
+
+/// Tile sizes: query positions and keys per tile.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tiles {
+    /// Query positions per tile.
+    pub queries: usize,
+    /// Keys per tile.
+    pub keys: usize,
+}
+
+impl Default for Tiles {
+    /// [`TILE_QUERIES`] × [`TILE_KEYS`].
+    fn default() -> Self {
+        Self {
+            queries: TILE_QUERIES,
+            keys: TILE_KEYS,
+        }
+    }
+}
 
 /// Scratch of one tile of `rows` query rows (all heads) against `keys` keys of width `d`:
 /// its scores and probabilities, and the running and the tile's results.
@@ -41,23 +60,21 @@ pub(crate) fn key_range(
     (lo.min(hi), hi)
 }
 
-/// [`super::attend_partial`] through candle ops in tiles of `tiles = (query positions,
-/// keys)`.
-pub fn attend_partial_tiled(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    q_pos: usize,
-    k_pos: usize,
-    spec: &AttnSpec,
-    tiles: (usize, usize),
-) -> Result<Partial> {
+/// [`super::attend_partial`] through candle ops in tiles of `tiles`.
+pub fn attend_partial_tiled(x: AttnInputs<'_>, spec: &AttnSpec, tiles: Tiles) -> Result<Partial> {
+    let AttnInputs {
+        q,
+        k,
+        v,
+        q_pos,
+        k_pos,
+    } = x;
     let (b, nh, t, d) = q.dims4()?;
     let s = k.dim(2)?;
     if t == 0 {
         return Partial::empty(b, nh, t, d, q.device());
     }
-    let (tq, tk) = (tiles.0.max(1), tiles.1.max(1));
+    let (tq, tk) = (tiles.queries.max(1), tiles.keys.max(1));
     let mut outs = Vec::with_capacity(t.div_ceil(tq));
     let mut lses = Vec::with_capacity(t.div_ceil(tq));
     let mut scratch = 0u64;
@@ -71,11 +88,13 @@ pub fn attend_partial_tiled(
         while j0 < hi {
             let nk = tk.min(hi - j0);
             let part = eager::attend_partial_eager(
-                &qt,
-                &k.narrow(2, j0, nk)?,
-                &v.narrow(2, j0, nk)?,
-                q_pos + i0,
-                k_pos + j0,
+                AttnInputs {
+                    q: &qt,
+                    k: &k.narrow(2, j0, nk)?,
+                    v: &v.narrow(2, j0, nk)?,
+                    q_pos: q_pos + i0,
+                    k_pos: k_pos + j0,
+                },
                 spec,
             )?;
             scratch = scratch.max(tile_scratch_bytes(b * nh * n, nk, d));

@@ -1,0 +1,326 @@
+//! The host tier: every layer's K/V with the tokens each layer holds and the attention spec
+//! it last ran with (HeadInfer §3.2: "the full KV cache lives in CPU memory"). Each layer's
+//! K/V sit in one [`LayerStore`](store::LayerStore) — `(b, kv_heads, cap, head_dim)`
+//! buffers in host memory ([`HostKv`]) that grow in large chunks through the transfer
+//! engine (so the CUDA one page-locks them), or, with a [`DiskTier`], a file of the disk
+//! tier ([`DiskKv`]) once the layer's growth would take the host tier past its budget:
+//! reads and writes of that layer go to disk, the rest stays in RAM. [`HostLayers`] routes
+//! every read, write and read-ahead to the layer's store without asking which kind it is.
+//!
+//! Files: this one [`HostLayers`]; `store` the store trait and what a growing store may
+//! use; `ram` the RAM store; `disk_layer` the disk tier's file as a store; `disk_traffic`
+//! the disk reads started ahead and the disk tier's byte and time counts.
+use std::time::Instant;
+
+use candle_core::{DType, Tensor};
+use kvpolicy_core::{AttnSpec, AttnStep, KvCodec, KvShape};
+use kvpolicy_core::{HeadRange, KvError, KvStats, Result, TokenRange};
+
+use crate::disk::DiskKv;
+use crate::disk_tier::DiskTier;
+use crate::link::Link;
+
+mod disk_layer;
+mod disk_traffic;
+mod ram;
+mod store;
+
+pub use disk_traffic::READ_AHEAD;
+use disk_traffic::{DiskTraffic, ReadSpan};
+pub use ram::HostKv;
+use store::{stored_bytes, HostBudget, LayerStore, Room};
+pub use store::{tensor_bytes, WriteAt};
+
+/// Every layer's host-tier K/V with its length and last attention spec (module docs).
+#[derive(Debug)]
+pub struct HostLayers {
+    /// Host buffers grow in chunks of this many tokens.
+    chunk: usize,
+    shape: Option<KvShape>,
+    /// The disk reads ahead and the disk tier's counts (first: its drop joins the reads,
+    /// which hold the layers' files open, before the layers go).
+    traffic: DiskTraffic,
+    layers: Vec<Option<Box<dyn LayerStore>>>,
+    lens: Vec<usize>,
+    specs: Vec<Option<AttnSpec>>,
+    disk: Option<DiskTier>,
+    /// How K/V are stored (the model's dtype, or LOSSY smaller forms).
+    codec: KvCodec,
+}
+
+/// The error for a layer without storage.
+fn no_storage(layer: usize) -> KvError {
+    KvError::invariant(format!("layer {layer} has no host storage"))
+}
+
+impl HostLayers {
+    /// Host storage growing in chunks of 8 × the device growth step `grow_tokens` (host
+    /// memory is plentiful, and each growth copies the layer), spilling to `disk` past its
+    /// budget when given.
+    pub fn new(grow_tokens: usize, disk: Option<DiskTier>) -> Self {
+        Self {
+            chunk: grow_tokens.max(1) * 8,
+            shape: None,
+            traffic: DiskTraffic::default(),
+            layers: Vec::new(),
+            lens: Vec::new(),
+            specs: Vec::new(),
+            disk,
+            codec: KvCodec::Model,
+        }
+    }
+
+    /// Stores K/V as `codec` says (LOSSY unless the model's dtype): what is written is
+    /// encoded, and reads return the stored form ([`KvCodec::decode`] expands it).
+    pub fn with_codec(mut self, codec: KvCodec) -> Self {
+        self.codec = codec;
+        self
+    }
+
+    /// How K/V are stored.
+    pub fn codec(&self) -> KvCodec {
+        self.codec
+    }
+
+    /// The stored dtype and row width for `shape`.
+    pub fn stored(&self, shape: &KvShape) -> (DType, usize) {
+        self.codec.stored(shape.dtype, shape.head_dim)
+    }
+
+    /// Bytes of `heads` heads' K and V at `tokens` tokens as stored.
+    pub fn stored_bytes(&self, shape: &KvShape, heads: usize, tokens: usize) -> u64 {
+        stored_bytes(self.codec, shape, heads, tokens)
+    }
+
+    /// Tokens per growth chunk.
+    pub fn chunk(&self) -> usize {
+        self.chunk
+    }
+
+    /// Records the run's shape (from [`KvPolicy::prepare`](kvpolicy_core::KvPolicy::prepare)).
+    pub fn set_shape(&mut self, shape: &KvShape) {
+        self.shape = Some(shape.clone());
+    }
+
+    /// The shape `step` implies ([`KvShape::for_step`]), remembered for the next step.
+    pub fn shape_for(&mut self, step: &AttnStep<'_>) -> Result<KvShape> {
+        let shape = KvShape::for_step(self.shape.as_ref(), self.lens.len(), step)?;
+        self.shape = Some(shape.clone());
+        Ok(shape)
+    }
+
+    /// Makes `step.layer` hold room for the step's tokens, checks that the step continues
+    /// the layer's sequence, and records its attention spec.
+    pub fn begin(&mut self, link: &mut Link, step: &AttnStep<'_>, shape: &KvShape) -> Result<()> {
+        let (layer, pos) = (step.layer, step.pos);
+        self.ensure(link, layer, shape, pos + step.k.dim(2)?)?;
+        if self.lens[layer] != pos {
+            return Err(KvError::OutOfOrder {
+                seq: step.seq,
+                layer,
+                held: self.lens[layer],
+                pos,
+            });
+        }
+        self.specs[layer] = Some(step.spec.clone());
+        Ok(())
+    }
+
+    /// The layers' stores.
+    fn stores(&self) -> impl Iterator<Item = &dyn LayerStore> {
+        self.layers.iter().flatten().map(|s| &**s)
+    }
+
+    /// RAM bytes of K/V held.
+    fn ram_bytes(&self) -> u64 {
+        self.stores().map(|s| s.ram_bytes()).sum()
+    }
+
+    /// Grows `layer`'s storage to hold `tokens`. Queued copies may target the old buffers,
+    /// so they land first; a completed prefetch stays valid (it read the unchanged prefix).
+    /// A layer whose growth in RAM would pass the disk tier's host budget moves to disk.
+    pub fn ensure(
+        &mut self,
+        link: &mut Link,
+        layer: usize,
+        shape: &KvShape,
+        tokens: usize,
+    ) -> Result<()> {
+        while self.layers.len() <= layer {
+            self.layers.push(None);
+            self.lens.push(0);
+            self.specs.push(None);
+        }
+        let own = self.layers[layer].as_ref().map_or(0, |s| s.ram_bytes());
+        let others = self.ram_bytes() - own;
+        let budget = self.disk.as_ref().map(|t| HostBudget {
+            budget: t.host_budget,
+            others,
+        });
+        let mut room = Room::new(
+            &mut *link,
+            &mut self.traffic,
+            shape,
+            self.codec,
+            self.chunk,
+            budget,
+        );
+        let held = match &mut self.layers[layer] {
+            Some(store) => store.make_room(tokens, &mut room)?,
+            None if tokens == 0 => true,
+            None => match HostKv::grown(None, tokens, &mut room)? {
+                Some(ram) => {
+                    self.layers[layer] = Some(Box::new(ram));
+                    true
+                }
+                None => false,
+            },
+        };
+        if held {
+            return Ok(());
+        }
+        self.spill_to_disk(link, layer, shape, tokens)
+    }
+
+    /// Moves `layer` (in RAM, or new) to a file of the disk tier holding `tokens`, its
+    /// stored tokens copied over.
+    fn spill_to_disk(
+        &mut self,
+        link: &mut Link,
+        layer: usize,
+        shape: &KvShape,
+        tokens: usize,
+    ) -> Result<()> {
+        let Some(tier) = &self.disk else {
+            return Err(KvError::invariant(
+                "a layer past the host budget without a disk tier",
+            ));
+        };
+        let t0 = Instant::now();
+        let (dt, w) = self.stored(shape);
+        let dims = (shape.batch, shape.n_kv_heads, w);
+        let name = format!("layer{layer}");
+        let mut d = DiskKv::create(&tier.dir, &name, dims, dt, self.chunk, tier.io)?;
+        d.ensure(tokens)?;
+        let n = self.lens[layer];
+        if let Some(old) = self.layers[layer].as_ref().filter(|_| n > 0) {
+            let all = HeadRange::new(0, shape.n_kv_heads);
+            let span = ReadSpan::new(layer, all, TokenRange::new(0, n));
+            let (k, v) = old.history(span, &mut self.traffic)?;
+            self.traffic.count_written(d.write(&k, &v, 0, 0)?);
+        }
+        if let Some(old) = self.layers[layer].take() {
+            old.release(link.engine());
+        }
+        self.layers[layer] = Some(Box::new(d));
+        self.traffic.waited(t0.elapsed());
+        Ok(())
+    }
+
+    /// Tokens `tokens` of heads `heads` (`g` of them) of `layer` as `(b,
+    /// g, len, head_dim)` K and V on the host: views of RAM buffers, or read from disk.
+    pub fn history(
+        &mut self,
+        layer: usize,
+        heads: HeadRange,
+        tokens: TokenRange,
+    ) -> Result<(Tensor, Tensor)> {
+        let span = ReadSpan::new(layer, heads, tokens);
+        match self.layers.get(layer).and_then(Option::as_ref) {
+            Some(store) => store.history(span, &mut self.traffic),
+            None => Err(no_storage(layer)),
+        }
+    }
+
+    /// Starts reading what [`history`](Self::history) will be asked for soon, on its own
+    /// thread, if `layer` is on disk (nothing for a RAM layer, nor when [`READ_AHEAD`] reads
+    /// are in flight already). Calls come in the order the reads will be asked for. The
+    /// tokens must be written already: a read-ahead never races a write of its blocks.
+    pub fn read_ahead(&mut self, layer: usize, heads: HeadRange, tokens: TokenRange) -> Result<()> {
+        let span = ReadSpan::new(layer, heads, tokens);
+        match self.layers.get(layer).and_then(Option::as_ref) {
+            Some(store) => store.read_ahead(span, &mut self.traffic),
+            None => Ok(()),
+        }
+    }
+
+    /// Writes `k`, `v` `(b, g, t, head_dim)` at `at`: queued on `link` behind the compute
+    /// for a RAM layer (one job per sequence and head: one contiguous run each), written
+    /// through for a disk layer. Counted device→host either way.
+    pub fn write(&mut self, link: &mut Link, at: WriteAt, k: &Tensor, v: &Tensor) -> Result<()> {
+        // A smaller stored form is encoded on the device, before anything moves.
+        let (k, v) = (&self.codec.encode(k)?, &self.codec.encode(v)?);
+        match self.layers.get_mut(at.layer).and_then(Option::as_mut) {
+            Some(store) => store.write(link, &mut self.traffic, at, k, v),
+            None => Err(no_storage(at.layer)),
+        }
+    }
+
+    /// `layer`'s RAM buffers, if it is in RAM.
+    pub fn ram(&self, layer: usize) -> Option<&HostKv> {
+        let store = self.layers.get(layer)?.as_ref()?;
+        store.as_any().downcast_ref::<HostKv>()
+    }
+
+    /// Counts the step's `t` tokens as stored at `layer`.
+    pub fn advance(&mut self, layer: usize, t: usize) {
+        if let Some(l) = self.lens.get_mut(layer) {
+            *l += t;
+        }
+    }
+
+    /// The spec of `layer` if it holds exactly `pos` tokens in host storage: a layer whose
+    /// history a prefetch for position `pos` may read.
+    pub fn ready(&self, layer: usize, pos: usize) -> Option<&AttnSpec> {
+        let stored = self.layers.get(layer).is_some_and(Option::is_some);
+        match (self.lens.get(layer), self.specs.get(layer)) {
+            (Some(&len), Some(Some(spec))) if len == pos && stored => Some(spec),
+            _ => None,
+        }
+    }
+
+    /// The widest visible history at `pos` over the layers seen (a global layer's among
+    /// windowed ones, Gemma 2/3), at least `hist`.
+    pub fn widest_history(&self, pos: usize, hist: usize) -> usize {
+        self.specs
+            .iter()
+            .map(|s| s.as_ref().map_or(pos, |s| pos - s.window_start(pos)))
+            .fold(hist, usize::max)
+    }
+
+    /// Tokens of the sequence (layer 0's count).
+    pub fn seq_len(&self) -> usize {
+        self.lens.first().copied().unwrap_or(0)
+    }
+
+    /// `stats` with the host tier's RAM bytes, the disk tier's file bytes and its traffic
+    /// filled in.
+    pub fn report(&self, stats: KvStats) -> KvStats {
+        let disk = self.stores().map(|s| s.file_bytes()).sum();
+        let stats = KvStats {
+            host_kv_bytes: self.ram_bytes(),
+            disk_kv_bytes: disk,
+            disk_direct_io: self.stores().any(|s| s.direct_io()),
+            lossy: self
+                .shape
+                .as_ref()
+                .is_some_and(|s| self.codec.lossy(s.dtype)),
+            ..stats
+        };
+        self.traffic.report(stats, disk > 0)
+    }
+
+    /// Hands every buffer back to the engine, removes every file and forgets the sequence
+    /// (the shape stays, with its layer count restarted).
+    pub fn clear(&mut self, link: &mut Link) {
+        self.traffic.clear();
+        for store in self.layers.drain(..).flatten() {
+            store.release(link.engine());
+        }
+        self.lens.clear();
+        self.specs.clear();
+        if let Some(s) = &mut self.shape {
+            s.n_layers = 0;
+        }
+    }
+}
