@@ -60,6 +60,36 @@ fn writes_logits_ids_and_stats_in_the_documented_formats() -> Result<()> {
     assert_eq!(stats["policy"], "full");
     assert_eq!(stats["prefill_tokens"], prompt.len());
     assert_eq!(stats["decode_tokens"], decode.len());
+    // No link under `full`: its busy time is 0 and no decode share is reported.
+    assert_eq!(stats["link_busy_s"], 0.0, "{stats}");
+    assert!(stats.get("link_utilization").is_none(), "{stats}");
+    // Over a simulated link, decode's traffic and the link's share of decode time.
+    let o = llama(&[
+        "--model-dir",
+        &fixture_dir(),
+        "--prompt-ids",
+        &join(&prompt),
+        "--decode-ids",
+        &join(&decode),
+        "--policy",
+        "headwise",
+        "--link-bandwidth",
+        "1GB",
+        "--stats-out",
+        &p("s.json"),
+    ])?;
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let stats: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(p("s.json"))?)?;
+    let num = |k: &str| stats[k].as_f64().unwrap_or(f64::NAN);
+    assert!(num("link_busy_s") > 0.0, "{stats}");
+    assert!(num("decode_link_busy_s") > 0.0, "{stats}");
+    assert!(num("decode_link_busy_s") <= num("link_busy_s"), "{stats}");
+    assert!(num("link_utilization") > 0.0, "{stats}");
+    let moved = num("h2d_bytes") + num("d2h_bytes");
+    assert!(
+        num("decode_link_bytes") > 0.0 && num("decode_link_bytes") < moved,
+        "{stats}"
+    );
     Ok(())
 }
 

@@ -33,8 +33,10 @@ pub fn markdown(rows: &[Row], bandwidth: Option<f64>) -> String {
     );
     let mut rule = String::from("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|");
     if bandwidth.is_some() {
-        s.push_str(" PCIe bound s/token | s/token | bound ÷ s/token | copy s/token |");
-        rule.push_str("---:|---:|---:|---:|");
+        s.push_str(
+            " PCIe bound s/token | s/token | bound ÷ s/token | copy s/token | link busy ÷ decode |",
+        );
+        rule.push_str("---:|---:|---:|---:|---:|");
     }
     s.push('\n');
     s.push_str(&rule);
@@ -94,8 +96,8 @@ pub fn markdown(rows: &[Row], bandwidth: Option<f64>) -> String {
                 ("-".into(), "-".into())
             };
             s.push_str(&format!(
-                " {bound} | {step:.4} | {of_bound} | {:.4} |",
-                r.copy_s_per_token
+                " {bound} | {step:.4} | {of_bound} | {:.4} | {:.2} |",
+                r.copy_s_per_token, r.link_utilization
             ));
         }
         s.push('\n');
@@ -113,7 +115,7 @@ pub fn write_csv(rows: &[Row], path: &Path) -> Result<()> {
         }
     }
     let mut out = String::from(
-        "context,policy,prefill_tok_s,decode_tok_s,decode_vs_full,device_kv_peak_bytes,device_vs_full,host_kv_bytes,h2d_bytes_per_token,d2h_bytes_per_token",
+        "context,policy,prefill_tok_s,decode_tok_s,decode_vs_full,device_kv_peak_bytes,device_vs_full,host_kv_bytes,h2d_bytes_per_token,d2h_bytes_per_token,link_utilization",
     );
     for m in &metrics {
         out.push(',');
@@ -124,7 +126,7 @@ pub fn write_csv(rows: &[Row], path: &Path) -> Result<()> {
         let a = anchor(rows, r.context);
         let opt = |x: Option<f64>| x.map(|v| format!("{v:.6}")).unwrap_or_default();
         out.push_str(&format!(
-            "{},{},{:.3},{:.3},{},{},{},{},{},{}",
+            "{},{},{:.3},{:.3},{},{},{},{},{},{},{:.4}",
             r.context,
             csv_field(&r.policy),
             r.prefill_tok_s,
@@ -137,6 +139,7 @@ pub fn write_csv(rows: &[Row], path: &Path) -> Result<()> {
             r.host_kv_bytes,
             r.h2d_bytes_per_token,
             r.d2h_bytes_per_token,
+            r.link_utilization,
         ));
         for name in &metrics {
             out.push(',');

@@ -88,6 +88,9 @@ pub struct Row {
     pub metrics: Vec<PolicyMetric>,
     /// Seconds per decoded token the transfer engine spent copying (overlapped or not).
     pub copy_s_per_token: f64,
+    /// The link's busy seconds over the decode's seconds (0 without a link): how close the
+    /// decode is to the link's bound.
+    pub link_utilization: f64,
     /// The profile the policy planned with, if any.
     #[serde(skip)]
     pub profile: Option<Profile>,
@@ -119,6 +122,7 @@ impl Row {
             d2h_bytes_per_token: 0,
             metrics: Vec::new(),
             copy_s_per_token: 0.0,
+            link_utilization: 0.0,
             profile: None,
             disk_kv_bytes: 0,
             disk_read_bytes_per_token: 0,
@@ -170,6 +174,7 @@ pub fn measure(
     let mut prefill_rates = Vec::new();
     let mut rates = Vec::new();
     let mut last = None;
+    let mut decode_s = 0.0;
     for _ in 0..repeats.max(1) {
         let mut p = v.build()?;
         // As `generate` does: the policy plans for the run's length (`auto` sizes its
@@ -191,7 +196,8 @@ pub fn measure(
             model.forward(&x, context + i, p.as_mut(), LogitsMode::Last)?;
         }
         dev.synchronize()?;
-        rates.push(steps as f64 / t.elapsed().as_secs_f64());
+        decode_s = t.elapsed().as_secs_f64();
+        rates.push(steps as f64 / decode_s);
         last = Some((
             before,
             p.stats(),
@@ -212,6 +218,7 @@ pub fn measure(
         d2h_bytes_per_token: per(after.d2h_bytes, before.d2h_bytes),
         metrics: after.policy_metrics.clone(),
         copy_s_per_token: (after.copy_s - before.copy_s) / steps.max(1) as f64,
+        link_utilization: (after.link_busy_s - before.link_busy_s) / decode_s.max(1e-9),
         profile,
         disk_kv_bytes: after.disk_kv_bytes,
         disk_read_bytes_per_token: per(after.disk_read_bytes, before.disk_read_bytes),

@@ -165,6 +165,7 @@ pub fn run(
             prefill_s: out.prefill_s,
             decode_tokens: out.decode_tokens,
             decode_s: out.decode_s,
+            link: None,
             peak_rss_bytes: peak_rss_bytes(),
             steps: Some(out.step_stats),
         };

@@ -12,7 +12,7 @@ use crate::applies::warn_slow_link;
 use crate::args::Args;
 use crate::atomic::{self, Staged};
 use crate::printer::Printer;
-use crate::stats_out::{peak_rss_bytes, StatsOut};
+use crate::stats_out::{peak_rss_bytes, DecodeLink, StatsOut};
 use crate::{batch, errors, flags, npy, preflight, registry, summary, threads};
 
 /// `n` token ids drawn uniformly from `0..vocab` with `seed` (the `--random-prompt` prompt).
@@ -249,6 +249,7 @@ fn run(
         staged.add(path, |w| npy::write_f32_npy(logits, w))?;
     }
     if let Some(path) = &args.stats_out {
+        let out_stats = stats.clone();
         let out = StatsOut {
             stats,
             policy: policy.name(),
@@ -257,6 +258,7 @@ fn run(
             prefill_s: gen.prefill_s,
             decode_tokens: gen.decode_tokens,
             decode_s: gen.decode_s,
+            link: DecodeLink::of(&gen, &out_stats),
             peak_rss_bytes: peak_rss_bytes(),
             steps: None,
         };

@@ -1,7 +1,39 @@
 //! What `--stats-out` writes: the policy's stats (its metrics under `policy_metrics`), the
-//! run's timings and the process's peak memory.
+//! run's timings, the link's share of decode time and the process's peak memory.
+use kvpolicy::models::Generation;
 use kvpolicy::KvStats;
 use serde::Serialize;
+
+/// The host↔device link during decode: what it moved, how long it was busy, and that time's
+/// share of the decode's seconds — how close decode is to the link's bound (HeadInfer §3.2:
+/// decode time is the transfer time). From the stats at the end of prefill and at the end.
+#[derive(Serialize, Clone, Copy, Debug, PartialEq)]
+pub struct DecodeLink {
+    /// Bytes moved over the link, both ways, during decode.
+    pub decode_link_bytes: u64,
+    /// Seconds the link was busy during decode.
+    pub decode_link_busy_s: f64,
+    /// `decode_link_busy_s` ÷ the decode's seconds.
+    pub link_utilization: f64,
+}
+
+impl DecodeLink {
+    /// The link during `gen`'s decode, whose final stats are `end`; `None` without decode
+    /// steps or stats at the end of prefill (ragged batches), or for a policy with no link.
+    pub fn of(gen: &Generation, end: &KvStats) -> Option<Self> {
+        let start = gen.prefill_stats.as_ref()?;
+        if gen.decode_tokens == 0 || gen.decode_s <= 0.0 || end.link_busy_s <= 0.0 {
+            return None;
+        }
+        let moved = |s: &KvStats| s.h2d_bytes + s.d2h_bytes;
+        let busy = (end.link_busy_s - start.link_busy_s).max(0.0);
+        Some(Self {
+            decode_link_bytes: moved(end).saturating_sub(moved(start)),
+            decode_link_busy_s: busy,
+            link_utilization: busy / gen.decode_s,
+        })
+    }
+}
 
 /// What --stats-out writes.
 #[derive(Serialize)]
@@ -21,6 +53,9 @@ pub struct StatsOut<'a> {
     pub decode_tokens: usize,
     /// Seconds of decode.
     pub decode_s: f64,
+    /// The link during decode (absent without one, or in batch mode).
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    pub link: Option<DecodeLink>,
     /// Peak resident memory of the process (Linux `VmHWM`), measured at the end of the run.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub peak_rss_bytes: Option<u64>,

@@ -1,10 +1,12 @@
 //! The run's summary on stderr: throughput, device KV and scratch peaks, recompute, bytes
-//! moved each way and per token, the disk tier, the policy's own metrics (`auto`'s
+//! moved each way and per token, the link's busy share of decode, the disk tier, the policy's own metrics (`auto`'s
 //! resident units, `sinks`' evicted tokens), and whether the run was lossy.
 use std::io::Write;
 
 use kvpolicy::models::Generation;
 use kvpolicy::KvStats;
+
+use crate::stats_out::DecodeLink;
 
 /// The policy's metrics as `name value unit` items.
 pub fn metrics_text(stats: &KvStats) -> String {
@@ -40,6 +42,14 @@ pub fn print(gen: &Generation, stats: &KvStats, policy: &str, compressed: bool) 
         kvpolicy::core::format_bytes(stats.h2d_bytes / tokens),
         kvpolicy::core::format_bytes(stats.d2h_bytes),
     );
+    if let Some(l) = DecodeLink::of(gen, stats) {
+        moved += &format!(
+            "; link busy {:.2}s of {:.2}s decode ({:.0}%)",
+            l.decode_link_busy_s,
+            gen.decode_s,
+            100.0 * l.link_utilization
+        );
+    }
     if stats.disk_kv_bytes > 0 {
         moved += &format!(
             "; disk tier {} (read {}, wrote {}, {:.2}s; {} reads)",

@@ -174,6 +174,7 @@ fn add_cumulative(s: &mut KvStats, q: &KvStats) {
     s.recompute_tokens += q.recompute_tokens;
     s.transfer_wait_s += q.transfer_wait_s;
     s.copy_s += q.copy_s;
+    s.link_busy_s += q.link_busy_s;
     s.disk_read_bytes += q.disk_read_bytes;
     s.disk_write_bytes += q.disk_write_bytes;
     s.disk_wait_s += q.disk_wait_s;

@@ -108,6 +108,10 @@ pub struct KvStats {
     /// Seconds the transfer engine spent copying (its worker or copy stream busy, overlapped
     /// with compute or not): with the step time, the overlap.
     pub copy_s: f64,
+    /// Seconds the host↔device link was busy: the copies' time, or on a simulated link each
+    /// batch's wire time (bytes ÷ bandwidth) with its copy inside. Over a decode's seconds,
+    /// how close the run is to the link's bound (HeadInfer §3.2: decode time = transfer time).
+    pub link_busy_s: f64,
     /// Sequences holding a cache in a batched run (0 for single-sequence runs).
     pub sequences: u64,
     /// Bytes of the disk tier's files (K/V past the host budget).

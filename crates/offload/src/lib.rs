@@ -79,6 +79,7 @@ mod plan;
 mod resident;
 mod runtime;
 mod settings;
+mod staging;
 mod stream;
 
 pub use plan::{Grouping, AUTO_ALL_HEADS_BELOW};

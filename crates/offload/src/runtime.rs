@@ -4,9 +4,9 @@
 //! Every layer's keys and values live on the host tier ([`HostLayers`]). The device tier
 //! holds two buffers, each sized for one *unit* — a group of KV heads of one layer at the
 //! current capacity ([`Streaming`]). Units are visited in order (layer 0 group 0, layer 0
-//! group 1, …, layer 1 group 0, …). While attention runs on a unit in one buffer, the next
-//! unit's history is copied host→device into the other, and the unit's new entries are
-//! copied device→host behind it ([`Link`]). A unit of all KV heads of a layer is layer-wise
+//! group 1, …, layer 1 group 0, …). While attention runs on a unit, the next units' history
+//! is copied host→device into the room the buffers have left, and the unit's new entries
+//! are copied device→host behind it ([`Link`]). A unit of all KV heads of a layer is layer-wise
 //! offload; smaller units cut device memory by `kv_heads / group` more.
 //!
 //! Attention per unit is exact: heads are independent, and a unit's query heads are those
@@ -28,7 +28,7 @@ use kvpolicy_tiered::{report_device, DiskTier, HostLayers, Link, TransferEngine,
 
 use crate::plan::{Grouping, Plan};
 use crate::resident::{InPlace, Residency};
-use crate::stream::{StepAt, Streaming};
+use crate::stream::{StepAt, Streaming, UnitBuffers};
 
 /// Offloaded KV with a ping-pong pair of device buffers (see the module docs).
 pub struct OffloadPolicy {
@@ -238,6 +238,13 @@ impl KvPolicy for OffloadPolicy {
         let gs = self.stream.group();
         let groups = shape.n_kv_heads / gs;
         let q_per_group = gs * step.spec.group_size();
+        // Units of the next step are staged during this one only if the run expects it and
+        // it will not grow the buffers.
+        let next = pos + t;
+        let next_widest = self.host.widest_history(next, 0);
+        let stage_next = next < shape.max_tokens
+            && self.plan.capacity_for(next_widest + t) <= self.stream.cap();
+        let at = StepAt::new(pos, t, shape.n_layers, stage_next);
         // What a resident unit's growth must leave free, and the step's activations.
         let reserve = self.plan.scratch_bytes(&shape, gs, widest + t);
         let act = shape.activation_bytes(t);
@@ -251,23 +258,31 @@ impl KvPolicy for OffloadPolicy {
                 outs.push(out);
                 continue;
             }
-            let (kb, vb) = self.stream.unit_buffers(
+            let UnitBuffers {
+                k: kb,
+                v: vb,
+                offset,
+            } = self.stream.unit_buffers(
                 (&mut self.host, &mut self.link),
                 self.residency.as_ref(),
                 (layer, g),
                 groups,
                 TokenRange::new(start, hist),
-                StepAt::new(pos, t, shape.n_layers),
+                at,
             )?;
             let (k, v, expanded) = if kb.dtype() == kn.dtype() {
-                kb.slice_set(&kn, 2, hist)?;
-                vb.slice_set(&vn, 2, hist)?;
-                (kb.narrow(2, 0, hist + t)?, vb.narrow(2, 0, hist + t)?, 0)
+                kb.slice_set(&kn, 2, offset + hist)?;
+                vb.slice_set(&vn, 2, offset + hist)?;
+                (
+                    kb.narrow(2, offset, hist + t)?,
+                    vb.narrow(2, offset, hist + t)?,
+                    0,
+                )
             } else {
                 // LOSSY host form: decode the history, then append the step's exact K/V.
                 let (codec, d) = (self.host.codec(), shape.head_dim);
                 let wide = |b: &Tensor, n: &Tensor| -> Result<Tensor> {
-                    let h = codec.decode(&b.narrow(2, 0, hist)?, n.dtype(), d)?;
+                    let h = codec.decode(&b.narrow(2, offset, hist)?, n.dtype(), d)?;
                     Ok(Tensor::cat(&[&h, n], 2)?)
                 };
                 let (k, v) = (wide(&kb, &kn)?, wide(&vb, &vn)?);
@@ -296,6 +311,13 @@ impl KvPolicy for OffloadPolicy {
                 },
                 &kn,
                 &vn,
+            )?;
+            self.stream.done(
+                (&mut self.host, &mut self.link),
+                self.residency.as_ref(),
+                (layer, g),
+                groups,
+                at,
             )?;
         }
         self.host.advance(layer, t);

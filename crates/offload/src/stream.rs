@@ -1,19 +1,22 @@
-//! The streamed side of the offload runtime ([`Streaming`]): two device buffers
-//! ([`PingPong`]) each sized for one *unit* — a group of KV heads of one layer at the
-//! current capacity — visited in order (layer 0 group 0, layer 0 group 1, …, layer 1
-//! group 0, …). While a unit attends in one buffer, the next streamed unit's history is
-//! copied host→device into the other (HeadInfer §3.2's ping-pong), and — for layers on the
-//! disk tier — the few streamed units after it are read from disk ahead (disk → host →
+//! The streamed side of the offload runtime ([`Streaming`]): two device buffers each sized
+//! for one *unit* — a group of KV heads of one layer at the current capacity — and the
+//! units visited in order (layer 0 group 0, layer 0 group 1, …, layer 1 group 0, …). While
+//! a unit attends, the streamed units after it are copied host→device into the room the
+//! buffers have left ([`Staging`]: HeadInfer §3.2's ping-pong, run as far ahead as the two
+//! buffers allow, so the link goes from one copy to the next), and — for layers on the disk
+//! tier — the few streamed units after those are read from disk ahead (disk → host →
 //! device). `auto`'s resident units need no copy and are skipped.
 use candle_core::Tensor;
 use kvpolicy_core::{HeadRange, Result, TokenRange};
 use kvpolicy_tiered::READ_AHEAD;
-use kvpolicy_tiered::{other_buffer, CopyJob, Direction, HostLayers, Link, Loaded, PingPong};
+use kvpolicy_tiered::{CopyJob, Direction, HostLayers, Link};
 
 use crate::resident::Residency;
+use crate::staging::{Place, Staging};
 
-/// One (layer, head group) unit: the piece of the cache the runtime streams or keeps.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// One (layer, head group) unit: the piece of the cache the runtime streams or keeps,
+/// ordered as a step visits them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 struct Unit {
     layer: usize,
     group: usize,
@@ -26,23 +29,33 @@ struct UnitSpan {
     tokens: TokenRange,
 }
 
-/// Where a step stands: its first position, its tokens, and the model's layers (for a
-/// prefetch that wraps into the next step).
+/// Where a step stands: its first position, its tokens, the model's layers (for a
+/// prefetch that wraps into the next step), and whether units may be staged for the next
+/// step now.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct StepAt {
     pos: usize,
     tokens: usize,
     layers: usize,
+    stage_next: bool,
 }
 
 impl StepAt {
-    /// A step of `tokens` tokens from position `pos` on, in a model of `layers` layers.
-    pub(crate) fn new(pos: usize, tokens: usize, layers: usize) -> Self {
+    /// A step of `tokens` tokens from position `pos` on, in a model of `layers` layers;
+    /// `stage_next`: a next step of as many tokens is expected and fits the buffers as they
+    /// are (one that grows them would drop what was staged, its bytes moved for nothing).
+    pub(crate) fn new(pos: usize, tokens: usize, layers: usize, stage_next: bool) -> Self {
         Self {
             pos,
             tokens,
             layers,
+            stage_next,
         }
+    }
+
+    /// Where the next step starts, if units may be staged for it.
+    fn next(&self) -> Option<usize> {
+        self.stage_next.then_some(self.pos + self.tokens)
     }
 }
 
@@ -96,12 +109,24 @@ impl Unit {
     }
 }
 
-/// The ping-pong pair and the unit size (module docs).
+/// A streamed unit's buffers: K and V `(b, group, cap, width)`, its history at tokens
+/// `offset..offset + history`, the step's tokens to be written right after.
+#[derive(Debug)]
+pub(crate) struct UnitBuffers {
+    /// Keys.
+    pub(crate) k: Tensor,
+    /// Values.
+    pub(crate) v: Tensor,
+    /// Where the unit starts along the token axis.
+    pub(crate) offset: usize,
+}
+
+/// The staging buffers and the unit size (module docs).
 #[derive(Debug, Default)]
 pub(crate) struct Streaming {
     /// KV heads per unit (0 before the first step).
     group: usize,
-    pingpong: PingPong<(Tensor, Tensor), UnitSpan>,
+    staging: Staging<UnitSpan>,
 }
 
 impl Streaming {
@@ -117,12 +142,12 @@ impl Streaming {
 
     /// Tokens the buffers hold (0 before any are installed).
     pub(crate) fn cap(&self) -> usize {
-        self.pingpong.cap()
+        self.staging.cap()
     }
 
     /// Frees the buffers once the copies using them have landed.
     pub(crate) fn release(&mut self, link: &mut Link) -> Result<()> {
-        self.pingpong.release(link)
+        self.staging.release(link)
     }
 
     /// Replaces the buffers with `bufs` of `cap` tokens.
@@ -132,19 +157,19 @@ impl Streaming {
         bufs: [(Tensor, Tensor); 2],
         cap: usize,
     ) -> Result<()> {
-        self.pingpong.install(link, bufs, cap)
+        self.staging.install(link, bufs, cap)
     }
 
-    /// Forgets the buffers, the prefetch and the unit size (after a [`Link::reset`]).
+    /// Forgets the buffers, what was staged and the unit size (after a [`Link::reset`]).
     pub(crate) fn clear(&mut self) {
-        self.pingpong.clear();
+        self.staging.clear();
         self.group = 0;
     }
 
-    /// Brings unit (`layer`, `group`) of `groups` per layer, its history `history`, into a
-    /// buffer (its prefetch, or a copy now), and starts the next streamed unit's copy into
-    /// the other and the disk reads after it (`at`: the step; units `residency` keeps are
-    /// skipped). Returns the buffer's K and V, the history in front.
+    /// Brings unit (`layer`, `group`) of `groups` per layer, its history `history`, into
+    /// the buffers (staged ahead, or copied now), and stages the streamed units after it
+    /// while the buffers have room, then starts the disk reads after those (`at`: the step;
+    /// units `residency` keeps are skipped). Returns where the unit is.
     pub(crate) fn unit_buffers(
         &mut self,
         (host, link): (&mut HostLayers, &mut Link),
@@ -153,24 +178,87 @@ impl Streaming {
         groups: usize,
         history: TokenRange,
         at: StepAt,
-    ) -> Result<(Tensor, Tensor)> {
+    ) -> Result<UnitBuffers> {
         let here = Unit { layer, group };
         let key = UnitSpan {
             unit: here,
             tokens: history,
         };
-        let buf = self.take_unit((&mut *host, &mut *link), key)?;
-        self.prefetch_next((host, link), residency, here, groups, at, other_buffer(buf))?;
-        self.pingpong.buf(buf)
+        // The unit before this one has been attended.
+        self.staging.finish_current();
+        let (place, landing) = match self.staging.take(&key, key.tokens.len + at.tokens, link)? {
+            Some(t) => {
+                // Staged during the step before: its bytes count in the step that uses them.
+                link.count(t.uncounted, Direction::H2d);
+                (t.place, t.tickets)
+            }
+            None => {
+                let place = self.place_for(key, at)?;
+                let ticket = if key.tokens.len > 0 {
+                    let jobs = self.load_jobs(host, key, place)?;
+                    link.submit(jobs, Direction::H2d)?
+                } else {
+                    None
+                };
+                (place, [ticket, None])
+            }
+        };
+        self.staging.hold(place);
+        // The next units' copies are queued before this one's is waited for: the link goes
+        // from one copy to the next without waiting for the compute thread to wake.
+        self.stage_ahead((&mut *host, &mut *link), residency, here, groups, at)?;
+        for t in landing {
+            link.wait(t)?;
+        }
+        let (k, v) = self.staging.buffers(place)?;
+        Ok(UnitBuffers {
+            k,
+            v,
+            offset: place.offset(),
+        })
     }
 
-    /// Copy jobs bringing `span`'s history into buffer `buf` (from host memory, or read
-    /// from the disk tier first).
-    fn load_jobs(&self, host: &mut HostLayers, span: UnitSpan, buf: usize) -> Result<Vec<CopyJob>> {
+    /// Unit (`layer`, `group`) has been attended and its new entries queued back: its place
+    /// is free, so the streamed units after the last staged one are staged into it now —
+    /// before the compute between units (the MLP, the next layer's projections; at the
+    /// step's end the LM head and sampling) rather than after it.
+    pub(crate) fn done(
+        &mut self,
+        io: (&mut HostLayers, &mut Link),
+        residency: Option<&Residency>,
+        (layer, group): (usize, usize),
+        groups: usize,
+        at: StepAt,
+    ) -> Result<()> {
+        self.staging.finish_current();
+        self.stage_ahead(io, residency, Unit { layer, group }, groups, at)
+    }
+
+    /// A place for `key`'s history and the step's tokens.
+    fn place_for(&self, key: UnitSpan, at: StepAt) -> Result<Place> {
+        self.staging
+            .place_for(key.tokens.len + at.tokens)
+            .ok_or_else(|| {
+                kvpolicy_core::KvError::invariant(format!(
+                    "a unit of {} tokens does not fit the staging buffers of {}",
+                    key.tokens.len + at.tokens,
+                    self.staging.cap()
+                ))
+            })
+    }
+
+    /// Copy jobs bringing `span`'s history into `place` (from host memory, or read from the
+    /// disk tier first).
+    fn load_jobs(
+        &self,
+        host: &mut HostLayers,
+        span: UnitSpan,
+        place: Place,
+    ) -> Result<Vec<CopyJob>> {
         let gs = self.group;
         let heads = HeadRange::new(span.unit.group * gs, gs);
         let (hk, hv) = host.history(span.unit.layer, heads, span.tokens)?;
-        let (kb, vb) = self.pingpong.buf(buf)?;
+        let (kb, vb) = self.staging.buffers(place)?;
         let batch = kb.dim(0)?;
         let mut jobs = Vec::with_capacity(2 * batch * gs);
         for bi in 0..batch {
@@ -180,7 +268,7 @@ impl Streaming {
                         src: src.narrow(0, bi, 1)?.narrow(1, j, 1)?,
                         dst: dst.narrow(0, bi, 1)?.narrow(1, j, 1)?,
                         dim: 2,
-                        offset: 0,
+                        offset: place.offset(),
                     });
                 }
             }
@@ -188,57 +276,59 @@ impl Streaming {
         Ok(jobs)
     }
 
-    /// Makes the unit's history resident; returns its buffer.
-    fn take_unit(
-        &mut self,
-        (host, link): (&mut HostLayers, &mut Link),
-        key: UnitSpan,
-    ) -> Result<usize> {
-        if let Some(p) = self.pingpong.take(&key, link)? {
-            for t in p.tickets {
-                link.wait(t)?;
-            }
-            return Ok(p.buf);
-        }
-        if key.tokens.len > 0 {
-            let jobs = self.load_jobs(host, key, 0)?;
-            let t = link.submit(jobs, Direction::H2d)?;
-            link.wait(t)?;
-        }
-        Ok(0)
-    }
-
-    /// Starts copying the streamed unit after `unit` into buffer `buf`, and — for layers on
-    /// disk — reading the [`READ_AHEAD`] streamed units after that one from disk, into the
-    /// next step's first units once this step's are all read: disk → host → device, each
-    /// stage ahead of the compute. (The copy stays within the step: its bytes are counted,
-    /// and a step that never comes would have moved them for nothing.)
-    fn prefetch_next(
+    /// Stages the streamed units after `unit` while the buffers have room — into the next
+    /// step's first units once this step's are all staged, as far as their layers are
+    /// already written for it (so the link does not idle across the step's end: the LM
+    /// head, sampling, the next step's first projections); for layers on the disk tier one
+    /// unit ahead only, since their history is read on this thread — and then reads the
+    /// [`READ_AHEAD`] streamed units after the last staged one from disk, into the next
+    /// step's first units once this step's are all read: disk → host → device, each stage
+    /// ahead of the compute. A unit staged for the next step is counted in that step; one
+    /// that a run never takes (the last step of a sampled run stages the first units of a
+    /// step that does not come) moved over the link uncounted.
+    fn stage_ahead(
         &mut self,
         (host, link): (&mut HostLayers, &mut Link),
         residency: Option<&Residency>,
         unit: Unit,
         groups: usize,
         step: StepAt,
-        buf: usize,
     ) -> Result<()> {
-        let copied = unit.next_streamed(groups, step.pos, None, host, residency);
-        if let Some(key) = copied {
-            let jobs = self.load_jobs(host, key, buf)?;
-            let ticket = link.submit(jobs, Direction::H2d)?;
-            self.pingpong.set_prefetched(Loaded {
-                key,
-                buf,
-                tickets: [ticket, None],
-            });
+        let (mut last, mut last_pos) = self
+            .staging
+            .last_staged()
+            .map_or((unit, step.pos), |k| (k.unit, k.tokens.end()));
+        let wrap = step.next().map(|_| step);
+        while let Some(key) = last.next_streamed(groups, last_pos, wrap, host, residency) {
+            let next_step = key.tokens.end() > step.pos;
+            // The next step's units whose layers this step has written (`ready` only
+            // yields those), and no further than that step.
+            if next_step && (key.unit >= unit || Some(key.tokens.end()) != step.next()) {
+                break;
+            }
+            let on_disk = host.ram(key.unit.layer).is_none();
+            if on_disk && self.staging.staged() > 0 {
+                break;
+            }
+            let Some(place) = self.staging.place_for(key.tokens.len + step.tokens) else {
+                break;
+            };
+            let jobs = self.load_jobs(host, key, place)?;
+            let (ticket, uncounted) = if next_step {
+                link.submit_uncounted(jobs)?
+            } else {
+                (link.submit(jobs, Direction::H2d)?, 0)
+            };
+            self.staging.stage(key, place, [ticket, None], uncounted);
+            (last, last_pos) = (key.unit, key.tokens.end());
         }
-        let (mut at, mut at_pos, gs) = (unit, step.pos, self.group);
-        for _ in 0..=READ_AHEAD {
+        let (mut at, mut at_pos, gs) = (last, last_pos, self.group);
+        for _ in 0..READ_AHEAD {
             let Some(key) = at.next_streamed(groups, at_pos, Some(step), host, residency) else {
                 break;
             };
             (at, at_pos) = (key.unit, key.tokens.end());
-            if Some(key) != copied {
+            if !self.staging.is_staged(&key) {
                 let heads = HeadRange::new(key.unit.group * gs, gs);
                 host.read_ahead(key.unit.layer, heads, key.tokens)?;
             }

@@ -21,6 +21,8 @@ pub struct Link {
     engine: Box<dyn TransferEngine>,
     /// `engine.copy_seconds()` at the last reset (reports count from there).
     copy_base: f64,
+    /// `engine.busy_seconds()` at the last reset.
+    busy_base: f64,
     h2d_bytes: u64,
     d2h_bytes: u64,
     wait_s: f64,
@@ -46,6 +48,7 @@ impl Link {
     pub fn new(engine: Box<dyn TransferEngine>) -> Self {
         Self {
             copy_base: engine.copy_seconds(),
+            busy_base: engine.busy_seconds(),
             engine,
             h2d_bytes: 0,
             d2h_bytes: 0,
@@ -67,7 +70,19 @@ impl Link {
         Ok(Some(self.engine.submit(jobs)?))
     }
 
-    /// Counts `bytes` copied outside the engine (a synchronous write-back).
+    /// Queues `jobs` without counting them: for copies made ahead of the step that uses
+    /// them, whose bytes the caller counts with [`count`](Self::count) when that step takes
+    /// them (or drops them). Returns the ticket and the bytes.
+    pub fn submit_uncounted(&mut self, jobs: Vec<CopyJob>) -> Result<(Option<Ticket>, u64)> {
+        if jobs.is_empty() {
+            return Ok((None, 0));
+        }
+        let bytes = jobs.iter().map(CopyJob::bytes).sum();
+        Ok((Some(self.engine.submit(jobs)?), bytes))
+    }
+
+    /// Counts `bytes` copied outside the engine (a synchronous write-back), or queued
+    /// uncounted earlier ([`submit_uncounted`](Self::submit_uncounted)).
     pub fn count(&mut self, bytes: u64, dir: Direction) {
         match dir {
             Direction::H2d => self.h2d_bytes += bytes,
@@ -97,15 +112,17 @@ impl Link {
         self.d2h_bytes = 0;
         self.wait_s = 0.0;
         self.copy_base = self.engine.copy_seconds();
+        self.busy_base = self.engine.busy_seconds();
     }
 
-    /// `stats` with this link's traffic, waits, copy time and pinned bytes filled in.
+    /// `stats` with this link's traffic, waits, copy and busy time and pinned bytes filled in.
     pub fn report(&self, stats: KvStats) -> KvStats {
         KvStats {
             h2d_bytes: self.h2d_bytes,
             d2h_bytes: self.d2h_bytes,
             transfer_wait_s: self.wait_s,
             copy_s: self.engine.copy_seconds() - self.copy_base,
+            link_busy_s: self.engine.busy_seconds() - self.busy_base,
             host_pinned_bytes: self.engine.pinned_bytes(),
             ..stats
         }

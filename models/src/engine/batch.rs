@@ -229,6 +229,7 @@ pub fn generate_batch(
                 prefill_s,
                 decode_tokens: r.decode_tokens,
                 decode_s,
+                prefill_stats: None,
             })
         })
         .collect::<Result<Vec<_>>>()?;

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use candle_core::Tensor;
 use candle_transformers::generation::{LogitsProcessor, Sampling};
-use kvpolicy_core::{KvPolicy, KvShape};
+use kvpolicy_core::{KvPolicy, KvShape, KvStats};
 
 use crate::error::{Message, ModelError, ModelInput, Result};
 use crate::model::{CausalLm, LogitsMode, ModelInfo};
@@ -79,6 +79,9 @@ pub struct Generation {
     pub decode_tokens: usize,
     /// Seconds spent in decode steps.
     pub decode_s: f64,
+    /// The policy's stats when prefill ended (`None` in ragged batches, where requests'
+    /// prefill and decode interleave): with the final stats, what decode alone moved.
+    pub prefill_stats: Option<KvStats>,
 }
 
 /// Checks a request against the model before running it.
@@ -310,6 +313,7 @@ pub fn generate(
     }
     check_finite(&last, prompt.len() - 1)?;
     let prefill_s = start.elapsed().as_secs_f64();
+    let prefill_stats = policy.stats();
     let mut rows: Vec<Tensor> = prompt_rows.into_iter().collect();
     let mut generated = Vec::new();
     let mut decode_tokens = 0;
@@ -361,5 +365,6 @@ pub fn generate(
         prefill_s,
         decode_tokens,
         decode_s,
+        prefill_stats: Some(prefill_stats),
     })
 }

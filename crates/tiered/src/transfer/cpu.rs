@@ -8,6 +8,7 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use super::engine::{run_jobs, CopyJob, Ticket, TransferEngine};
+use super::wire::{book_shared, Slot};
 use kvpolicy_core::{KvError, Result};
 
 /// Copies at submission time.
@@ -43,37 +44,29 @@ impl TransferEngine for SyncTransferEngine {
 struct Progress {
     done: u64,
     error: Option<String>,
+    /// Seconds spent copying.
+    copy_s: f64,
+    /// Seconds the link was busy (the copies, or on a simulated wire each batch's wire
+    /// time with its copy inside).
     busy_s: f64,
+}
+
+/// A batch for the worker: its ticket, its jobs and, on a simulated link, its wire slot.
+struct Batch {
+    id: u64,
+    jobs: Vec<CopyJob>,
+    slot: Option<Slot>,
 }
 
 /// Batches below this many bytes run inline when nothing is queued: waking the worker costs
 /// more than copying them (a decode step's write-back is one token per head).
 pub const INLINE_BYTES: u64 = 64 * 1024;
 
-/// The one simulated wire of the process: when it is next free.
-static LINK_FREE_AT: Mutex<Option<Instant>> = Mutex::new(None);
-
-/// How long a batch of `bytes` must still wait on the simulated link of `bytes_per_s`: every
-/// engine of the process shares one wire (as every engine of one GPU shares its PCIe
-/// link), so a batch starts when the wire is free and ends bytes ÷ bandwidth later.
-fn shared_link_delay(bytes: u64, bytes_per_s: f64) -> std::time::Duration {
-    let now = Instant::now();
-    let took = std::time::Duration::from_secs_f64(bytes as f64 / bytes_per_s);
-    let end = match LINK_FREE_AT.lock() {
-        Ok(mut free) => {
-            let start = free.map_or(now, |f| f.max(now));
-            let end = start + took;
-            *free = Some(end);
-            end
-        }
-        Err(_) => now + took,
-    };
-    end.saturating_duration_since(now)
-}
-
 /// Runs copies on a background thread (small batches inline when the queue is empty).
 pub struct CpuTransferEngine {
-    tx: Option<Sender<(u64, Vec<CopyJob>)>>,
+    tx: Option<Sender<Batch>>,
+    /// The simulated link's bandwidth, if any.
+    link: Option<f64>,
     state: Arc<(Mutex<Progress>, Condvar)>,
     submitted: u64,
     worker: Option<JoinHandle<()>>,
@@ -95,8 +88,9 @@ impl CpuTransferEngine {
     }
 
     /// A worker that simulates a host↔device link of `bytes_per_s` (CPU experiments: each
-    /// batch occupies the process's one simulated wire for its bytes ÷ the bandwidth, after
-    /// the batches of every engine queued before it; nothing runs inline).
+    /// batch occupies the process's one simulated wire for its bytes ÷ the bandwidth from
+    /// its submission or after the batches of every engine booked before it, its copy
+    /// running inside that time — see [`super::wire`]; nothing runs inline).
     pub fn with_link(bytes_per_s: f64) -> Result<Self> {
         if !(bytes_per_s.is_finite() && bytes_per_s > 0.0) {
             return Err(KvError::Unsupported(format!(
@@ -107,23 +101,33 @@ impl CpuTransferEngine {
     }
 
     fn start(link: Option<f64>) -> Result<Self> {
-        let (tx, rx) = channel::<(u64, Vec<CopyJob>)>();
+        let (tx, rx) = channel::<Batch>();
         let state = Arc::new((Mutex::new(Progress::default()), Condvar::new()));
         let st = Arc::clone(&state);
         let worker = std::thread::Builder::new()
             .name("kv-transfer".into())
             .spawn(move || {
-                for (id, jobs) in rx {
-                    let start = Instant::now();
-                    let err = run_jobs(&jobs).err().map(|e| e.to_string());
-                    if let Some(bw) = link {
-                        let bytes: u64 = jobs.iter().map(CopyJob::bytes).sum();
-                        std::thread::sleep(shared_link_delay(bytes, bw));
-                    }
+                // When the previous batch completed: busy time is counted once.
+                let mut last_done: Option<Instant> = None;
+                for batch in rx {
+                    let picked = Instant::now();
+                    let err = run_jobs(&batch.jobs).err().map(|e| e.to_string());
+                    let copied = Instant::now();
+                    let busy = match batch.slot {
+                        Some(slot) => {
+                            let done = slot.completion(copied);
+                            std::thread::sleep(done.saturating_duration_since(copied));
+                            let busy = slot.busy(last_done, done);
+                            last_done = Some(done);
+                            busy
+                        }
+                        None => copied - picked,
+                    };
                     let (lock, cv) = &*st;
                     if let Ok(mut p) = lock.lock() {
-                        p.busy_s += start.elapsed().as_secs_f64();
-                        p.done = id;
+                        p.copy_s += (copied - picked).as_secs_f64();
+                        p.busy_s += busy.as_secs_f64();
+                        p.done = batch.id;
                         if p.error.is_none() {
                             p.error = err;
                         }
@@ -134,6 +138,7 @@ impl CpuTransferEngine {
             .map_err(|e| KvError::Transfer(format!("cannot start the transfer thread: {e}")))?;
         Ok(Self {
             tx: Some(tx),
+            link,
             state,
             submitted: 0,
             worker: Some(worker),
@@ -183,7 +188,9 @@ impl TransferEngine for CpuTransferEngine {
             self.submitted += 1;
             let (lock, _) = &*self.state;
             if let Ok(mut p) = lock.lock() {
-                p.busy_s += start.elapsed().as_secs_f64();
+                let took = start.elapsed().as_secs_f64();
+                p.copy_s += took;
+                p.busy_s += took;
                 p.done = self.submitted;
             }
             return Ok(Ticket(self.submitted));
@@ -193,8 +200,15 @@ impl TransferEngine for CpuTransferEngine {
             .tx
             .as_ref()
             .ok_or_else(|| KvError::Transfer("the transfer engine is shut down".into()))?;
-        tx.send((self.submitted, jobs))
-            .map_err(|_| KvError::Transfer("the transfer thread has stopped".into()))?;
+        // The wire is booked at submission: a batch may start on it before the worker is
+        // done with an earlier one's copy.
+        let slot = self.link.map(|bw| book_shared(bytes, bw));
+        tx.send(Batch {
+            id: self.submitted,
+            jobs,
+            slot,
+        })
+        .map_err(|_| KvError::Transfer("the transfer thread has stopped".into()))?;
         Ok(Ticket(self.submitted))
     }
 
@@ -207,6 +221,10 @@ impl TransferEngine for CpuTransferEngine {
     }
 
     fn copy_seconds(&self) -> f64 {
+        self.state.0.lock().map_or(0.0, |p| p.copy_s)
+    }
+
+    fn busy_seconds(&self) -> f64 {
         self.state.0.lock().map_or(0.0, |p| p.busy_s)
     }
 }
@@ -289,11 +307,12 @@ mod tests {
             eng.wait_all()?;
             assert!(eng.copy_seconds() > once);
         }
-        // The simulated wire's time is part of the copy time.
+        // The link is busy for at least the batch's wire time (the copy inside it).
         let mut eng = CpuTransferEngine::with_link(50e6)?;
         eng.submit(vec![job(&dst)])?;
         eng.wait_all()?;
-        assert!(eng.copy_seconds() >= 256.0 * 1024.0 / 50e6 * 0.9);
+        assert!(eng.busy_seconds() >= 256.0 * 1024.0 / 50e6 * 0.99);
+        assert!(eng.busy_seconds() > eng.copy_seconds());
         Ok(())
     }
 

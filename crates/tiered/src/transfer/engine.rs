@@ -86,6 +86,13 @@ pub trait TransferEngine: Send {
     fn copy_seconds(&self) -> f64 {
         0.0
     }
+
+    /// Seconds the link has been busy since the engine was created: the copies' time, or on
+    /// a simulated wire each batch's wire time with its copy inside (the default: the copy
+    /// time). Its share of the decode time says how far a run is from the link's bound.
+    fn busy_seconds(&self) -> f64 {
+        self.copy_seconds()
+    }
 }
 
 /// A host-tier buffer of `dims` from `engine` whose leading part along `dim` holds a copy of

@@ -13,8 +13,8 @@
 //! [`TransferEngine::host_release`] before they are dropped.
 //!
 //! Files: `engine` the trait and the jobs, this one [`engine_for`]; `cpu` the worker-thread and
-//! synchronous engines; `cuda` the copy-stream engine; `runs` the byte runs a strided copy
-//! is made of.
+//! synchronous engines; `wire` the simulated link's timing rule; `cuda` the copy-stream
+//! engine; `runs` the byte runs a strided copy is made of.
 
 use candle_core::Device;
 
@@ -23,6 +23,7 @@ mod cpu;
 pub mod cuda;
 pub mod engine;
 pub mod runs;
+pub mod wire;
 
 pub use cpu::{CpuTransferEngine, SyncTransferEngine, INLINE_BYTES};
 #[cfg(feature = "cuda")]
