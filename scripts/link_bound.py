@@ -21,7 +21,6 @@ import csv
 import json
 import os
 import subprocess
-import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,7 +35,7 @@ def example_run(binary, context, steps, policy, bandwidth, tmp):
            "--link-bandwidth", bandwidth, "--stats-out", stats]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        sys.exit(f"{' '.join(cmd)} failed:\n{proc.stderr}")
+        return {"error": proc.stderr.strip().splitlines()[-1][:160]}
     with open(stats) as f:
         st = json.load(f)
     return {
@@ -61,7 +60,7 @@ def synthetic_run(binary, context, steps, policy, bandwidth, tmp):
            "--policies", policy, "--no-stock", "--link-bandwidth", bandwidth, "--csv", out]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        sys.exit(f"{' '.join(cmd)} failed:\n{proc.stderr}")
+        return {"error": proc.stderr.strip().splitlines()[-1][:160]}
     with open(out) as f:
         row = next(r for r in csv.DictReader(f) if r["policy"] == policy)
     return {
@@ -71,10 +70,14 @@ def synthetic_run(binary, context, steps, policy, bandwidth, tmp):
     }
 
 
+# Each row: its model, binary, context, runner and `auto`'s budget there (the two streaming
+# buffers and a 2,048-token prefill chunk's scratch first, then resident units: about half
+# of the cache resident). A synthetic history cannot be stored into `auto` (it places units
+# as they attend), so that row runs `full` instead: the compute's own bound, no link.
 ROWS = {
-    "smollm2": ("SmolLM2-135M Q4_1", "llama", 3900, example_run),
-    "gemma3": ("Gemma 3 270M Q4_K_M", "gemma", 16000, example_run),
-    "synthetic": ("SmolLM2-135M shape, synthetic", "kvbench", 131072, synthetic_run),
+    "smollm2": ("SmolLM2-135M Q4_1", "llama", 3900, example_run, "128MiB"),
+    "gemma3": ("Gemma 3 270M Q4_K_M", "gemma", 16000, example_run, "192MiB"),
+    "synthetic": ("SmolLM2-135M shape, synthetic", "kvbench", 131072, synthetic_run, None),
 }
 
 
@@ -91,7 +94,8 @@ def main():
     ap.add_argument("--bin-dir", default=RELEASE, help="where llama, gemma and kvbench are")
     ap.add_argument("--label", default="after", help="name of the build in the table")
     ap.add_argument("--rows", default="smollm2,gemma3,synthetic")
-    ap.add_argument("--policies", default="headwise,layer,auto:64MiB")
+    ap.add_argument("--policies", default="headwise,layer,auto",
+                    help="`auto` takes the row's budget; `auto:SIZE` a budget of its own")
     ap.add_argument("--steps", type=int, default=24, help="decode steps per run")
     ap.add_argument("--synthetic-steps", type=int, default=4)
     ap.add_argument("--bandwidth", default="2GB")
@@ -102,21 +106,30 @@ def main():
     print("|---|---|---:|---|---:|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as tmp:
         for key in args.rows.split(","):
-            name, exe, context, runner = ROWS[key]
+            name, exe, context, runner, budget = ROWS[key]
             steps = args.synthetic_steps if key == "synthetic" else args.steps
             for policy in args.policies.split(","):
+                if policy == "auto":
+                    policy = f"auto:{budget}" if budget else "full"
                 r = runner(os.path.join(args.bin_dir, exe), context, steps, policy,
                            args.bandwidth, tmp)
+                if "error" in r:
+                    print(f"| {args.label} | {name} | {context} | {policy} | error: {r['error']} "
+                          f"| | | | |", flush=True)
+                    continue
                 if r["bytes_per_token"] is None:
                     ref = runner(os.path.join(RELEASE, exe), context, steps, policy,
                                  args.bandwidth, tmp)
                     r["bytes_per_token"] = ref["bytes_per_token"]
-                bound = bw / r["bytes_per_token"] if r["bytes_per_token"] else float("inf")
                 util = "–" if r["utilization"] is None else f"{r['utilization']:.2f}"
+                if r["bytes_per_token"]:
+                    bound = bw / r["bytes_per_token"]
+                    bound_text, share = f"{bound:.2f}", f"{r['decode_tok_s'] / bound:.2f}"
+                else:
+                    bound_text, share = "– (no link)", "–"
                 print(f"| {args.label} | {name} | {context} | {policy} "
-                      f"| {r['bytes_per_token'] / 1e6:.1f} MB | {bound:.2f} "
-                      f"| {r['decode_tok_s']:.2f} | {r['decode_tok_s'] / bound:.2f} | {util} |",
-                      flush=True)
+                      f"| {(r['bytes_per_token'] or 0) / 1e6:.1f} MB | {bound_text} "
+                      f"| {r['decode_tok_s']:.2f} | {share} | {util} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -299,3 +299,94 @@ fn library_errors_are_typed_and_name_no_flags() -> Result<()> {
     }
     Ok(())
 }
+
+/// What the link saw: each batch's bytes in submission order, and for every wait the
+/// ticket waited for and the batches submitted by then.
+#[derive(Default)]
+struct LinkLog {
+    batches: Vec<u64>,
+    waits: Vec<(u64, usize)>,
+}
+
+/// A synchronous engine that logs into a shared [`LinkLog`].
+struct Logging {
+    inner: kvpolicy::tiered::SyncTransferEngine,
+    log: std::sync::Arc<std::sync::Mutex<LinkLog>>,
+}
+
+impl kvpolicy::tiered::TransferEngine for Logging {
+    fn submit(
+        &mut self,
+        jobs: Vec<kvpolicy::tiered::CopyJob>,
+    ) -> kvpolicy::core::Result<kvpolicy::tiered::Ticket> {
+        let bytes = jobs.iter().map(kvpolicy::tiered::CopyJob::bytes).sum();
+        if let Ok(mut l) = self.log.lock() {
+            l.batches.push(bytes);
+        }
+        self.inner.submit(jobs)
+    }
+    fn wait(&mut self, t: kvpolicy::tiered::Ticket) -> kvpolicy::core::Result<f64> {
+        if let Ok(mut l) = self.log.lock() {
+            let n = l.batches.len();
+            l.waits.push((t.0, n));
+        }
+        self.inner.wait(t)
+    }
+    fn wait_all(&mut self) -> kvpolicy::core::Result<f64> {
+        self.inner.wait_all()
+    }
+}
+
+/// The link is never left idle while the compute waits (issue: exact offload at the link's
+/// bound): whenever a unit's copy is waited for, the copy of a later unit has already been
+/// queued behind it — within a step, across layers and into the next step — except for the
+/// run's very last unit. (Write-backs, one decode token per head, do not count as loads.)
+#[test]
+fn a_later_load_is_queued_whenever_a_load_is_waited_for() -> Result<()> {
+    use kvpolicy::offload::{Grouping, OffloadPolicy};
+    use kvpolicy::KvPolicy;
+    let name = "llama_gqa";
+    let loaded = common::load_fixture(name)?;
+    let model = loaded.model.as_ref();
+    let info = model.info().clone();
+    let (prompt, decode) = common::fixture_ids(name)?;
+    // A decode step writes one token of each of a unit's heads back (f32): one head under
+    // headwise:1, every KV head under layer.
+    let write_back = |heads: usize| (2 * heads * info.head_dim * 4) as u64;
+    for (policy, grouping) in [
+        ("headwise", Grouping::Heads(HeadGroup::Fixed(1))),
+        ("layer", Grouping::Layer),
+    ] {
+        let log = std::sync::Arc::new(std::sync::Mutex::new(LinkLog::default()));
+        let engine = Logging {
+            inner: kvpolicy::tiered::SyncTransferEngine::default(),
+            log: log.clone(),
+        };
+        // Buffers large enough never to grow: growing drops what was staged.
+        let mut p =
+            OffloadPolicy::new(policy, grouping, &opts(1024, None))?.with_engine(Box::new(engine));
+        let p: &mut dyn KvPolicy = &mut p;
+        common::teacher_forced(model, p, &prompt, &decode, 0)?;
+        let l = log
+            .lock()
+            .map_err(|_| anyhow::anyhow!("the log's lock is poisoned"))?;
+        let heads = if policy == "layer" {
+            info.n_kv_heads
+        } else {
+            1
+        };
+        let loads_after = |ticket: u64, submitted: usize| {
+            l.batches[ticket as usize..submitted]
+                .iter()
+                .any(|&b| b != write_back(heads))
+        };
+        let lonely = l.waits.iter().filter(|&&(t, n)| !loads_after(t, n)).count();
+        assert!(
+            l.waits.len() > decode.len(),
+            "{policy}: {} waits",
+            l.waits.len()
+        );
+        assert_eq!(lonely, 1, "{policy}: waits with no later load queued");
+    }
+    Ok(())
+}

@@ -111,10 +111,13 @@ impl std::fmt::Display for Message {
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
     /// A tensor operation failed.
+    #[error(transparent)]
     Candle(#[from] candle_core::Error),
     /// The KV policy failed.
+    #[error(transparent)]
     Policy(#[from] kvpolicy_core::KvError),
     /// A file could not be read or written.
+    #[error("cannot access {}: {source}", path.display())]
     Io {
         /// The file.
         path: PathBuf,
@@ -122,6 +125,7 @@ pub enum ModelError {
         source: std::io::Error,
     },
     /// config.json is missing a field, has a bad value, or asks for something unsupported.
+    #[error("config: field `{field}`: {message}")]
     Config {
         /// The offending field (dotted path).
         field: String,
@@ -129,6 +133,7 @@ pub enum ModelError {
         message: String,
     },
     /// A weight is missing or its shape disagrees with the config.
+    #[error("weights in {}: {message}", path.display())]
     Weights {
         /// The weight file or directory.
         path: PathBuf,
@@ -136,6 +141,7 @@ pub enum ModelError {
         message: Message,
     },
     /// A file that should be GGUF is not, or is damaged.
+    #[error("{} {message}", path.display())]
     Gguf {
         /// The file.
         path: PathBuf,
@@ -143,21 +149,25 @@ pub enum ModelError {
         message: Message,
     },
     /// The tokenizer could not be built or failed.
+    #[error("tokenizer: {0}")]
     Tokenizer(Message),
     /// No source could provide the model.
+    #[error("could not obtain the model: {0}")]
     Fetch(Message),
     /// A request that the model cannot serve (bad ids, too long, empty prompt).
+    #[error("invalid input: {0}")]
     Input(Message),
 }
 
 impl ModelError {
-    /// The message with each [`ModelInput`] named by `name` (a front end's spelling).
+    /// The message with each [`ModelInput`] named by `name` (a front end's spelling); the
+    /// `Display` text when `name` is [`ModelInput::library_name`] (a test holds the two
+    /// together).
     pub fn render(&self, name: &dyn Fn(ModelInput) -> String) -> String {
         match self {
-            Self::Candle(e) => e.to_string(),
-            Self::Policy(e) => e.to_string(),
-            Self::Io { path, source } => format!("cannot access {}: {source}", path.display()),
-            Self::Config { field, message } => format!("config: field `{field}`: {message}"),
+            Self::Candle(_) | Self::Policy(_) | Self::Io { .. } | Self::Config { .. } => {
+                self.to_string()
+            }
             Self::Weights { path, message } => {
                 format!("weights in {}: {}", path.display(), message.render(name))
             }
@@ -166,12 +176,6 @@ impl ModelError {
             Self::Fetch(m) => format!("could not obtain the model: {}", m.render(name)),
             Self::Input(m) => format!("invalid input: {}", m.render(name)),
         }
-    }
-}
-
-impl std::fmt::Display for ModelError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.render(&|i| i.library_name().to_string()))
     }
 }
 
@@ -227,5 +231,40 @@ mod tests {
         assert_eq!(e.to_string(), "invalid input: `top_p` 2 must be in (0, 1]");
         let flag = |i: ModelInput| format!("<{i:?}>");
         assert_eq!(e.render(&flag), "invalid input: <TopP> 2 must be in (0, 1]");
+    }
+
+    /// `render` with the library's names is `Display`, for every variant that has a
+    /// message to render.
+    #[test]
+    fn render_with_library_names_is_display() {
+        let m = || {
+            Message::from("pass ")
+                .input(ModelInput::Gguf)
+                .text(" or ")
+                .input(ModelInput::Chat)
+        };
+        let path = PathBuf::from("/x/m.gguf");
+        let all = [
+            ModelError::Weights {
+                path: path.clone(),
+                message: m(),
+            },
+            ModelError::Gguf { path, message: m() },
+            ModelError::Tokenizer(m()),
+            ModelError::Fetch(m()),
+            ModelError::Input(m()),
+            ModelError::config("f", "bad"),
+        ];
+        for e in all {
+            assert_eq!(e.render(&|i| i.library_name().to_string()), e.to_string());
+        }
+    }
+
+    /// A policy error is passed through whole: its message once in an error's chain.
+    #[test]
+    fn policy_errors_are_transparent() {
+        use std::error::Error;
+        let e = ModelError::from(kvpolicy_core::KvError::invariant("x"));
+        assert!(e.source().is_none(), "{:?}", e.source());
     }
 }

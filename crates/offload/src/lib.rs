@@ -6,8 +6,9 @@
 //! Files, one type and its `impl` each: `runtime` the policy ([`OffloadPolicy`]), which
 //! composes the others and owns what they share (link, host tier, device meter, stats);
 //! `plan` its fixed layout choices ([`Grouping`], the head group, the resident bytes);
-//! `stream` the ping-pong buffers on `kvpolicy-tiered`'s toolkit, the unit order, prefetch
-//! and disk read-ahead; `resident` `auto`'s resident units, attended in place;
+//! `stream` the unit order, prefetch and disk read-ahead on `kvpolicy-tiered`'s toolkit;
+//! `staging` the two device buffers as places for the units staged ahead; `resident`
+//! `auto`'s resident units, attended in place;
 //! `settings` `headwise`'s settings.
 //!
 //! ## What the paper does
@@ -29,10 +30,16 @@
 //! * The device tier holds exactly two buffers of `group` heads at the current capacity:
 //!   peak device KV = `2 × group × capacity × head_dim × 2 (K, V) × dtype bytes × batch`,
 //!   asserted exactly by the tests through [`KvStats`](kvpolicy_core::KvStats).
-//! * Units run in order across layers; the next unit (the next group, or the next layer's
-//!   first group) is prefetched by the transfer engine — a worker thread on CPU — while the
-//!   current one attends, and new entries go back behind it. A step's first unit is loaded
-//!   synchronously: the next step's new tokens are not known before it starts.
+//! * Units run in order across layers. Beyond the paper's one-ahead ping-pong, the units
+//!   after the current one are staged as far ahead as the two buffers have room (small
+//!   units — one head, a sliding-window layer — share a buffer, packed along the token
+//!   axis), each copy queued before the current unit's is waited for and the freed place
+//!   refilled as soon as a unit is attended — also with the next step's first units, once
+//!   this step has written their layers. So the link carries one copy after another and a
+//!   decode step costs what moving its cache costs (HeadInfer §3.2's claim, measured by
+//!   `scripts/link_bound.py`: 0.96–0.99 of a simulated link's bound). Same device bytes as
+//!   the ping-pong: only what fills the buffers runs further ahead. New entries go back
+//!   behind each unit.
 //! * The `group` setting (`headwise:group=N`) fixes the group; `auto` picks the largest group (a divisor of the KV
 //!   heads) whose two buffers and a step's scratch (the unit's attention tiles, the chunk's
 //!   activations) fit `device_kv_budget`, re-chosen as the context grows, and

@@ -242,8 +242,8 @@ impl KvPolicy for OffloadPolicy {
         // it will not grow the buffers.
         let next = pos + t;
         let next_widest = self.host.widest_history(next, 0);
-        let stage_next = next < shape.max_tokens
-            && self.plan.capacity_for(next_widest + t) <= self.stream.cap();
+        let stage_next =
+            next < shape.max_tokens && self.plan.capacity_for(next_widest + t) <= self.stream.cap();
         let at = StepAt::new(pos, t, shape.n_layers, stage_next);
         // What a resident unit's growth must leave free, and the step's activations.
         let reserve = self.plan.scratch_bytes(&shape, gs, widest + t);
