@@ -93,8 +93,8 @@ pub struct KvStats {
     pub host_pinned_bytes: u64,
     /// Bytes copied host→device. A copy made ahead for the next step (offload's staging) is
     /// counted in the step that uses it, so each step's count is what that step needed;
-    /// one dropped unused is counted when dropped, and the first units staged for a step
-    /// that never comes (the end of a sampled run) are not counted.
+    /// one dropped unused is counted when dropped, and units staged for a step that never
+    /// comes (a sampled run stopped early at an end-of-sequence token) are not counted.
     pub h2d_bytes: u64,
     /// Bytes copied device→host.
     pub d2h_bytes: u64,

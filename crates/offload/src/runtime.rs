@@ -238,12 +238,17 @@ impl KvPolicy for OffloadPolicy {
         let gs = self.stream.group();
         let groups = shape.n_kv_heads / gs;
         let q_per_group = gs * step.spec.group_size();
-        // Units of the next step are staged during this one only if the run expects it and
-        // it will not grow the buffers.
+        // Units of the next step are staged during this one only when that step will come
+        // and use them: not in a sequence's first step (after a `reset` without `prepare`
+        // the layer count is still being learned), not before a step that grows the
+        // buffers (growing drops what was staged), and not for the step at `max_tokens - 1`:
+        // the generation loop feeds its last sampled token to no step, so staging for it
+        // would move bytes for nothing (a teacher-forced run's last step goes unstaged).
         let next = pos + t;
         let next_widest = self.host.widest_history(next, 0);
-        let stage_next =
-            next < shape.max_tokens && self.plan.capacity_for(next_widest + t) <= self.stream.cap();
+        let stage_next = pos > 0
+            && next + 1 < shape.max_tokens
+            && self.plan.capacity_for(next_widest + t) <= self.stream.cap();
         let at = StepAt::new(pos, t, shape.n_layers, stage_next);
         // What a resident unit's growth must leave free, and the step's activations.
         let reserve = self.plan.scratch_bytes(&shape, gs, widest + t);

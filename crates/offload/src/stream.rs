@@ -284,8 +284,8 @@ impl Streaming {
     /// [`READ_AHEAD`] streamed units after the last staged one from disk, into the next
     /// step's first units once this step's are all read: disk → host → device, each stage
     /// ahead of the compute. A unit staged for the next step is counted in that step; one
-    /// that a run never takes (the last step of a sampled run stages the first units of a
-    /// step that does not come) moved over the link uncounted.
+    /// that a run never takes (a sampled run stopped early at an end-of-sequence token)
+    /// moved over the link uncounted.
     fn stage_ahead(
         &mut self,
         (host, link): (&mut HostLayers, &mut Link),
