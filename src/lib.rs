@@ -22,6 +22,7 @@ pub use kvpolicy_hybrid as hybrid;
 pub use kvpolicy_models as models;
 pub use kvpolicy_offload as offload;
 pub use kvpolicy_recompute as recompute;
+pub use kvpolicy_sparse as sparse;
 pub use kvpolicy_tiered as tiered;
 
 pub use kvpolicy_core::{
@@ -35,6 +36,7 @@ pub use kvpolicy_models::{
 };
 pub use kvpolicy_offload::{HeadGroup, HeadwiseSettings};
 pub use kvpolicy_recompute::RecomputeSettings;
+pub use kvpolicy_sparse::{CloSettings, FlexiCacheSettings, QuestSettings};
 
 /// A registry holding every policy of this workspace.
 pub fn registry() -> PolicyRegistry {
@@ -43,6 +45,7 @@ pub fn registry() -> PolicyRegistry {
     kvpolicy_offload::register(&mut reg);
     kvpolicy_recompute::register(&mut reg);
     kvpolicy_hybrid::register(&mut reg);
+    kvpolicy_sparse::register(&mut reg);
     reg
 }
 

@@ -1,0 +1,233 @@
+//! The middle of a global layer's cache — between the sinks and the window — attended two
+//! ways: densely for a prefill chunk (the whole middle crosses the link once per chunk and
+//! layer, as under `layer`; Quest's prefill is dense too), and at a decode step over the
+//! pages each KV head selected, fetched page-granularly from the host tier (or the disk
+//! tier: page-sized reads) into the head's device slots (Quest §3, FlexiCache §4).
+//! Pieces merge with the sinks and the window by log-sum-exp.
+use candle_core::Tensor;
+use kvpolicy_core::{attend_partial, AttnInputs, AttnSpec, HeadRange, Partial, Result, TokenRange};
+use kvpolicy_tiered::{CopyJob, Direction, HostLayers, Link};
+
+use crate::cache::{HeadCache, PageShape};
+
+/// The K/V of the middle moved to the device for a dense step, `(b, kv, n × P, d)`.
+pub struct DenseMiddle {
+    /// Keys.
+    pub k: Tensor,
+    /// Values.
+    pub v: Tensor,
+    /// The first middle page.
+    pub first: usize,
+}
+
+impl DenseMiddle {
+    /// Pages `first..first + n` of `layer` from the host tier, over the link (counted).
+    pub fn load(
+        link: &mut Link,
+        host: &mut HostLayers,
+        layer: usize,
+        pages: (usize, usize),
+        shape: &PageShape,
+        kv_heads: usize,
+    ) -> Result<Self> {
+        let (first, n) = pages;
+        let p = shape.page;
+        let (hk, hv) = host.history(
+            layer,
+            HeadRange::new(0, kv_heads),
+            TokenRange::new(first * p, n * p),
+        )?;
+        let dims = (shape.b, kv_heads, n * p, shape.d);
+        let k = Tensor::zeros(dims, shape.dtype, &shape.device)?;
+        let v = Tensor::zeros(dims, shape.dtype, &shape.device)?;
+        let jobs = vec![
+            CopyJob {
+                src: hk,
+                dst: k.clone(),
+                dim: 2,
+                offset: 0,
+            },
+            CopyJob {
+                src: hv,
+                dst: v.clone(),
+                dim: 2,
+                offset: 0,
+            },
+        ];
+        let ticket = link.submit(jobs, Direction::H2d)?;
+        link.wait(ticket)?;
+        Ok(Self { k, v, first })
+    }
+
+    /// Device bytes of the loaded middle.
+    pub fn bytes(&self) -> u64 {
+        2 * (self.k.elem_count() * self.k.dtype().size_in_bytes()) as u64
+    }
+
+    /// Attention of the step's queries at `q_pos` over the whole middle.
+    pub fn attend(
+        &self,
+        q: &Tensor,
+        q_pos: usize,
+        spec: &AttnSpec,
+        page: usize,
+    ) -> Result<Partial> {
+        attend_partial(
+            AttnInputs {
+                q,
+                k: &self.k,
+                v: &self.v,
+                q_pos,
+                k_pos: self.first * page,
+            },
+            spec,
+        )
+    }
+
+    /// Places `keep[h]`'s pages not yet resident in head `h`'s cache, copied on the device.
+    pub fn keep(
+        &self,
+        caches: &mut [HeadCache],
+        keep: &[Vec<usize>],
+        shape: &PageShape,
+    ) -> Result<()> {
+        for (h, (cache, pages)) in caches.iter_mut().zip(keep).enumerate() {
+            cache.retain(pages);
+            for &page in pages {
+                if cache.holds(page) {
+                    continue;
+                }
+                let (kb, vb, at) = cache.place(page, shape)?;
+                let src = |t: &Tensor| {
+                    t.narrow(1, h, 1)?
+                        .narrow(2, (page - self.first) * shape.page, shape.page)?
+                        .contiguous()
+                };
+                kb.slice_set(&src(&self.k)?, 2, at)?;
+                vb.slice_set(&src(&self.v)?, 2, at)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Fetches into each head's cache the pages of `want[h]` it does not hold, one copy per run
+/// of consecutive pages landing in consecutive slots; returns the pages fetched per head.
+/// Bytes are counted host→device on the link.
+pub fn fetch(
+    link: &mut Link,
+    host: &mut HostLayers,
+    layer: usize,
+    caches: &mut [HeadCache],
+    want: &[Vec<usize>],
+    shape: &PageShape,
+) -> Result<Vec<usize>> {
+    let p = shape.page;
+    let mut jobs = Vec::new();
+    let mut fetched = vec![0; caches.len()];
+    for (h, (cache, pages)) in caches.iter_mut().zip(want).enumerate() {
+        // (first page, pages, destination K, V, token offset)
+        let mut run: Option<(usize, usize, Tensor, Tensor, usize)> = None;
+        let missing: Vec<usize> = pages
+            .iter()
+            .copied()
+            .filter(|&pg| !cache.holds(pg))
+            .collect();
+        // Room for every page first: a growth replaces the buffers the queued copies target.
+        cache.grow(cache.len() + missing.len(), shape)?;
+        for page in missing {
+            fetched[h] += 1;
+            let (kb, vb, at) = cache.place(page, shape)?;
+            let extends = run.as_ref().is_some_and(|(first, n, rk, _, rat)| {
+                first + n == page && rat + n * p == at && rk.id() == kb.id()
+            });
+            if extends {
+                if let Some(r) = run.as_mut() {
+                    r.1 += 1;
+                }
+                continue;
+            }
+            if let Some(r) = run.take() {
+                push_run(host, layer, h, r, p, &mut jobs)?;
+            }
+            run = Some((page, 1, kb, vb, at));
+        }
+        if let Some(r) = run.take() {
+            push_run(host, layer, h, r, p, &mut jobs)?;
+        }
+    }
+    let ticket = link.submit(jobs, Direction::H2d)?;
+    link.wait(ticket)?;
+    Ok(fetched)
+}
+
+/// The copies of one run of pages of head `h`.
+fn push_run(
+    host: &mut HostLayers,
+    layer: usize,
+    h: usize,
+    (first, n, kb, vb, at): (usize, usize, Tensor, Tensor, usize),
+    p: usize,
+    jobs: &mut Vec<CopyJob>,
+) -> Result<()> {
+    let (hk, hv) = host.history(
+        layer,
+        HeadRange::new(h, 1),
+        TokenRange::new(first * p, n * p),
+    )?;
+    for (src, dst) in [(hk, kb), (hv, vb)] {
+        jobs.push(CopyJob {
+            src,
+            dst,
+            dim: 2,
+            offset: at,
+        });
+    }
+    Ok(())
+}
+
+/// Attention of each KV head's query group over the pages it selected (all resident in its
+/// cache), concatenated over the heads: `(b, n_heads, t, d)` with log-sum-exp. Selected
+/// pages lie before every query, so no mask applies.
+pub fn attend_selected(
+    q: &Tensor,
+    caches: &[HeadCache],
+    attend: &[Vec<usize>],
+    spec: &AttnSpec,
+    page: usize,
+) -> Result<Partial> {
+    let (b, nh, t, d) = q.dims4()?;
+    let g = nh / caches.len().max(1);
+    let mut open = spec.clone();
+    open.causal = false;
+    open.sliding_window = None;
+    open.n_heads = g;
+    open.n_kv_heads = 1;
+    let mut outs = Vec::with_capacity(caches.len());
+    let mut lses = Vec::with_capacity(caches.len());
+    let mut scratch = 0;
+    for (h, (cache, pages)) in caches.iter().zip(attend).enumerate() {
+        let qh = q.narrow(1, h * g, g)?;
+        let part = match cache.gather(pages, page)? {
+            Some((k, v)) => attend_partial(
+                AttnInputs {
+                    q: &qh,
+                    k: &k,
+                    v: &v,
+                    q_pos: 0,
+                    k_pos: 0,
+                },
+                &open,
+            )?,
+            None => Partial::empty(b, g, t, d, q.device())?,
+        };
+        scratch = scratch.max(part.scratch_bytes);
+        outs.push(part.out);
+        lses.push(part.lse);
+    }
+    Ok(Partial {
+        out: Tensor::cat(&outs, 1)?,
+        lse: Tensor::cat(&lses, 1)?,
+        scratch_bytes: scratch,
+    })
+}
