@@ -61,13 +61,15 @@ fn sweep_writes_csv_and_charts() -> Result<()> {
     let mut lines = text.lines();
     assert_eq!(
         lines.next(),
-        Some("context,policy,prefill_tok_s,decode_tok_s,decode_vs_full,device_kv_peak_bytes,device_vs_full,host_kv_bytes,h2d_bytes_per_token,d2h_bytes_per_token,link_utilization,split")
+        Some("context,policy,prefill_tok_s,decode_tok_s,decode_vs_full,device_kv_peak_bytes,device_vs_full,host_kv_bytes,h2d_bytes_per_token,d2h_bytes_per_token,link_utilization,lossy,split")
     );
     let rows: Vec<Vec<&str>> = lines.map(|l| l.split(',').collect()).collect();
     assert_eq!(rows.len(), 10, "{text}");
     for r in &rows {
-        assert_eq!(r.len(), 12, "{r:?}");
+        assert_eq!(r.len(), 13, "{r:?}");
         let utilization: f64 = r[10].parse()?;
+        // None of these policies is approximate.
+        assert_eq!(r[11], "false", "{r:?}");
         if r[1] == "full" {
             assert_eq!((r[4], r[6]), ("1.000000", "1.000000"), "{r:?}");
             assert_eq!(r[8], "0");
@@ -83,7 +85,7 @@ fn sweep_writes_csv_and_charts() -> Result<()> {
             assert!(h2d >= 2 * 2 * 16 * 4 * ctx, "{r:?}");
         }
         if r[1] == "recompute:4" {
-            assert_eq!(r[11], "4", "{r:?}");
+            assert_eq!(r[12], "4", "{r:?}");
         }
     }
     for f in [

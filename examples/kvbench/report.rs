@@ -60,7 +60,11 @@ pub fn markdown(rows: &[Row], bandwidth: Option<f64>) -> String {
         s.push_str(&format!(
             "| {} | {} | {:.1} | {} | {:.2} | {} | {} | {} | {} | {} | {} |",
             r.context,
-            r.policy,
+            if r.lossy {
+                format!("{} (LOSSY)", r.policy)
+            } else {
+                r.policy.clone()
+            },
             r.prefill_tok_s,
             ratio(r.prefill_tok_s, a.map(|a| a.prefill_tok_s)),
             r.decode_tok_s,
@@ -115,7 +119,7 @@ pub fn write_csv(rows: &[Row], path: &Path) -> Result<()> {
         }
     }
     let mut out = String::from(
-        "context,policy,prefill_tok_s,decode_tok_s,decode_vs_full,device_kv_peak_bytes,device_vs_full,host_kv_bytes,h2d_bytes_per_token,d2h_bytes_per_token,link_utilization",
+        "context,policy,prefill_tok_s,decode_tok_s,decode_vs_full,device_kv_peak_bytes,device_vs_full,host_kv_bytes,h2d_bytes_per_token,d2h_bytes_per_token,link_utilization,lossy",
     );
     for m in &metrics {
         out.push(',');
@@ -126,7 +130,7 @@ pub fn write_csv(rows: &[Row], path: &Path) -> Result<()> {
         let a = anchor(rows, r.context);
         let opt = |x: Option<f64>| x.map(|v| format!("{v:.6}")).unwrap_or_default();
         out.push_str(&format!(
-            "{},{},{:.3},{:.3},{},{},{},{},{},{},{:.4}",
+            "{},{},{:.3},{:.3},{},{},{},{},{},{},{:.4},{}",
             r.context,
             csv_field(&r.policy),
             r.prefill_tok_s,
@@ -140,6 +144,7 @@ pub fn write_csv(rows: &[Row], path: &Path) -> Result<()> {
             r.h2d_bytes_per_token,
             r.d2h_bytes_per_token,
             r.link_utilization,
+            r.lossy,
         ));
         for name in &metrics {
             out.push(',');

@@ -106,6 +106,9 @@ pub struct Row {
     /// Whether the disk tier read past the page cache (O_DIRECT).
     #[serde(skip)]
     pub disk_direct_io: bool,
+    /// Whether the policy is LOSSY (approximate, or a smaller stored dtype): its logits
+    /// differ from `full`'s.
+    pub lossy: bool,
 }
 
 impl Row {
@@ -128,6 +131,7 @@ impl Row {
             disk_read_bytes_per_token: 0,
             disk_wait_s_per_token: 0.0,
             disk_direct_io: false,
+            lossy: false,
         }
     }
 }
@@ -224,6 +228,7 @@ pub fn measure(
         disk_read_bytes_per_token: per(after.disk_read_bytes, before.disk_read_bytes),
         disk_wait_s_per_token: (after.disk_wait_s - before.disk_wait_s) / steps.max(1) as f64,
         disk_direct_io: after.disk_direct_io,
+        lossy: after.lossy,
     })
 }
 
