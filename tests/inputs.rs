@@ -50,6 +50,8 @@ fn devices_and_fifos_are_refused_as_prompts_files_and_tokenizers() -> Result<()>
     for file in ["/dev/zero", fifo.as_str()] {
         let o = llama(&["--model-dir", &fixture, "--prompts-file", file], &[])?;
         common::cli::one_line_error(&o, true, &["--prompts-file", file, "not a regular file"])?;
+        let o = llama(&["--model-dir", &fixture, "--prompt-file", file], &[])?;
+        common::cli::one_line_error(&o, true, &["--prompt-file", file, "not a regular file"])?;
         let o = llama(
             &[
                 "--model-dir",
@@ -173,5 +175,39 @@ fn a_budget_too_small_for_one_head_does_not_advise_a_smaller_group() -> Result<(
     common::cli::one_line_error(&o, false, &["--device-kv-budget"])?;
     let err = String::from_utf8_lossy(&o.stderr);
     ensure!(!err.contains("smaller head group"), "{err}");
+    Ok(())
+}
+
+#[test]
+fn a_prompt_file_is_the_prompt_newlines_included() -> Result<()> {
+    let fixture = common::fixture("llama_gqa").to_string_lossy().into_owned();
+    let gguf = common::default_gguf()?.to_string_lossy().into_owned();
+    let d = tempfile::tempdir()?;
+    let text = "one two\nthree four five\n";
+    let file = d.path().join("prompt.txt");
+    std::fs::write(&file, text)?;
+    let ids = |args: &[&str], out: &str| -> Result<serde_json::Value> {
+        let path = d.path().join(out);
+        let p = path.to_string_lossy().into_owned();
+        let mut all = vec!["--gguf", &gguf, "--max-new-tokens", "2", "--ids-out", &p];
+        all.extend(args);
+        let o = llama(&all, &[])?;
+        ensure!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        Ok(serde_json::from_str(&std::fs::read_to_string(&path)?)?)
+    };
+    let from_file = ids(&["--prompt-file", &file.to_string_lossy()], "a.json")?;
+    let from_flag = ids(&["--prompt", text], "b.json")?;
+    ensure!(from_file == from_flag, "{from_file} vs {from_flag}");
+    let missing = d.path().join("missing.txt");
+    let o = llama(
+        &[
+            "--model-dir",
+            &fixture,
+            "--prompt-file",
+            &missing.to_string_lossy(),
+        ],
+        &[],
+    )?;
+    common::cli::one_line_error(&o, true, &["--prompt-file"])?;
     Ok(())
 }

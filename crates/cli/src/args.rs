@@ -11,15 +11,18 @@ use kvpolicy::{GenerateConfig, HeadGroup};
 #[derive(Parser, Debug)]
 #[command(about = "Generate text under a KV-cache policy", long_about = None)]
 pub struct Args {
-    /// KV policy spec: NAME or NAME:KEY=VALUE,… — full (all on device), layer (layer-wise offload), headwise (head-wise offload; headwise:group=1), recompute (partial recompute, KVPR; recompute:split=N), hybrid (KV and activation blocks, HybridServe), auto (resident units under the budget, the rest streamed; auto:64MiB), sinks (APPROXIMATE: attention sinks + recent window, sinks:sinks=4,window=256, from the downstream crate examples/custom-policy); --list-policies prints every policy's settings.
+    /// KV policy spec: NAME or NAME:KEY=VALUE,… — full (all on device), layer (layer-wise offload), headwise (head-wise offload; headwise:group=1), recompute (partial recompute, KVPR; recompute:split=N), hybrid (KV and activation blocks, HybridServe), auto (resident units under the budget, the rest streamed; auto:64MiB), quest / flexicache / clo (APPROXIMATE: each KV head attends only its selected pages of the cache, quest:budget=512,page=16), sinks (APPROXIMATE: attention sinks + recent window, sinks:sinks=4,window=256, from the downstream crate examples/custom-policy); --list-policies prints every policy's settings.
     #[arg(long, default_value = "full", value_name = "SPEC")]
     pub policy: String,
     /// Print every policy with its settings (types, defaults, docs) and the options it reads, then exit.
     #[arg(long)]
     pub list_policies: bool,
     /// Prompt text (tokenized with the model's tokenizer).
-    #[arg(long, conflicts_with_all = ["prompt_ids", "prompts_file", "random_prompt"])]
+    #[arg(long, conflicts_with_all = ["prompt_ids", "prompts_file", "random_prompt", "prompt_file"])]
     pub prompt: Option<String>,
+    /// Prompt text read from FILE (UTF-8, used as is: newlines included), for a prompt too long for a command line; the same as --prompt otherwise.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["prompt_ids", "prompts_file", "random_prompt", "chat"])]
+    pub prompt_file: Option<PathBuf>,
     /// Wrap the prompt in the model's chat template as one user message (text prompts only: not with --prompt-ids, --random-prompt or --prompts-file).
     #[arg(long, requires = "prompt", conflicts_with_all = ["prompt_ids", "random_prompt", "prompts_file"])]
     pub chat: bool,

@@ -20,8 +20,8 @@ pub enum Prompts {
     Ids(Vec<Vec<u32>>),
 }
 
-/// The most bytes read of a prompts file (a 512K-token prompt is a few MiB of text).
-const PROMPTS_CAP: u64 = 256 << 20;
+/// The most bytes read of a prompts file (or a `--prompt-file`) (a 512K-token prompt is a few MiB of text).
+pub const PROMPTS_CAP: u64 = 256 << 20;
 
 /// Reads `path` (a regular file of at most [`PROMPTS_CAP`] bytes): `.jsonl` → one JSON array of token ids per line, else plain text, one
 /// prompt per line; blank lines are skipped; no prompt at all is an error.

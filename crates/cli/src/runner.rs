@@ -206,10 +206,22 @@ fn run(
         }
         (Some(ids), _, _) => ids.clone(),
         (None, p, None) => {
+            // Read first: a bad file is named before a missing tokenizer.
+            let from_file = match &args.prompt_file {
+                Some(path) => Some(kvpolicy::models::load::files::read_text_capped(
+                    path,
+                    "--prompt-file",
+                    crate::batch::PROMPTS_CAP,
+                )?),
+                None => None,
+            };
             let tok = tok.as_ref().context(
                 "this model has no tokenizer; pass --prompt-ids, or --tokenizer tokenizer.json",
             )?;
-            let text = p.as_deref().unwrap_or("The capital of France is");
+            let text = from_file
+                .as_deref()
+                .or(p.as_deref())
+                .unwrap_or("The capital of France is");
             if args.chat {
                 tok.encode_raw(&tok.apply_chat_template(text)?)?
             } else {

@@ -81,6 +81,30 @@ impl HeadCache {
         }
     }
 
+    /// Repacks the held pages into buffers of about their size, ascending by page (so a
+    /// selection of every held page is a view), when at least half the slots are free:
+    /// a head that kept few pages gives the rest of its device bytes back.
+    pub fn compact(&mut self, shape: &PageShape) -> Result<()> {
+        let held = self.at.len();
+        if self.slots.len() < 8 || 2 * held > self.slots.len() {
+            return Ok(());
+        }
+        let pages = self.pages();
+        let kept = self.gather(&pages, shape.page)?;
+        *self = Self::default();
+        if let Some((k, v)) = kept {
+            self.grow(held, shape)?;
+            let (kb, vb) = self.buffers()?;
+            kb.slice_set(&k.contiguous()?, 2, 0)?;
+            vb.slice_set(&v.contiguous()?, 2, 0)?;
+            for (slot, p) in pages.into_iter().enumerate() {
+                self.slots[slot] = Some(p);
+                self.at.insert(p, slot);
+            }
+        }
+        Ok(())
+    }
+
     /// Frees every slot.
     pub fn clear(&mut self) {
         self.at.clear();
@@ -118,7 +142,7 @@ impl HeadCache {
         if slots <= self.slots.len() {
             return Ok(());
         }
-        let n = slots.max(2 * self.slots.len()).max(4);
+        let n = slots.max(2 * self.slots.len()).max(4).next_power_of_two();
         let dims = (shape.b, 1, n * shape.page, shape.d);
         let grown = |old: &Option<Tensor>| -> Result<Tensor> {
             let t = Tensor::zeros(dims, shape.dtype, &shape.device)?;

@@ -123,6 +123,13 @@ impl LayerState {
         }
         self.recent.drop_front(n)?;
         self.recent_start = target;
+        // After a prefill chunk the window's buffer holds room for the chunk: give it back.
+        if self.recent.capacity() > 2 * (keep + 256) {
+            let (k, v) = self.recent.view(0, self.recent.len())?;
+            let (k, v) = (k.contiguous()?, v.contiguous()?);
+            self.recent = KvBuffer::new(256);
+            self.recent.append(&k, &v)?;
+        }
         Ok(())
     }
 }

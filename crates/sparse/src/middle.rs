@@ -106,6 +106,7 @@ impl DenseMiddle {
                 kb.slice_set(&src(&self.k)?, 2, at)?;
                 vb.slice_set(&src(&self.v)?, 2, at)?;
             }
+            cache.compact(shape)?;
         }
         Ok(())
     }

@@ -215,6 +215,7 @@ impl<S: Selector> SparsePolicy<S> {
         if persistent {
             for (cache, c) in self.layers[layer].heads.iter_mut().zip(&choices) {
                 cache.retain(&c.retain);
+                cache.compact(shape)?;
             }
         }
         Ok(part)
@@ -319,7 +320,9 @@ impl<S: Selector> KvPolicy for SparsePolicy<S> {
         self.stats.note_scratch(scratch, shape.activation_bytes(t));
         let out = merge_partials(&parts)?;
         self.note_device(0);
-        let persist = self.selector.persistent();
+        // Pages leaving the window stay with the heads at decode steps; after a prefill chunk
+        // the next chunk's dense pass (or a fetch) brings what a head keeps.
+        let persist = self.selector.persistent() && t == 1;
         self.layers[layer].trim(&self.pages, pos + t, persist, &ps)?;
         self.note_device(0);
         if layer == 0 || pos + t > self.len {
