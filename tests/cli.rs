@@ -39,6 +39,26 @@ fn writes_logits_ids_and_stats_in_the_documented_formats() -> Result<()> {
     let want = common::fixture_logits(name)?;
     assert_eq!(got.dims(), want.dims());
     assert!(common::max_abs_diff(&got, &want)? <= 1e-4);
+    // --decode-logits-only: the rows predicting generated tokens, the same values.
+    let o = llama(&[
+        "--model-dir",
+        &fixture_dir(),
+        "--prompt-ids",
+        &join(&prompt),
+        "--decode-ids",
+        &join(&decode),
+        "--prefill-chunk",
+        "5",
+        "--dump-logits",
+        &p("d.npy"),
+        "--decode-logits-only",
+    ])?;
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let only = Tensor::read_npy(p("d.npy"))?;
+    let n = decode.len() + 1;
+    assert_eq!(only.dims(), &[n, want.dim(1)?]);
+    let tail = want.narrow(0, prompt.len() - 1, n)?;
+    assert!(common::max_abs_diff(&only, &tail)? <= 1e-4);
     let ids: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(p("ids.json"))?)?;
     assert_eq!(common::ids_of(&ids["prompt_ids"])?, prompt);
     assert_eq!(common::ids_of(&ids["generated_ids"])?, decode);

@@ -124,6 +124,9 @@ pub struct Args {
     /// Write float32 logits [rows, vocab] as .npy: every prompt position, then each decode step.
     #[arg(long)]
     pub dump_logits: Option<PathBuf>,
+    /// With --dump-logits, write only the rows that predict generated tokens — the prompt's last position, then each decode step — instead of every prompt position too (a long prompt's rows do not fit in memory).
+    #[arg(long, requires = "dump_logits")]
+    pub decode_logits_only: bool,
     /// Write the policy's stats and timings as JSON to FILE (with --prompts-file also the stats after every step, as `steps`).
     #[arg(long)]
     pub stats_out: Option<PathBuf>,
@@ -148,6 +151,7 @@ impl Args {
             seed: self.seed,
             decode_ids: self.decode_ids.clone(),
             collect_logits: self.dump_logits.is_some(),
+            decode_logits_only: self.decode_logits_only,
             stop_at_eos: true,
             progress: true,
         }

@@ -34,6 +34,10 @@ pub struct GenerateConfig {
     pub decode_ids: Option<Vec<u32>>,
     /// Keep the logits of every prompt position and decode step.
     pub collect_logits: bool,
+    /// With `collect_logits`, keep only the rows that predict generated tokens: the
+    /// prompt's last position, then each decode step (a long prompt's every row would not
+    /// fit in memory; teacher-forced comparisons need only these).
+    pub decode_logits_only: bool,
     /// Stop sampling at an end-of-sequence token.
     pub stop_at_eos: bool,
     /// Show a progress bar on stderr while prefilling prompts of at least
@@ -55,6 +59,7 @@ impl Default for GenerateConfig {
             seed: 299_792_458,
             decode_ids: None,
             collect_logits: false,
+            decode_logits_only: false,
             stop_at_eos: true,
             progress: false,
         }
@@ -301,7 +306,7 @@ pub fn generate(
         policy,
         prompt,
         cfg.prefill_chunk,
-        cfg.collect_logits,
+        cfg.collect_logits && !cfg.decode_logits_only,
         &mut |done| {
             if let Some(b) = &bar {
                 b.set_position(done as u64);
@@ -315,6 +320,9 @@ pub fn generate(
     let prefill_s = start.elapsed().as_secs_f64();
     let prefill_stats = policy.stats();
     let mut rows: Vec<Tensor> = prompt_rows.into_iter().collect();
+    if cfg.collect_logits && cfg.decode_logits_only {
+        rows.push(last.unsqueeze(0)?);
+    }
     let mut generated = Vec::new();
     let mut decode_tokens = 0;
     let start = Instant::now();
