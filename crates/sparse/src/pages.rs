@@ -178,6 +178,24 @@ mod tests {
         out
     }
 
+    /// The summaries of `k` `(1, h, t, d)` built step by step over `chunks`.
+    fn incremental(
+        k: &[f32],
+        (h, t, d): (usize, usize, usize),
+        chunks: &[usize],
+        page: usize,
+    ) -> anyhow::Result<Vec<f32>> {
+        let all = Tensor::from_vec(k.to_vec(), (1, h, t, d), &Device::Cpu)?;
+        let mut s = PageSummaries::default();
+        let mut pos = 0;
+        for &c in chunks {
+            s.update(&all.narrow(2, pos, c)?, pos, page)?;
+            pos += c;
+        }
+        let (mn, mx) = s.rows(0, t.div_ceil(page))?;
+        Ok(Tensor::cat(&[mn, mx], 0)?.flatten_all()?.to_vec1()?)
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(48))]
         /// However the tokens arrive (chunks of any size, pages of any size), the summaries
@@ -196,16 +214,8 @@ mod tests {
                 x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
                 ((x >> 33) as f32 / (1u64 << 31) as f32) - 0.5
             }).collect();
-            let all = Tensor::from_vec(k.clone(), (1, h, t, d), &Device::Cpu).unwrap();
-            let mut s = PageSummaries::default();
-            let mut pos = 0;
-            for c in chunks {
-                s.update(&all.narrow(2, pos, c).unwrap(), pos, page).unwrap();
-                pos += c;
-            }
-            let pages = t.div_ceil(page);
-            let (mn, mx) = s.rows(0, pages).unwrap();
-            let got: Vec<f32> = Tensor::cat(&[mn, mx], 0).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+            let got = incremental(&k, (h, t, d), &chunks, page)
+                .map_err(|e| TestCaseError::fail(e.to_string()))?;
             prop_assert_eq!(got, brute(&k, (h, t, d), page));
         }
     }
