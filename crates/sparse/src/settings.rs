@@ -135,7 +135,7 @@ page_settings! {
     FlexiCacheSettings {
         /// Decode steps between re-rankings of a stable head's resident pages (and
         /// re-evaluations of every head's class).
-        rerank: usize = 8,
+        rerank: usize = 16,
         /// A head is stable when its top pages overlap by at least this share from one
         /// ranking to the next (query rows of the prefill's last chunk, then re-ranks).
         threshold: f64 = 0.5,
