@@ -14,6 +14,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 echo "== GPU tests (engine copies, pinned tier, every policy vs full in f32 and bf16)"
 "$B/cuda-tests" --test-threads 1 > "$OUT/cuda-tests.log" 2>&1
 echo "cuda tests exit $?"; tail -3 "$OUT/cuda-tests.log"
+echo "== zero-copy page gather (CLO) vs the copy engine on the same pages"
+"$B/cuda-tests" zero_copy_gathers --nocapture --test-threads 1 2>&1 | grep -E "zero-copy bandwidth|test result|panicked" | tee "$OUT/zero-copy.txt"
 echo "== exactness (fixtures, every policy vs full, f32 vs HF)"
 python3 scripts/policy_exactness.py "$B/llama" --out "$OUT/exactness.md" > "$OUT/exactness.log" 2>&1
 echo "exactness exit $?"; tail -3 "$OUT/exactness.log"

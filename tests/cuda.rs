@@ -1,6 +1,9 @@
 //! GPU tests (feature `cuda`; they need a CUDA device and fail without one): the CUDA
 //! transfer engine's copies against `slice_set`, its page-locked host tier, and every policy
-//! on the GPU against `full` on the fixtures (on the GPU in f32 and bf16, and on the CPU).
+//! on the GPU against `full` on the fixtures (on the GPU in f32 and bf16, and on the CPU);
+//! the zero-copy page gather (CLO §4) against the copy engine — the same bytes, and each
+//! one's bandwidth on the same pages printed (`scripts/gpu_run.sh` records it); the
+//! approximate policies on the GPU against the same on the CPU.
 //!
 //! Built without the feature (CI's CPU run) this file is empty. On a GPU machine:
 //! `cargo test --release --features cuda --test cuda` (or build it with `--no-run` here and
@@ -11,8 +14,8 @@ mod common;
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
 use kvpolicy::models::{load, resolve, ModelSpec};
-use kvpolicy::tiered::{engine_for, CopyJob, TransferEngine};
-use kvpolicy::{build_policy, HeadGroup, PolicyOptions};
+use kvpolicy::tiered::{engine_for, CopyJob, MappedGather, TransferEngine};
+use kvpolicy::{build_policy, AttnSpec, AttnStep, HeadGroup, KvPolicy, NoRegen, PolicyOptions};
 
 fn gpu() -> Result<Device> {
     Device::new_cuda(0).context("these tests need a CUDA GPU (feature `cuda` is on)")
@@ -130,6 +133,170 @@ fn every_policy_on_the_gpu_equals_full() -> Result<()> {
                 }
             }
         }
+    }
+    Ok(())
+}
+
+#[test]
+fn zero_copy_gathers_what_the_copy_engine_copies() -> Result<()> {
+    let dev = gpu()?;
+    let mut eng = engine_for(&dev, None)?;
+    // A host tier of 4 heads × 65,536 tokens × 128 f32 (128 MiB), page-locked and mapped.
+    let (nkv, cap, d, page) = (4usize, 65_536usize, 128usize, 16usize);
+    let host = eng.host_zeros((1, nkv, cap, d).into(), DType::F32)?;
+    host.slice_set(
+        &Tensor::randn(0f32, 1.0, (1, nkv, cap, d), &Device::Cpu)?,
+        2,
+        0,
+    )?;
+    let page_bytes = page * d * 4;
+    // 2,048 scattered pages of head 2 (32 MiB), as a selection would pick them.
+    let pages: Vec<usize> = (0..2048).map(|i| (i * 7919) % (cap / page)).collect();
+    let n = pages.len();
+    let src_offsets: Vec<u64> = pages
+        .iter()
+        .map(|p| ((2 * cap + p * page) * d * 4) as u64)
+        .collect();
+    let dst_offsets: Vec<u64> = (0..n).map(|i| (i * page_bytes) as u64).collect();
+    let zc = Tensor::zeros((1, 1, n * page, d), DType::F32, &dev)?;
+    let g = MappedGather {
+        src: &host,
+        dst: &zc,
+        src_offsets,
+        dst_offsets,
+        page_bytes,
+    };
+    anyhow::ensure!(
+        eng.gather_mapped(&g)?,
+        "the host tier is not mapped into the device"
+    );
+    dev.synchronize()?;
+    // The copy engine's copies of the same pages.
+    let ce = Tensor::zeros((1, 1, n * page, d), DType::F32, &dev)?;
+    let jobs: Vec<CopyJob> = pages
+        .iter()
+        .enumerate()
+        .map(|(i, &p)| -> Result<CopyJob> {
+            Ok(CopyJob {
+                src: host.narrow(1, 2, 1)?.narrow(2, p * page, page)?,
+                dst: ce.clone(),
+                dim: 2,
+                offset: i * page,
+            })
+        })
+        .collect::<Result<_>>()?;
+    let t = eng.submit(jobs.clone())?;
+    eng.wait(t)?;
+    dev.synchronize()?;
+    let want = Tensor::cat(
+        &pages
+            .iter()
+            .map(|&p| host.narrow(1, 2, 1)?.narrow(2, p * page, page))
+            .collect::<candle_core::Result<Vec<_>>>()?,
+        2,
+    )?;
+    for got in [&zc, &ce] {
+        let d = common::max_abs_diff(&got.to_device(&Device::Cpu)?, &want)?;
+        anyhow::ensure!(d == 0.0, "gathered pages differ by {d}");
+    }
+    // Bandwidth on the same pages, each the best of 5 (printed; gpu_run.sh records it).
+    let bytes = g.bytes() as f64;
+    let time = |f: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
+        let mut best = f64::MAX;
+        for _ in 0..5 {
+            dev.synchronize()?;
+            let t0 = std::time::Instant::now();
+            f()?;
+            dev.synchronize()?;
+            best = best.min(t0.elapsed().as_secs_f64());
+        }
+        Ok(best)
+    };
+    let zero_copy = time(&mut || {
+        eng.gather_mapped(&g)?;
+        Ok(())
+    })?;
+    let copies = time(&mut || {
+        let t = eng.submit(jobs.clone())?;
+        eng.wait(t)?;
+        Ok(())
+    })?;
+    println!(
+        "zero-copy bandwidth: {n} pages of {page_bytes} B: zero-copy kernel {:.2} GB/s, copy engine {:.2} GB/s",
+        bytes / zero_copy / 1e9,
+        bytes / copies / 1e9
+    );
+    Ok(())
+}
+
+/// Random steps (chunked prefill, then decode) through `policy`; every output on the CPU.
+fn drive_sparse(policy: &mut dyn KvPolicy, dev: &Device) -> Result<Vec<Tensor>> {
+    let mut spec = AttnSpec::new(8, 2, 64);
+    let mut outs = Vec::new();
+    let mut pos = 0;
+    let mut chunks = vec![300, 300];
+    chunks.extend(std::iter::repeat_n(1, 24));
+    for (i, &t) in chunks.iter().enumerate() {
+        for layer in 0..2 {
+            spec.sliding_window = (layer == 1).then_some(64);
+            let r = |h: usize, salt: u64| -> Result<Tensor> {
+                let seed = (i as u64) * 1000 + layer as u64 * 10 + salt;
+                let n = h * t * 64;
+                let v: Vec<f32> = (0..n)
+                    .map(|j| {
+                        (((j as u64 + 1) * 2654435761 + seed * 40503) % 10007) as f32 / 5003.0 - 1.0
+                    })
+                    .collect();
+                Ok(Tensor::from_vec(v, (1, h, t, 64), dev)?)
+            };
+            let (q, k, v) = (r(8, 1)?, r(2, 2)?, r(2, 3)?);
+            let x = Tensor::zeros((1, t, 8), DType::F32, dev)?;
+            let step = AttnStep {
+                seq: 0,
+                layer,
+                q: &q,
+                k: &k,
+                v: &v,
+                x: &x,
+                pos,
+                spec: &spec,
+                regen: &NoRegen,
+            };
+            outs.push(policy.attend(&step)?.to_device(&Device::Cpu)?);
+        }
+        pos += t;
+    }
+    Ok(outs)
+}
+
+#[test]
+fn approximate_policies_on_the_gpu_equal_the_cpu_and_zero_copy_equals_copies() -> Result<()> {
+    let dev = gpu()?;
+    let gpu_opts = PolicyOptions {
+        device: dev.clone(),
+        ..PolicyOptions::default()
+    };
+    for spec in [
+        "quest:budget=64",
+        "flexicache:budget=64,rerank=4",
+        "clo:budget=64,zero_copy=false",
+        "clo:budget=64,zero_copy=true",
+    ] {
+        let mut on_cpu = build_policy(spec, &PolicyOptions::default())?;
+        let want = drive_sparse(on_cpu.as_mut(), &Device::Cpu)?;
+        let mut on_gpu = build_policy(spec, &gpu_opts)?;
+        let got = drive_sparse(on_gpu.as_mut(), &dev)?;
+        for (a, b) in want.iter().zip(&got) {
+            let d = common::max_abs_diff(a, b)?;
+            anyhow::ensure!(d <= 1e-3, "{spec}: GPU vs CPU max |Δ| = {d}");
+        }
+        let (c, g) = (on_cpu.stats(), on_gpu.stats());
+        anyhow::ensure!(
+            c.h2d_bytes == g.h2d_bytes,
+            "{spec}: {} vs {} bytes",
+            c.h2d_bytes,
+            g.h2d_bytes
+        );
     }
     Ok(())
 }

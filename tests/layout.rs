@@ -9,8 +9,9 @@ use std::path::{Path, PathBuf};
 use anyhow::{ensure, Result};
 
 /// Every crate's source root (and kvbench's, an example with modules of its own).
-const CRATES: [&str; 13] = [
+const CRATES: [&str; 14] = [
     "crates/core/src",
+    "crates/sparse/src",
     "crates/tiered/src",
     "examples/custom-model/src",
     "crates/baseline/src",
@@ -26,8 +27,9 @@ const CRATES: [&str; 13] = [
 ];
 
 /// The library crates of the policy layer, which must not spell a flag.
-const NO_FLAGS: [&str; 11] = [
+const NO_FLAGS: [&str; 12] = [
     "crates/core/src",
+    "crates/sparse/src",
     "examples/custom-policy/src",
     "examples/custom-model/src",
     "crates/tiered/src",

@@ -251,3 +251,45 @@ fn bad_settings_name_the_key() -> Result<()> {
     }
     Ok(())
 }
+
+#[test]
+fn pages_come_from_the_disk_tier_too() -> Result<()> {
+    // Every layer's K/V in the disk tier's files: pages are read from disk, page-sized.
+    let dir = tempfile::tempdir()?;
+    let opts = PolicyOptions {
+        disk_dir: Some(dir.path().to_path_buf()),
+        ..PolicyOptions::default()
+    };
+    let specs = specs(true);
+    let mut full = build_policy("full", &PolicyOptions::default())?;
+    let (want, _) = drive(full.as_mut(), &specs, &chunks())?;
+    for name in POLICIES {
+        let spec = format!("{name}:page=8,sinks=8,window=16,budget=4096");
+        let mut p = build_policy(&spec, &opts)?;
+        let (got, _) = drive(p.as_mut(), &specs, &chunks())?;
+        let diff = max_diff(&want, &got)?;
+        assert!(diff <= 1e-5, "{spec} on disk: {diff}");
+        let st = p.stats();
+        assert!(st.disk_read_bytes > 0, "{spec}: {st:?}");
+        assert_eq!(st.host_kv_bytes, 0, "{spec}: nothing in RAM");
+    }
+    Ok(())
+}
+
+#[test]
+fn flexicache_reranking_every_step_attends_what_quest_does() -> Result<()> {
+    // Re-ranked every step, a stable head attends its fresh top pages and an unstable one
+    // its top pages among all: Quest's selection, through the persistent caches.
+    let specs = specs(true);
+    let base = "page=8,sinks=8,window=16,budget=16";
+    let mut quest = build_policy(&format!("quest:{base}"), &PolicyOptions::default())?;
+    let (want, _) = drive(quest.as_mut(), &specs, &chunks())?;
+    for threshold in ["0", "1"] {
+        let spec = format!("flexicache:{base},rerank=1,threshold={threshold}");
+        let mut p = build_policy(&spec, &PolicyOptions::default())?;
+        let (got, _) = drive(p.as_mut(), &specs, &chunks())?;
+        let diff = max_diff(&want, &got)?;
+        assert!(diff <= 1e-6, "{spec}: {diff}");
+    }
+    Ok(())
+}

@@ -6,10 +6,7 @@ use candle_core::{CudaStorage, DType, Result};
 
 use crate::heads_layout::{Geometry, Rotation};
 
-/// The PTX of `cuda/*.cu`, built by `build.rs`.
-mod ptx {
-    include!(concat!(env!("OUT_DIR"), "/ptx.rs"));
-}
+use crate::ptx;
 
 fn launch<T: CudaDType + DeviceRepr>(
     g: &Geometry,

@@ -16,6 +16,9 @@
 //!   (Q4_1, Q5_0, Q5_1): AVX2 integer dot products with runtime detection, a portable
 //!   fallback, candle's CPU worker pool over output rows.
 //!
+//! * [`gather`] (feature `cuda`) — CLO §4's zero-copy transfer: a kernel gathers pages
+//!   from page-locked host memory mapped into the device's address space.
+//!
 //! Without the `cuda` feature nothing is compiled for the GPU and the build script does
 //! nothing; the CPU path is always available.
 #![deny(missing_docs)]
@@ -31,3 +34,10 @@ pub use heads_into::{heads_into, HeadsInto, Rotation};
 
 #[cfg(feature = "cuda")]
 mod cuda;
+/// The PTX of `cuda/*.cu`, built by `build.rs`.
+#[cfg(feature = "cuda")]
+mod ptx {
+    include!(concat!(env!("OUT_DIR"), "/ptx.rs"));
+}
+#[cfg(feature = "cuda")]
+pub mod gather;

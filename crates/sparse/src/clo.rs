@@ -17,11 +17,17 @@
 //!   keeps what it attended plus its most often selected resident pages, up to `persist`
 //!   tokens.
 //!
-//! Where this differs from the paper, and why: the zero-copy transfer engine (the GPU
-//! reading page-locked host memory directly) and GPU-side synchronization are not built —
-//! pages cross the link through the transfer engine's copies, as for every other policy,
-//! so the bytes counted are the same either way; and there is no speculative prefetch of
-//! the next layer's pages (the pages a head keeps are what the next step reuses).
+//! * Zero-copy (`zero_copy`, on by default; CUDA only): the fetched pages are gathered by a
+//!   kernel reading the page-locked host tier mapped into the device's address space, on
+//!   the compute stream, ordered after the host tier's write-backs on the device (GPU-side
+//!   synchronization): `kvpolicy_tiered::MappedGather`, `kvpolicy_kernels::gather`. On the
+//!   CPU the pages cross through the transfer engine's copies; the bytes counted are the
+//!   same either way.
+//!
+//! Where this differs from the paper, and why: there is no speculative prefetch of the
+//! next layer's pages (the pages a head keeps are what the next step reuses); importance
+//! is our own measure (above); under grouped-query attention a KV head reuses or selects
+//! for its whole group.
 use std::collections::BTreeMap;
 
 use kvpolicy_core::{PolicyMetric, Result};

@@ -76,7 +76,10 @@ pub fn flexicache_policy(
 pub fn clo_policy(opts: &PolicyOptions, s: CloSettings) -> Result<SparsePolicy<Clo>> {
     let eta = settings::unit_interval("clo", "similarity", s.similarity)?;
     let persist = s.persist / s.page.max(1);
-    SparsePolicy::new("clo", s.pages(), Clo::new(eta, persist), opts)
+    Ok(
+        SparsePolicy::new("clo", s.pages(), Clo::new(eta, persist), opts)?
+            .with_zero_copy(s.zero_copy),
+    )
 }
 
 /// Registers `quest`, `flexicache` and `clo`.

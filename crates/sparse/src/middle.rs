@@ -5,8 +5,10 @@
 //! tier: page-sized reads) into the head's device slots (Quest §3, FlexiCache §4).
 //! Pieces merge with the sinks and the window by log-sum-exp.
 use candle_core::Tensor;
-use kvpolicy_core::{attend_partial, AttnInputs, AttnSpec, HeadRange, Partial, Result, TokenRange};
-use kvpolicy_tiered::{CopyJob, Direction, HostLayers, Link};
+use kvpolicy_core::{
+    attend_partial, AttnInputs, AttnSpec, HeadRange, KvError, Partial, Result, TokenRange,
+};
+use kvpolicy_tiered::{CopyJob, Direction, HostLayers, Link, MappedGather};
 
 use crate::cache::{HeadCache, PageShape};
 
@@ -112,9 +114,21 @@ impl DenseMiddle {
     }
 }
 
-/// Fetches into each head's cache the pages of `want[h]` it does not hold, one copy per run
-/// of consecutive pages landing in consecutive slots; returns the pages fetched per head.
-/// Bytes are counted host→device on the link.
+/// One page placed in a head's cache, to be filled: the head, the page, the cache's K and
+/// V buffers and the token offset in them.
+struct Placed {
+    head: usize,
+    page: usize,
+    k: Tensor,
+    v: Tensor,
+    at: usize,
+}
+
+/// Fetches into each head's cache the pages of `want[h]` it does not hold; returns the pages
+/// fetched per head. With `zero_copy` and a RAM layer, a kernel on the device reads them
+/// from mapped host memory where the engine can ([`kvpolicy_tiered::MappedGather`], CLO
+/// §4); otherwise one copy per run of consecutive pages landing in consecutive slots.
+/// Bytes are counted host→device on the link either way.
 pub fn fetch(
     link: &mut Link,
     host: &mut HostLayers,
@@ -122,66 +136,129 @@ pub fn fetch(
     caches: &mut [HeadCache],
     want: &[Vec<usize>],
     shape: &PageShape,
+    zero_copy: bool,
 ) -> Result<Vec<usize>> {
-    let p = shape.page;
-    let mut jobs = Vec::new();
     let mut fetched = vec![0; caches.len()];
+    let mut placed = Vec::new();
     for (h, (cache, pages)) in caches.iter_mut().zip(want).enumerate() {
-        // (first page, pages, destination K, V, token offset)
-        let mut run: Option<(usize, usize, Tensor, Tensor, usize)> = None;
         let missing: Vec<usize> = pages
             .iter()
             .copied()
             .filter(|&pg| !cache.holds(pg))
             .collect();
-        // Room for every page first: a growth replaces the buffers the queued copies target.
+        // Room for every page first: a growth replaces the buffers the copies target.
         cache.grow(cache.len() + missing.len(), shape)?;
+        fetched[h] = missing.len();
         for page in missing {
-            fetched[h] += 1;
-            let (kb, vb, at) = cache.place(page, shape)?;
-            let extends = run.as_ref().is_some_and(|(first, n, rk, _, rat)| {
-                first + n == page && rat + n * p == at && rk.id() == kb.id()
+            let (k, v, at) = cache.place(page, shape)?;
+            placed.push(Placed {
+                head: h,
+                page,
+                k,
+                v,
+                at,
             });
-            if extends {
-                if let Some(r) = run.as_mut() {
-                    r.1 += 1;
-                }
-                continue;
+        }
+    }
+    if placed.is_empty() {
+        return Ok(fetched);
+    }
+    if zero_copy && gather_mapped(link, host, layer, &placed, shape)? {
+        return Ok(fetched);
+    }
+    let p = shape.page;
+    let mut jobs = Vec::new();
+    let mut run: Option<(usize, usize, &Placed)> = None; // (first page, pages, first placed)
+    for pl in &placed {
+        let extends = run.is_some_and(|(first, n, r)| {
+            r.head == pl.head
+                && first + n == pl.page
+                && r.at + n * p == pl.at
+                && r.k.id() == pl.k.id()
+        });
+        if extends {
+            if let Some(r) = run.as_mut() {
+                r.1 += 1;
             }
-            if let Some(r) = run.take() {
-                push_run(host, layer, h, r, p, &mut jobs)?;
-            }
-            run = Some((page, 1, kb, vb, at));
+            continue;
         }
         if let Some(r) = run.take() {
-            push_run(host, layer, h, r, p, &mut jobs)?;
+            push_run(host, layer, r, p, &mut jobs)?;
         }
+        run = Some((pl.page, 1, pl));
+    }
+    if let Some(r) = run.take() {
+        push_run(host, layer, r, p, &mut jobs)?;
     }
     let ticket = link.submit(jobs, Direction::H2d)?;
     link.wait(ticket)?;
     Ok(fetched)
 }
 
-/// The copies of one run of pages of head `h`.
+/// The zero-copy gather of `placed` from `layer`'s RAM buffers, one kernel per head and K/V;
+/// `false` when the layer is not in RAM or the engine cannot (nothing was gathered).
+fn gather_mapped(
+    link: &mut Link,
+    host: &HostLayers,
+    layer: usize,
+    placed: &[Placed],
+    shape: &PageShape,
+) -> Result<bool> {
+    let Some(ram) = host.ram(layer) else {
+        return Ok(false);
+    };
+    let elem = shape.dtype.size_in_bytes() as u64;
+    let row = shape.d as u64 * elem;
+    let page_bytes = shape.page * shape.d * shape.dtype.size_in_bytes();
+    let mut moved = 0;
+    let heads: std::collections::BTreeSet<usize> = placed.iter().map(|p| p.head).collect();
+    for h in heads {
+        let mine: Vec<&Placed> = placed.iter().filter(|p| p.head == h).collect();
+        let src_offsets: Vec<u64> = mine
+            .iter()
+            .map(|p| (h * ram.cap + p.page * shape.page) as u64 * row)
+            .collect();
+        let dst_offsets: Vec<u64> = mine.iter().map(|p| p.at as u64 * row).collect();
+        for (src, dst) in [(&ram.k, &mine[0].k), (&ram.v, &mine[0].v)] {
+            let g = MappedGather {
+                src,
+                dst,
+                src_offsets: src_offsets.clone(),
+                dst_offsets: dst_offsets.clone(),
+                page_bytes,
+            };
+            if !link.engine().gather_mapped(&g)? {
+                if moved == 0 {
+                    return Ok(false);
+                }
+                return Err(KvError::invariant("a zero-copy gather stopped half-way"));
+            }
+            moved += g.bytes();
+        }
+    }
+    link.count(moved, Direction::H2d);
+    Ok(true)
+}
+
+/// The copies of one run of `n` pages from `first`, the first of them `pl`.
 fn push_run(
     host: &mut HostLayers,
     layer: usize,
-    h: usize,
-    (first, n, kb, vb, at): (usize, usize, Tensor, Tensor, usize),
+    (first, n, pl): (usize, usize, &Placed),
     p: usize,
     jobs: &mut Vec<CopyJob>,
 ) -> Result<()> {
     let (hk, hv) = host.history(
         layer,
-        HeadRange::new(h, 1),
+        HeadRange::new(pl.head, 1),
         TokenRange::new(first * p, n * p),
     )?;
-    for (src, dst) in [(hk, kb), (hv, vb)] {
+    for (src, dst) in [(hk, pl.k.clone()), (hv, pl.v.clone())] {
         jobs.push(CopyJob {
             src,
             dst,
             dim: 2,
-            offset: at,
+            offset: pl.at,
         });
     }
     Ok(())

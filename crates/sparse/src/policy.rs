@@ -37,6 +37,8 @@ pub struct SparsePolicy<S: Selector> {
     fetched: Vec<Vec<u64>>,
     attended_pages: u64,
     fetched_pages: u64,
+    /// Gather pages with the engine's zero-copy kernel where it has one (CLO §4).
+    zero_copy: bool,
     stats: KvStats,
 }
 
@@ -72,8 +74,16 @@ impl<S: Selector> SparsePolicy<S> {
             fetched: Vec::new(),
             attended_pages: 0,
             fetched_pages: 0,
+            zero_copy: false,
             stats: KvStats::default(),
         })
+    }
+
+    /// Gathers pages with the transfer engine's zero-copy kernel where it has one (the
+    /// CUDA engine; CLO §4) instead of copies.
+    pub fn with_zero_copy(mut self, on: bool) -> Self {
+        self.zero_copy = on;
+        self
     }
 
     /// The selector.
@@ -194,6 +204,7 @@ impl<S: Selector> SparsePolicy<S> {
             caches,
             &attend,
             shape,
+            self.zero_copy,
         )?;
         let page_bytes = 2 * (shape.b * shape.page * shape.d * shape.dtype.size_in_bytes()) as u64;
         while self.fetched.len() <= layer {
@@ -320,9 +331,9 @@ impl<S: Selector> KvPolicy for SparsePolicy<S> {
         self.stats.note_scratch(scratch, shape.activation_bytes(t));
         let out = merge_partials(&parts)?;
         self.note_device(0);
-        // Pages leaving the window stay with the heads at decode steps; after a prefill chunk
-        // the next chunk's dense pass (or a fetch) brings what a head keeps.
-        let persist = self.selector.persistent() && t == 1;
+        // Pages leaving the window stay with the heads (they are on the device already);
+        // each head's next selection keeps what it attends.
+        let persist = self.selector.persistent();
         self.layers[layer].trim(&self.pages, pos + t, persist, &ps)?;
         self.note_device(0);
         if layer == 0 || pos + t > self.len {

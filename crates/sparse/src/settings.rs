@@ -152,6 +152,9 @@ page_settings! {
         /// Middle tokens per KV head kept on the device across steps besides those
         /// attended (whole pages): the most often selected pages persist.
         persist: usize = 512,
+        /// CUDA: pages are gathered by a kernel reading the page-locked host tier mapped
+        /// into the device (CLO's zero-copy engine) instead of copied; no effect on the CPU.
+        zero_copy: bool = true,
     }
 }
 

@@ -60,6 +60,6 @@ pub use transfer::runs::{copy_runs, Run};
 #[cfg(feature = "cuda")]
 pub use transfer::CudaTransferEngine;
 pub use transfer::{
-    engine_for, grown_host, run_jobs, CopyJob, CpuTransferEngine, SyncTransferEngine, Ticket,
-    TransferEngine,
+    engine_for, grown_host, run_jobs, CopyJob, CpuTransferEngine, MappedGather, SyncTransferEngine,
+    Ticket, TransferEngine,
 };

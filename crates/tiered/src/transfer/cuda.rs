@@ -17,6 +17,10 @@
 //!   wait for that batch's event only — the host does not block unless the batch wrote host
 //!   memory, which the host may read next.
 //!
+//! The host tier is also mapped into the device's address space where the driver allows
+//! (`DEVICEMAP`), so that a page-selecting policy can gather pages with a kernel reading
+//! host memory directly instead of copies (CLO §4's zero-copy engine; `zero_copy`).
+//!
 //! Jobs (and so their buffers) are kept until their batch's event has completed, so no
 //! buffer is freed or reused under a copy in flight. All calls are made from the thread that
 //! runs the model: candle's stream is that thread's per-thread default stream.
@@ -104,8 +108,12 @@ struct Pinned {
     id: TensorId,
     ptr: *mut c_void,
     bytes: u64,
+    /// Its address in the device's address space, when mapped (zero-copy reads).
+    mapped: Option<sys::CUdeviceptr>,
     _tensor: Tensor,
 }
+
+mod zero_copy;
 
 /// Copies on a dedicated CUDA stream from page-locked host memory (see the module docs).
 pub struct CudaTransferEngine {
@@ -359,14 +367,13 @@ impl TransferEngine for CudaTransferEngine {
             .map_err(|e| cuda_err("binding the context", e))?;
         // SAFETY: `ptr..ptr+bytes` is the tensor's allocation, kept alive (and registered)
         // until `host_release` or the engine's drop unregisters it.
-        let r = unsafe {
-            sys::cuMemHostRegister_v2(ptr, bytes as usize, sys::CU_MEMHOSTREGISTER_PORTABLE)
-        };
+        let (r, mapped) = zero_copy::register(ptr, bytes);
         if r == sys::CUresult::CUDA_SUCCESS {
             self.pinned.push(Pinned {
                 id: t.id(),
                 ptr,
                 bytes,
+                mapped,
                 _tensor: t.clone(),
             });
         }
@@ -393,6 +400,10 @@ impl TransferEngine for CudaTransferEngine {
 
     fn pinned_bytes(&self) -> u64 {
         self.pinned.iter().map(|p| p.bytes).sum()
+    }
+
+    fn gather_mapped(&mut self, g: &super::engine::MappedGather<'_>) -> Result<bool> {
+        self.gather(g)
     }
 
     fn copy_seconds(&self) -> f64 {

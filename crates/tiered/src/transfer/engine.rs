@@ -49,6 +49,31 @@ pub fn run_jobs(jobs: &[CopyJob]) -> Result<()> {
     jobs.iter().try_for_each(CopyJob::run)
 }
 
+/// Pages of a host-tier buffer to gather into a device buffer by the device itself
+/// (zero-copy, CLO §4): each `page_bytes` long, from byte `src_offsets[i]` of `src` (a whole
+/// buffer from [`TransferEngine::host_zeros`]) to byte `dst_offsets[i]` of `dst` (a whole
+/// contiguous device tensor).
+#[derive(Debug)]
+pub struct MappedGather<'a> {
+    /// The host-tier buffer.
+    pub src: &'a Tensor,
+    /// The device buffer.
+    pub dst: &'a Tensor,
+    /// Per page, its byte offset in `src`.
+    pub src_offsets: Vec<u64>,
+    /// Per page, its byte offset in `dst`.
+    pub dst_offsets: Vec<u64>,
+    /// Bytes of one page.
+    pub page_bytes: usize,
+}
+
+impl MappedGather<'_> {
+    /// Bytes the gather moves.
+    pub fn bytes(&self) -> u64 {
+        self.src_offsets.len() as u64 * self.page_bytes as u64
+    }
+}
+
 /// A handle on a submitted batch of copies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Ticket(pub u64);
@@ -85,6 +110,15 @@ pub trait TransferEngine: Send {
     /// beside it. Compared with a step's time it shows the overlap.
     fn copy_seconds(&self) -> f64 {
         0.0
+    }
+
+    /// Gathers `g`'s pages with a kernel on the device reading the host buffer in place
+    /// (zero-copy, CLO §4), ordered on the compute stream after every copy into host memory
+    /// submitted before; `Ok(false)` (the default) when this engine cannot — the buffer is
+    /// not mapped into the device, or there is no device — and the caller copies instead.
+    fn gather_mapped(&mut self, g: &MappedGather<'_>) -> Result<bool> {
+        let _ = g;
+        Ok(false)
     }
 
     /// Seconds the link has been busy since the engine was created: the copies' time, or on

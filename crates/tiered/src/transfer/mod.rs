@@ -28,7 +28,7 @@ pub mod wire;
 pub use cpu::{CpuTransferEngine, SyncTransferEngine, INLINE_BYTES};
 #[cfg(feature = "cuda")]
 pub use cuda::CudaTransferEngine;
-pub use engine::{grown_host, run_jobs, CopyJob, Ticket, TransferEngine};
+pub use engine::{grown_host, run_jobs, CopyJob, MappedGather, Ticket, TransferEngine};
 
 use kvpolicy_core::{KvError, Result};
 
