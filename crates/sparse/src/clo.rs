@@ -185,7 +185,11 @@ impl Selector for Clo {
             head.chosen = attend.clone();
             head.end = end;
             let retain = Self::kept(head, &attend, &view.resident[h], extra);
-            out.push(HeadChoice { attend, retain });
+            out.push(HeadChoice {
+                attend,
+                retain,
+                prefetch: Vec::new(),
+            });
         }
         self.reused += reused;
         self.selected += selected;

@@ -1,9 +1,9 @@
 //! `flexicache` (FlexiCache, arXiv 2511.00868): KV heads differ in how stable their
 //! critical pages are over time. A *stable* head keeps only its top-K pages on the device
-//! — re-ranked every `rerank` decode steps, when only newly promoted pages are fetched —
-//! and attends them plus every page that entered the middle since; an *unstable* head
-//! keeps every page on the device and attends its fresh top-K each step without moving
-//! anything. APPROXIMATE.
+//! — re-ranked at the first decode step and then every `rerank` steps, when only newly
+//! promoted pages are fetched — and attends them plus every page that entered the middle
+//! since; an *unstable* head keeps every page on the device (those it lacks are fetched
+//! once) and attends its fresh top-K each step without moving anything more. APPROXIMATE.
 //!
 //! Stability follows the authors' measure: the overlap of a head's top-K set with an
 //! earlier one, corrected for chance, `RCO = (|A ∩ B| / K − K/N) / (1 − K/N)` floored at 0
@@ -121,7 +121,9 @@ impl Selector for FlexiCache {
         let nkv = view.resident.len();
         self.layer(view.layer, nkv);
         self.steps[view.layer] += 1;
-        let rerank = self.steps[view.layer] % self.rerank == 0;
+        // The first decode step re-ranks (as the authors' code does), then every `rerank`.
+        let step = self.steps[view.layer];
+        let rerank = step == 1 || step % self.rerank == 0;
         let needs_scores = rerank || self.heads[view.layer].iter().any(|h| !h.stable);
         let scores: Vec<Vec<f32>> = if needs_scores {
             view.scores()?.to_vec()
@@ -148,11 +150,13 @@ impl Selector for FlexiCache {
                 HeadChoice {
                     retain: attend.clone(),
                     attend,
+                    prefetch: Vec::new(),
                 }
             } else {
                 HeadChoice {
                     attend: top_k(&scores[h], first, k),
                     retain: all.clone(),
+                    prefetch: all.clone(),
                 }
             });
         }

@@ -188,6 +188,10 @@ impl<S: Selector> SparsePolicy<S> {
             )));
         }
         let attend: Vec<Vec<usize>> = choices.iter().map(|c| c.attend.clone()).collect();
+        let want: Vec<Vec<usize>> = choices
+            .iter()
+            .map(|c| crate::select::union(&c.attend, &c.prefetch))
+            .collect();
         let caches = if persistent {
             &mut self.layers[layer].heads
         } else {
@@ -202,7 +206,7 @@ impl<S: Selector> SparsePolicy<S> {
             &mut self.host,
             layer,
             caches,
-            &attend,
+            &want,
             shape,
             self.zero_copy,
         )?;
@@ -331,9 +335,10 @@ impl<S: Selector> KvPolicy for SparsePolicy<S> {
         self.stats.note_scratch(scratch, shape.activation_bytes(t));
         let out = merge_partials(&parts)?;
         self.note_device(0);
-        // Pages leaving the window stay with the heads (they are on the device already);
-        // each head's next selection keeps what it attends.
-        let persist = self.selector.persistent();
+        // At a decode step the page leaving the window stays with the heads (it is on the
+        // device already); after a prefill chunk a head's next selection fetches what it
+        // wants of the chunk's pages (a chunk's worth for every head would outgrow `full`).
+        let persist = self.selector.persistent() && t == 1;
         self.layers[layer].trim(&self.pages, pos + t, persist, &ps)?;
         self.note_device(0);
         if layer == 0 || pos + t > self.len {

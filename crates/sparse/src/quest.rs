@@ -37,6 +37,7 @@ impl Selector for Quest {
             .map(|s| HeadChoice {
                 attend: top_k(s, first, k),
                 retain: Vec::new(),
+                prefetch: Vec::new(),
             })
             .collect())
     }

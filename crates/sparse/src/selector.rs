@@ -18,6 +18,9 @@ pub struct HeadChoice {
     /// Pages kept on the device after the step, ascending (the rest are freed; ignored by
     /// a selector whose pages do not persist).
     pub retain: Vec<usize>,
+    /// Pages fetched now besides `attend`, to be resident from this step on, ascending
+    /// (a head that keeps every page; ignored by a selector whose pages do not persist).
+    pub prefetch: Vec<usize>,
 }
 
 /// Per layer and KV head, the device bytes its pages hold and the bytes fetched for it.
