@@ -138,7 +138,7 @@ page_settings! {
         rerank: usize = 16,
         /// A head is stable when its top pages overlap by at least this share from one
         /// ranking to the next (query rows of the prefill's last chunk, then re-ranks).
-        threshold: f64 = 0.5,
+        threshold: f64 = 0.2,
     }
 }
 
