@@ -34,10 +34,7 @@ pub use heads_into::{heads_into, HeadsInto, Rotation};
 
 #[cfg(feature = "cuda")]
 mod cuda;
-/// The PTX of `cuda/*.cu`, built by `build.rs`.
-#[cfg(feature = "cuda")]
-mod ptx {
-    include!(concat!(env!("OUT_DIR"), "/ptx.rs"));
-}
 #[cfg(feature = "cuda")]
 pub mod gather;
+#[cfg(feature = "cuda")]
+mod ptx;

@@ -6,7 +6,7 @@
 //! attends; exact (≤ 1e-5 of `full`) when the budget covers the context.
 use candle_core::{DType, Tensor};
 use kvpolicy_core::{
-    merge_partials, AttnInputs, AttnStep, KvError, KvPolicy, KvShape, KvStats, Partial,
+    merge_partials, AttnInputs, AttnStep, KvBuffer, KvError, KvPolicy, KvShape, KvStats, Partial,
     PolicyMetric, PolicyOptions, Result,
 };
 use kvpolicy_tiered::{DiskTier, HostLayers, Link, WriteAt};
@@ -248,6 +248,23 @@ impl<S: Selector> SparsePolicy<S> {
     }
 }
 
+/// The step's attention over all of `buf`, whose first token sits at `first`; `None` when
+/// it holds nothing.
+fn attend_buffer(buf: &KvBuffer, first: usize, step: &AttnStep<'_>) -> Result<Option<Partial>> {
+    if buf.is_empty() {
+        return Ok(None);
+    }
+    let (k, v) = buf.view(0, buf.len())?;
+    let inputs = AttnInputs {
+        q: step.q,
+        k: &k,
+        v: &v,
+        q_pos: step.pos,
+        k_pos: first,
+    };
+    Ok(Some(kvpolicy_core::attend_partial(inputs, step.spec)?))
+}
+
 impl<S: Selector> KvPolicy for SparsePolicy<S> {
     fn name(&self) -> &str {
         self.name
@@ -296,18 +313,8 @@ impl<S: Selector> KvPolicy for SparsePolicy<S> {
         self.layers[layer].append(&self.pages, step.k, step.v, pos)?;
         let mut parts = Vec::with_capacity(3);
         let l = &self.layers[layer];
-        if !l.sinks.is_empty() {
-            let (k, v) = l.sinks.view(0, l.sinks.len())?;
-            parts.push(kvpolicy_core::attend_partial(
-                AttnInputs {
-                    q: step.q,
-                    k: &k,
-                    v: &v,
-                    q_pos: pos,
-                    k_pos: 0,
-                },
-                step.spec,
-            )?);
+        if let Some(p) = attend_buffer(&l.sinks, 0, step)? {
+            parts.push(p);
         }
         let middle = l.middle(&self.pages);
         if global && !middle.is_empty() {
@@ -318,18 +325,8 @@ impl<S: Selector> KvPolicy for SparsePolicy<S> {
             });
         }
         let l = &self.layers[layer];
-        if !l.recent.is_empty() {
-            let (k, v) = l.recent.view(0, l.recent.len())?;
-            parts.push(kvpolicy_core::attend_partial(
-                AttnInputs {
-                    q: step.q,
-                    k: &k,
-                    v: &v,
-                    q_pos: pos,
-                    k_pos: l.recent_start,
-                },
-                step.spec,
-            )?);
+        if let Some(p) = attend_buffer(&l.recent, l.recent_start, step)? {
+            parts.push(p);
         }
         let scratch = parts.iter().map(|p| p.scratch_bytes).max().unwrap_or(0);
         self.stats.note_scratch(scratch, shape.activation_bytes(t));

@@ -115,6 +115,26 @@ struct Pinned {
 
 mod zero_copy;
 
+/// Registers `bytes` at `ptr` page-locked and, where the driver allows, mapped into the
+/// device's address space (then also its device address); falls back to page-locked only.
+fn register_mapped(ptr: *mut c_void, bytes: u64) -> (sys::CUresult, Option<sys::CUdeviceptr>) {
+    let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
+    // SAFETY: `ptr..ptr+bytes` is a live CPU allocation its caller keeps until it
+    // unregisters it.
+    let r = unsafe { sys::cuMemHostRegister_v2(ptr, bytes as usize, flags) };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        // SAFETY: as above.
+        let r = unsafe {
+            sys::cuMemHostRegister_v2(ptr, bytes as usize, sys::CU_MEMHOSTREGISTER_PORTABLE)
+        };
+        return (r, None);
+    }
+    let mut dptr: sys::CUdeviceptr = 0;
+    // SAFETY: `ptr` was just registered with DEVICEMAP; `dptr` is a valid out-pointer.
+    let got = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dptr, ptr, 0) };
+    (r, (got == sys::CUresult::CUDA_SUCCESS).then_some(dptr))
+}
+
 /// Copies on a dedicated CUDA stream from page-locked host memory (see the module docs).
 pub struct CudaTransferEngine {
     device: CudaDevice,
@@ -367,7 +387,7 @@ impl TransferEngine for CudaTransferEngine {
             .map_err(|e| cuda_err("binding the context", e))?;
         // SAFETY: `ptr..ptr+bytes` is the tensor's allocation, kept alive (and registered)
         // until `host_release` or the engine's drop unregisters it.
-        let (r, mapped) = zero_copy::register(ptr, bytes);
+        let (r, mapped) = register_mapped(ptr, bytes);
         if r == sys::CUresult::CUDA_SUCCESS {
             self.pinned.push(Pinned {
                 id: t.id(),

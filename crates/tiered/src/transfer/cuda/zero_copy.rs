@@ -4,36 +4,13 @@
 //! stream, instead of the copy engine copying them. GPU-side synchronization: the compute
 //! stream waits (on the device) for the copies into host memory submitted before, so the
 //! host never blocks.
-use std::ffi::c_void;
-
 use candle_core::backend::BackendDevice;
-use candle_core::cuda::cudarc::driver::sys;
 use candle_core::Storage;
 use kvpolicy_core::{KvError, Result};
 use kvpolicy_kernels::gather::{gather_pages, PageGather};
 
 use super::{cuda_base, cuda_err, CudaTransferEngine};
 use crate::transfer::engine::MappedGather;
-
-/// Registers `bytes` at `ptr` page-locked and, where the driver allows, mapped into the
-/// device's address space (then also its device address); falls back to page-locked only.
-pub(super) fn register(ptr: *mut c_void, bytes: u64) -> (sys::CUresult, Option<sys::CUdeviceptr>) {
-    let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
-    // SAFETY: `ptr..ptr+bytes` is a live CPU allocation its caller keeps until it
-    // unregisters it.
-    let r = unsafe { sys::cuMemHostRegister_v2(ptr, bytes as usize, flags) };
-    if r != sys::CUresult::CUDA_SUCCESS {
-        // SAFETY: as above.
-        let r = unsafe {
-            sys::cuMemHostRegister_v2(ptr, bytes as usize, sys::CU_MEMHOSTREGISTER_PORTABLE)
-        };
-        return (r, None);
-    }
-    let mut dptr: sys::CUdeviceptr = 0;
-    // SAFETY: `ptr` was just registered with DEVICEMAP; `dptr` is a valid out-pointer.
-    let got = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dptr, ptr, 0) };
-    (r, (got == sys::CUresult::CUDA_SUCCESS).then_some(dptr))
-}
 
 impl CudaTransferEngine {
     /// The zero-copy gather (module docs); `Ok(false)` when `g.src` is not a mapped
