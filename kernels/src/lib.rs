@@ -16,7 +16,7 @@
 //!   (Q4_1, Q5_0, Q5_1): AVX2 integer dot products with runtime detection, a portable
 //!   fallback, candle's CPU worker pool over output rows.
 //!
-//! * [`gather`] (feature `cuda`) — CLO §4's zero-copy transfer: a kernel gathers pages
+//! * `gather` (feature `cuda`) — CLO §4's zero-copy transfer: a kernel gathers pages
 //!   from page-locked host memory mapped into the device's address space.
 //!
 //! Without the `cuda` feature nothing is compiled for the GPU and the build script does
