@@ -137,6 +137,29 @@ impl HeadCache {
         Ok((k.clone(), v.clone(), slot * shape.page))
     }
 
+    /// Places `page`, unless held, copied on the device from `k`, `v` `(b, kv_heads, n, d)`
+    /// — head `head`'s tokens from `first` on (the page must lie inside them).
+    pub fn copy_in(
+        &mut self,
+        page: usize,
+        (k, v): (&Tensor, &Tensor),
+        (head, first): (usize, usize),
+        shape: &PageShape,
+    ) -> Result<()> {
+        if self.holds(page) {
+            return Ok(());
+        }
+        let (kb, vb, at) = self.place(page, shape)?;
+        let src = |t: &Tensor| -> Result<Tensor> {
+            Ok(t.narrow(1, head, 1)?
+                .narrow(2, page * shape.page - first, shape.page)?
+                .contiguous()?)
+        };
+        kb.slice_set(&src(k)?, 2, at)?;
+        vb.slice_set(&src(v)?, 2, at)?;
+        Ok(())
+    }
+
     /// Room for at least `slots` slots (doubling), the pages held copied over.
     pub fn grow(&mut self, slots: usize, shape: &PageShape) -> Result<()> {
         if slots <= self.slots.len() {

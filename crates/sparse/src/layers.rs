@@ -107,17 +107,7 @@ impl LayerState {
             for p in 0..n / pages.page {
                 let page = self.recent_start / pages.page + p;
                 for (h, cache) in self.heads.iter_mut().enumerate() {
-                    if cache.holds(page) {
-                        continue;
-                    }
-                    let (kb, vb, at) = cache.place(page, shape)?;
-                    let src = |t: &Tensor| {
-                        t.narrow(1, h, 1)?
-                            .narrow(2, p * pages.page, pages.page)?
-                            .contiguous()
-                    };
-                    kb.slice_set(&src(&k)?, 2, at)?;
-                    vb.slice_set(&src(&v)?, 2, at)?;
+                    cache.copy_in(page, (&k, &v), (h, self.recent_start), shape)?;
                 }
             }
         }

@@ -96,17 +96,8 @@ impl DenseMiddle {
         for (h, (cache, pages)) in caches.iter_mut().zip(keep).enumerate() {
             cache.retain(pages);
             for &page in pages {
-                if cache.holds(page) {
-                    continue;
-                }
-                let (kb, vb, at) = cache.place(page, shape)?;
-                let src = |t: &Tensor| {
-                    t.narrow(1, h, 1)?
-                        .narrow(2, (page - self.first) * shape.page, shape.page)?
-                        .contiguous()
-                };
-                kb.slice_set(&src(&self.k)?, 2, at)?;
-                vb.slice_set(&src(&self.v)?, 2, at)?;
+                let first = self.first * shape.page;
+                cache.copy_in(page, (&self.k, &self.v), (h, first), shape)?;
             }
             cache.compact(shape)?;
         }

@@ -248,6 +248,16 @@ impl<S: Selector> SparsePolicy<S> {
     }
 }
 
+/// The error for `batch` sequences in one step: selection is per sequence.
+fn one_sequence(name: &str, batch: usize) -> Result<()> {
+    if batch == 1 {
+        return Ok(());
+    }
+    Err(KvError::Unsupported(format!(
+        "{name} selects pages for one sequence per step; batches go through one policy per sequence"
+    )))
+}
+
 /// The step's attention over all of `buf`, whose first token sits at `first`; `None` when
 /// it holds nothing.
 fn attend_buffer(buf: &KvBuffer, first: usize, step: &AttnStep<'_>) -> Result<Option<Partial>> {
@@ -271,24 +281,14 @@ impl<S: Selector> KvPolicy for SparsePolicy<S> {
     }
 
     fn prepare(&mut self, shape: &KvShape) -> Result<()> {
-        if shape.batch != 1 {
-            return Err(KvError::Unsupported(format!(
-                "{} selects pages for one sequence per step; batches go through one policy per sequence",
-                self.name
-            )));
-        }
+        one_sequence(self.name, shape.batch)?;
         self.host.set_shape(shape);
         Ok(())
     }
 
     fn attend(&mut self, step: &AttnStep<'_>) -> Result<Tensor> {
         let (b, nkv, t, _) = step.k.dims4()?;
-        if b != 1 {
-            return Err(KvError::Unsupported(format!(
-                "{} selects pages for one sequence per step; batches go through one policy per sequence",
-                self.name
-            )));
-        }
+        one_sequence(self.name, b)?;
         let (layer, pos) = (step.layer, step.pos);
         let shape = self.host.shape_for(step)?;
         let ps = self.page_shape(step)?;
