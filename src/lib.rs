@@ -21,6 +21,7 @@ pub use kvpolicy_core as core;
 pub use kvpolicy_hybrid as hybrid;
 pub use kvpolicy_models as models;
 pub use kvpolicy_offload as offload;
+pub use kvpolicy_prefix as prefix;
 pub use kvpolicy_recompute as recompute;
 pub use kvpolicy_sparse as sparse;
 pub use kvpolicy_tiered as tiered;

@@ -9,8 +9,9 @@ use std::path::{Path, PathBuf};
 use anyhow::{ensure, Result};
 
 /// Every crate's source root (and kvbench's, an example with modules of its own).
-const CRATES: [&str; 14] = [
+const CRATES: [&str; 15] = [
     "crates/core/src",
+    "crates/prefix/src",
     "crates/sparse/src",
     "crates/tiered/src",
     "examples/custom-model/src",
@@ -27,8 +28,9 @@ const CRATES: [&str; 14] = [
 ];
 
 /// The library crates of the policy layer, which must not spell a flag.
-const NO_FLAGS: [&str; 12] = [
+const NO_FLAGS: [&str; 13] = [
     "crates/core/src",
+    "crates/prefix/src",
     "crates/sparse/src",
     "examples/custom-policy/src",
     "examples/custom-model/src",

@@ -1,12 +1,14 @@
 //! `KvRestore::append_kv` (K/V stored without computing attention: a restored session, or
 //! `kvbench --synthetic-history`): the K/V a `full` prefill stored, appended into `full`,
-//! `layer` and `headwise` — in host RAM, on disk, or half and half — continue the sequence
-//! exactly: the decode logits equal a prefilled `full`'s (≤ 1e-5). Policies that place or
-//! store something else (`auto`, `recompute`, `hybrid`) refuse with `Unsupported`.
+//! `layer`, `headwise` and `auto` — in host RAM, on disk, or half and half; `auto` with
+//! every unit resident, and under a budget that keeps one resident and streams the rest —
+//! continue the sequence exactly: the decode logits equal a prefilled `full`'s (≤ 1e-5).
+//! Policies that store something else (`recompute`, `hybrid`) refuse with `Unsupported`.
 mod common;
 
 use anyhow::Result;
 use candle_core::{Device, Tensor};
+use kvpolicy::models::engine::generate::kv_shape;
 use kvpolicy::models::prefill;
 use kvpolicy::{
     build_policy, AttnSpec, AttnStep, CausalLm, KvError, KvPolicy, KvStats, LogitsMode, NoRegen,
@@ -123,8 +125,22 @@ fn appended_kv_continues_the_sequence_exactly() -> Result<()> {
         host_kv_budget: budget,
         ..PolicyOptions::default()
     };
+    // `auto` under a budget for the streaming buffers, a step's scratch and one unit.
+    let total = prompt.len() + decode.len();
+    let shape = kv_shape(info, 1, total, 5);
+    let cap = total.div_ceil(4) * 4;
+    let unit = shape.kv_bytes(info.n_kv_heads, cap);
+    let one_resident = PolicyOptions {
+        grow_tokens: 4,
+        device_kv_budget: Some(
+            3 * unit + shape.step_scratch_bytes(info.n_kv_heads, cap, &Device::Cpu),
+        ),
+        ..PolicyOptions::default()
+    };
     let cases = [
         ("full", PolicyOptions::default()),
+        ("auto", PolicyOptions::default()),
+        ("auto", one_resident),
         ("layer", PolicyOptions::default()),
         ("headwise", PolicyOptions::default()),
         ("headwise:1", disk(None)),
@@ -132,18 +148,28 @@ fn appended_kv_continues_the_sequence_exactly() -> Result<()> {
     ];
     for (policy, opts) in cases {
         let mut p = build_policy(policy, &opts)?;
+        p.prepare(&shape)?;
         restore(p.as_mut(), steps)?;
         assert_eq!(p.seq_len(), prompt.len(), "{policy}");
         let got = decode_logits(model, p.as_mut(), prompt.len(), &decode)?;
         let diff = common::max_abs_diff(&got, &want)?;
         assert!(diff <= 1e-5, "{policy} {:?}: {diff}", opts.host_kv_budget);
+        if opts.device_kv_budget.is_some() {
+            let s = p.stats();
+            let units = |m| common::metric(&s, m);
+            assert_eq!(
+                (units("resident_units"), units("streamed_units")),
+                (1, info.n_layers as u64 - 1),
+                "{policy}: one unit resident"
+            );
+        }
         if opts.disk_dir.is_some() {
             assert!(p.stats().disk_kv_bytes > 0, "{policy}: nothing on disk");
         }
     }
     assert_eq!(std::fs::read_dir(dir.path())?.count(), 0);
 
-    for policy in ["auto", "recompute", "hybrid"] {
+    for policy in ["recompute", "hybrid"] {
         let mut p = build_policy(policy, &PolicyOptions::default())?;
         match restore(p.as_mut(), steps) {
             Err(KvError::Unsupported(m)) => assert!(m.contains("append_kv"), "{m}"),

@@ -116,6 +116,9 @@ pub enum ModelError {
     /// The KV policy failed.
     #[error(transparent)]
     Policy(#[from] kvpolicy_core::KvError),
+    /// The prefix cache or a session failed.
+    #[error(transparent)]
+    Prefix(#[from] kvpolicy_prefix::PrefixError),
     /// A file could not be read or written.
     #[error("cannot access {}: {source}", path.display())]
     Io {
@@ -165,9 +168,11 @@ impl ModelError {
     /// together).
     pub fn render(&self, name: &dyn Fn(ModelInput) -> String) -> String {
         match self {
-            Self::Candle(_) | Self::Policy(_) | Self::Io { .. } | Self::Config { .. } => {
-                self.to_string()
-            }
+            Self::Candle(_)
+            | Self::Policy(_)
+            | Self::Prefix(_)
+            | Self::Io { .. }
+            | Self::Config { .. } => self.to_string(),
             Self::Weights { path, message } => {
                 format!("weights in {}: {}", path.display(), message.render(name))
             }

@@ -127,6 +127,24 @@ pub struct Args {
     /// With --dump-logits, write only the rows that predict generated tokens — the prompt's last position, then each decode step — instead of every prompt position too (a long prompt's rows do not fit in memory).
     #[arg(long, requires = "dump_logits")]
     pub decode_logits_only: bool,
+    /// Prefix cache directory: chunks of prompt K/V (every --prefix-cache-chunk tokens, keyed by all token ids up to the chunk's end and the model's fingerprint) are kept in host RAM and written to files here; a later prompt with the same start — in this run or another — restores them instead of prefilling (created if missing; full, layer, headwise and auto).
+    #[arg(long, value_name = "DIR")]
+    pub prefix_cache: Option<PathBuf>,
+    /// Host RAM the prefix cache keeps chunks in, e.g. 2GiB (the default); alone, without --prefix-cache, a RAM-only cache for this run (shared by the prompts of a --prompts-file).
+    #[arg(long, value_parser = parse_budget, value_name = "SIZE")]
+    pub prefix_cache_ram: Option<u64>,
+    /// Bytes of chunk files kept under --prefix-cache, e.g. 8GiB (the default); least recently used files are removed past it.
+    #[arg(long, value_parser = parse_budget, value_name = "SIZE", requires = "prefix_cache")]
+    pub prefix_cache_disk: Option<u64>,
+    /// Tokens per prefix-cache chunk (default 256): a prompt reuses whole chunks only.
+    #[arg(long, value_name = "N", default_value_t = kvpolicy::prefix::DEFAULT_CHUNK_TOKENS)]
+    pub prefix_cache_chunk: usize,
+    /// After generating, write the run's token ids and K/V to FILE (versioned, atomic), to continue later with --load-session.
+    #[arg(long, value_name = "FILE", conflicts_with = "prompts_file")]
+    pub save_session: Option<PathBuf>,
+    /// Continue a saved session: its tokens come before this run's prompt and their K/V are restored, not prefilled (a chat turn without re-prefilling its history); refused for another model or dtype.
+    #[arg(long, value_name = "FILE", conflicts_with = "prompts_file")]
+    pub load_session: Option<PathBuf>,
     /// Write the policy's stats and timings as JSON to FILE (with --prompts-file also the stats after every step, as `steps`).
     #[arg(long)]
     pub stats_out: Option<PathBuf>,

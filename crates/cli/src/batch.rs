@@ -1,16 +1,34 @@
 //! Batch mode (`--prompts-file`): reads the prompts, generates them together as one ragged
-//! batch (`generate_batch`), prints each completion and writes `--ids-out` / `--stats-out`.
+//! batch (`generate_batch`) — or, with a prefix cache, one after another, each reusing the
+//! chunks the earlier ones stored ([`crate::reuse::run_prompts`]) — prints each completion
+//! and writes `--ids-out` / `--stats-out`.
 use std::io::Write;
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 use kvpolicy::models::{generate_batch, TextTokenizer};
-use kvpolicy::{CausalLm, KvPolicy};
+use kvpolicy::{CausalLm, KvPolicy, KvStats};
 
 use crate::applies::warn_slow_link;
 use crate::args::Args;
 use crate::atomic::Staged;
+use crate::reuse::{PrefixOut, RequestReuse, Reusing};
 use crate::stats_out::{peak_rss_bytes, StatsOut};
+
+/// What a batch generated, however it ran.
+struct Outcome {
+    /// Per prompt, in input order: prompt and generated ids.
+    requests: Vec<(Vec<u32>, Vec<u32>)>,
+    prefill_s: f64,
+    decode_s: f64,
+    decode_tokens: usize,
+    /// Tokens prefilled (not restored).
+    prefill_tokens: usize,
+    /// Stats after every step (a ragged batch).
+    steps: Option<Vec<KvStats>>,
+    /// What came from the prefix cache (run one after another).
+    prefix: Option<PrefixOut>,
+}
 
 /// The prompts of a file: text lines, or token ids from a `.jsonl` file.
 pub enum Prompts {
@@ -75,6 +93,7 @@ pub fn run(
     tok: Option<&TextTokenizer>,
     policy: &mut dyn KvPolicy,
     prompts: Prompts,
+    reusing: Option<&mut Reusing>,
 ) -> Result<()> {
     let ids: Vec<Vec<u32>> = match prompts {
         Prompts::Ids(ids) => ids,
@@ -93,8 +112,23 @@ pub fn run(
     let lens: Vec<usize> = ids.iter().map(Vec::len).collect();
     crate::preflight::check_descriptors(args, model.info(), &lens)?;
     crate::preflight::check_disk_room(args, model.info(), &lens)?;
+    let out = match reusing {
+        Some(r) => one_by_one(args, r, model, tok, policy, &ids)?,
+        None => together(args, model, tok, policy, &ids)?,
+    };
+    write_outputs(args, model, policy, &ids, out)
+}
+
+/// The prompts as one ragged batch; prints the completions.
+fn together(
+    args: &Args,
+    model: &dyn CausalLm,
+    tok: Option<&TextTokenizer>,
+    policy: &mut dyn KvPolicy,
+    ids: &[Vec<u32>],
+) -> Result<Outcome> {
     let cfg = args.generate_config();
-    let out = generate_batch(model, policy, &ids, &cfg)?;
+    let out = generate_batch(model, policy, ids, &cfg)?;
     let mut stdout = std::io::stdout().lock();
     for (i, g) in out.requests.iter().enumerate() {
         let text = match tok {
@@ -112,9 +146,61 @@ pub fn run(
             break;
         }
     }
-    drop(stdout);
+    Ok(Outcome {
+        requests: out
+            .requests
+            .iter()
+            .map(|g| (g.prompt_ids.clone(), g.generated_ids.clone()))
+            .collect(),
+        prefill_s: out.prefill_s,
+        decode_s: out.decode_s,
+        decode_tokens: out.decode_tokens,
+        prefill_tokens: ids.iter().map(Vec::len).sum(),
+        steps: Some(out.step_stats),
+        prefix: None,
+    })
+}
+
+/// The prompts one after another through the prefix cache.
+fn one_by_one(
+    args: &Args,
+    reusing: &mut Reusing,
+    model: &dyn CausalLm,
+    tok: Option<&TextTokenizer>,
+    policy: &mut dyn KvPolicy,
+    ids: &[Vec<u32>],
+) -> Result<Outcome> {
+    let gens = crate::reuse::run_prompts(args, reusing, model, tok, policy, ids)?;
+    let sum = |f: &dyn Fn(&kvpolicy::models::Generation) -> f64| {
+        gens.iter().map(|g| f(&g.generation)).sum::<f64>()
+    };
+    Ok(Outcome {
+        prefill_s: sum(&|g| g.prefill_s),
+        decode_s: sum(&|g| g.decode_s),
+        decode_tokens: gens.iter().map(|g| g.generation.decode_tokens).sum(),
+        prefill_tokens: gens.iter().map(|g| g.generation.prefill_tokens).sum(),
+        steps: None,
+        prefix: Some(PrefixOut::new(
+            gens.iter().map(RequestReuse::of).collect(),
+            reusing.cache_stats(),
+        )),
+        requests: gens
+            .into_iter()
+            .map(|g| (g.generation.prompt_ids, g.generation.generated_ids))
+            .collect(),
+    })
+}
+
+/// The batch's summary on stderr, then `--ids-out` and `--stats-out`.
+fn write_outputs(
+    args: &Args,
+    model: &dyn CausalLm,
+    policy: &mut dyn KvPolicy,
+    ids: &[Vec<u32>],
+    out: Outcome,
+) -> Result<()> {
     let stats = policy.stats();
-    let prefill_tokens: usize = ids.iter().map(Vec::len).sum();
+    let prefill_tokens = out.prefill_tokens;
     let total_s = out.prefill_s + out.decode_s;
     let _ = writeln!(
         std::io::stderr(),
@@ -151,7 +237,7 @@ pub fn run(
         let v: Vec<_> = out
             .requests
             .iter()
-            .map(|g| serde_json::json!({"prompt_ids": g.prompt_ids, "generated_ids": g.generated_ids}))
+            .map(|(p, g)| serde_json::json!({"prompt_ids": p, "generated_ids": g}))
             .collect();
         staged.add(path, |w| Ok(serde_json::to_writer(w, &v)?))?;
     }
@@ -167,7 +253,8 @@ pub fn run(
             decode_s: out.decode_s,
             link: None,
             peak_rss_bytes: peak_rss_bytes(),
-            steps: Some(out.step_stats),
+            steps: out.steps,
+            prefix_cache: out.prefix,
         };
         staged.add(path, |w| Ok(serde_json::to_writer_pretty(w, &st)?))?;
     }

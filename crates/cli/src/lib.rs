@@ -29,6 +29,7 @@ pub mod outpath;
 pub mod preflight;
 mod printer;
 pub mod registry;
+pub mod reuse;
 mod runner;
 pub mod stats_out;
 pub mod summary;

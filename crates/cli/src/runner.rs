@@ -13,7 +13,7 @@ use crate::args::Args;
 use crate::atomic::{self, Staged};
 use crate::printer::Printer;
 use crate::stats_out::{peak_rss_bytes, DecodeLink, StatsOut};
-use crate::{batch, errors, flags, npy, preflight, registry, summary, threads};
+use crate::{batch, errors, flags, npy, preflight, registry, reuse, summary, threads};
 
 /// `n` token ids drawn uniformly from `0..vocab` with `seed` (the `--random-prompt` prompt).
 fn random_prompt(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
@@ -140,16 +140,23 @@ fn run(
         host_kv_dtype: args.host_kv_dtype.unwrap_or_default(),
         ..PolicyOptions::default()
     };
-    let mut policy = if args.prompts_file.is_some() {
+    reuse::check_flags(args)?;
+    // With a prefix cache a prompts file runs one prompt after another (each reusing the
+    // earlier ones' chunks) under one policy, reset between them.
+    let mut policy = if args.prompts_file.is_some() && !reuse::wanted(args) {
         reg.build_batched_spec(spec, &opts)?
     } else {
         reg.build_spec(spec, &opts)?
     };
+    if reuse::wanted(args) {
+        reuse::check_policy(policy.as_mut())?;
+    }
     // Output paths that cannot be written fail before any work.
     for (path, flag) in [
         (&args.ids_out, "--ids-out"),
         (&args.dump_logits, "--dump-logits"),
         (&args.stats_out, "--stats-out"),
+        (&args.save_session, "--save-session"),
     ] {
         if let Some(p) = path {
             atomic::check_output(p, flag)?;
@@ -188,8 +195,20 @@ fn run(
         );
     }
 
+    let mut reusing = if reuse::wanted(args) {
+        Some(reuse::Reusing::open(args, &files, model.as_ref())?)
+    } else {
+        None
+    };
     if let Some(prompts) = batch {
-        return batch::run(args, model.as_ref(), tok.as_ref(), policy.as_mut(), prompts);
+        return batch::run(
+            args,
+            model.as_ref(),
+            tok.as_ref(),
+            policy.as_mut(),
+            prompts,
+            reusing.as_mut(),
+        );
     }
 
     let prompt_ids = match (&args.prompt_ids, &args.prompt, args.random_prompt) {
@@ -235,21 +254,47 @@ fn run(
     preflight::check_disk_room(args, model.info(), &[prompt_ids.len()])?;
     let cfg = args.generate_config();
     let mut printer = Printer::new(tok.as_ref());
-    let gen = generate(
-        model.as_ref(),
-        policy.as_mut(),
-        &prompt_ids,
-        &cfg,
-        &mut |t| {
-            printer.push(t);
-            Ok(())
-        },
-    )?;
+    let mut on_token = |t| {
+        printer.push(t);
+        Ok(())
+    };
+    let (gen, reused) = match reusing.as_mut() {
+        Some(r) => {
+            let c = r.generate(
+                args,
+                model.as_ref(),
+                policy.as_mut(),
+                &prompt_ids,
+                &cfg,
+                &mut on_token,
+            )?;
+            let req = reuse::RequestReuse::of(&c);
+            (c.generation, Some((req, c.session)))
+        }
+        None => (
+            generate(
+                model.as_ref(),
+                policy.as_mut(),
+                &prompt_ids,
+                &cfg,
+                &mut on_token,
+            )?,
+            None,
+        ),
+    };
     printer.finish();
 
     let info = model.info();
     let stats = policy.stats();
     summary::print(&gen, &stats, policy.name(), args.host_kv_dtype.is_some());
+    let cache_stats = reusing.as_ref().and_then(reuse::Reusing::cache_stats);
+    let (prefix_out, session) = match reused {
+        Some((req, session)) => {
+            eprintln!("{}", reuse::summary(&req, cache_stats.as_ref()));
+            (Some(reuse::PrefixOut::new(vec![req], cache_stats)), session)
+        }
+        None => (None, None),
+    };
     // Every output is written before any is put in place: one failing leaves none.
     let mut staged = Staged::new();
     if let Some(path) = &args.ids_out {
@@ -259,6 +304,10 @@ fn run(
     }
     if let (Some(path), Some(logits)) = (&args.dump_logits, &gen.logits) {
         staged.add(path, |w| npy::write_f32_npy(logits, w))?;
+    }
+    if let (Some(path), Some(session)) = (&args.save_session, &session) {
+        let bytes = session.encode()?;
+        staged.add(path, |w| Ok(w.write_all(&bytes)?))?;
     }
     if let Some(path) = &args.stats_out {
         let out_stats = stats.clone();
@@ -273,6 +322,7 @@ fn run(
             link: DecodeLink::of(&gen, &out_stats),
             peak_rss_bytes: peak_rss_bytes(),
             steps: None,
+            prefix_cache: prefix_out,
         };
         staged.add(path, |w| Ok(serde_json::to_writer_pretty(w, &out)?))?;
     }

@@ -62,6 +62,9 @@ pub struct StatsOut<'a> {
     /// Stats after every step (batch mode).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub steps: Option<Vec<KvStats>>,
+    /// What came from the prefix cache or a session (with those flags).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefix_cache: Option<crate::reuse::PrefixOut>,
 }
 
 /// The process's peak resident memory from `/proc/self/status` (`VmHWM`), where there is one.

@@ -19,6 +19,6 @@ pub fn append_kv(policy: &mut dyn KvPolicy, step: &AttnStep<'_>) -> Result<()> {
 pub(crate) fn not_restorable(policy: &str, layer: usize) -> crate::error::KvError {
     crate::error::KvError::Unsupported(format!(
         "`{policy}` does not take K/V without computing attention (append_kv; layer {layer}); \
-         `full`, `layer` and `headwise` do"
+         `full`, `layer`, `headwise` and `auto` do"
     ))
 }

@@ -52,6 +52,16 @@ pub(crate) enum InPlace {
     Attended(Partial),
 }
 
+/// What became of a unit's new entries ([`Residency::append`]).
+pub(crate) enum Placed {
+    /// It streams: its entries go to the host tier.
+    Streams,
+    /// It is resident, but its growth no longer fits the budget: to be demoted.
+    Demote,
+    /// Appended to its device buffer.
+    Appended,
+}
+
 /// Which units stay on the device, and their buffers.
 #[derive(Debug, Default)]
 pub(crate) struct Residency {
@@ -77,24 +87,23 @@ pub(crate) struct Residency {
 }
 
 impl Residency {
-    /// Attends `unit` in place if it is resident: the step's new entries `kn`, `vn` appended
-    /// to its device buffer (charged to `meter`), queries `q`. A buffer about to grow first
-    /// drops the tokens no later query sees (before the window). When the growth and a
-    /// step's scratch (`reserve`) no longer fit `meter`'s budget nothing is appended: the
-    /// unit is to be demoted.
-    pub(crate) fn attend(
+    /// Appends the step's new entries `kn`, `vn` to `unit`'s device buffer if it is
+    /// resident (charged to `meter`). A buffer about to grow first drops the tokens no later
+    /// query sees (before the window). When the growth and a step's scratch (`reserve`) no
+    /// longer fit `meter`'s budget nothing is appended: the unit is to be demoted.
+    pub(crate) fn append(
         &mut self,
         unit: usize,
-        (q, kn, vn): (&Tensor, &Tensor, &Tensor),
+        (kn, vn): (&Tensor, &Tensor),
         step: &AttnStep<'_>,
         reserve: u64,
         meter: &mut DeviceMeter,
-    ) -> Result<InPlace> {
-        let (pos, t) = (step.pos, kn.dim(2)?);
+    ) -> Result<Placed> {
+        let t = kn.dim(2)?;
         let Some(res) = self.units.get_mut(unit).and_then(Option::as_mut) else {
-            return Ok(InPlace::Streams);
+            return Ok(Placed::Streams);
         };
-        let start = step.spec.window_start(pos);
+        let start = step.spec.window_start(step.pos);
         if res.buf.len() + t > res.buf.capacity() && start > res.base {
             // No later query sees the tokens before the window: drop them, not grow.
             res.buf.drop_front(start - res.base)?;
@@ -103,10 +112,33 @@ impl Residency {
         let buf = &mut res.buf;
         let grow = buf.growth_bytes(kn)?;
         if grow > 0 && !meter.fits(grow + reserve) {
-            return Ok(InPlace::Demote);
+            return Ok(Placed::Demote);
         }
         buf.append_metered(kn, vn, meter)?;
-        let (k, v) = buf.view(start - res.base, pos + t - start)?;
+        Ok(Placed::Appended)
+    }
+
+    /// Attends `unit` in place if it is resident: the step's new entries appended first
+    /// ([`Residency::append`]), then queries `q` over its window of the buffer.
+    pub(crate) fn attend(
+        &mut self,
+        unit: usize,
+        (q, kn, vn): (&Tensor, &Tensor, &Tensor),
+        step: &AttnStep<'_>,
+        reserve: u64,
+        meter: &mut DeviceMeter,
+    ) -> Result<InPlace> {
+        match self.append(unit, (kn, vn), step, reserve, meter)? {
+            Placed::Streams => return Ok(InPlace::Streams),
+            Placed::Demote => return Ok(InPlace::Demote),
+            Placed::Appended => {}
+        }
+        let Some(res) = self.units.get(unit).and_then(Option::as_ref) else {
+            return Ok(InPlace::Streams);
+        };
+        let (pos, t) = (step.pos, kn.dim(2)?);
+        let start = step.spec.window_start(pos);
+        let (k, v) = res.buf.view(start - res.base, pos + t - start)?;
         Ok(InPlace::Attended(attend_partial(
             AttnInputs {
                 q,

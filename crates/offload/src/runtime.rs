@@ -21,13 +21,13 @@
 use candle_core::Tensor;
 use kvpolicy_core::KvRestore;
 use kvpolicy_core::{
-    attend_partial, AttnInputs, AttnStep, DeviceMeter, KvError, KvPolicy, KvShape, KvStats,
-    PolicyMetric, PolicyOptions, Result, TokenRange,
+    attend_partial, AttnInputs, AttnStep, DeviceMeter, KvPolicy, KvShape, KvStats, PolicyMetric,
+    PolicyOptions, Result, TokenRange,
 };
 use kvpolicy_tiered::{report_device, DiskTier, HostLayers, Link, TransferEngine, WriteAt};
 
 use crate::plan::{Grouping, Plan};
-use crate::resident::{InPlace, Residency};
+use crate::resident::{InPlace, Placed, Residency};
 use crate::stream::{StepAt, Streaming, UnitBuffers};
 
 /// Offloaded KV with a ping-pong pair of device buffers (see the module docs).
@@ -381,29 +381,58 @@ impl KvPolicy for OffloadPolicy {
 }
 
 impl KvRestore for OffloadPolicy {
-    /// The step's K/V go to the host tier (RAM or disk) as `attend` writes them back;
-    /// `auto` places units as they attend, so it refuses.
+    /// The step's K/V go where `attend` would put them: to the host tier (RAM or disk) for
+    /// `layer`, `headwise` and `auto`'s streamed units, into the device buffer of each of
+    /// `auto`'s resident units (decided, and demoted when their growth no longer fits, as
+    /// when they attend).
     fn append_kv(&mut self, step: &AttnStep<'_>) -> Result<()> {
-        if self.residency.is_some() {
-            return Err(KvError::Unsupported(format!(
-                "`{}` places each unit on the device or the host as it attends, so it takes \
-                 no K/V without attention (append_kv); `layer` and `headwise` do",
-                self.plan.name()
-            )));
-        }
         let shape = self.host.shape_for(step)?;
         self.host.begin(&mut self.link, step, &shape)?;
-        self.host.write(
-            &mut self.link,
-            WriteAt {
-                layer: step.layer,
-                first_head: 0,
-                offset: step.pos,
-            },
-            step.k,
-            step.v,
-        )?;
-        self.host.advance(step.layer, step.k.dim(2)?);
+        let (layer, pos, t) = (step.layer, step.pos, step.k.dim(2)?);
+        if self.residency.is_none() {
+            self.host.write(
+                &mut self.link,
+                WriteAt {
+                    layer,
+                    first_head: 0,
+                    offset: pos,
+                },
+                step.k,
+                step.v,
+            )?;
+            self.host.advance(layer, t);
+            return Ok(());
+        }
+        let hist = pos - step.spec.window_start(pos);
+        let widest = self.host.widest_history(pos, hist);
+        self.ensure_buffers(&shape, widest + t, pos + t)?;
+        let gs = self.stream.group();
+        let groups = shape.n_kv_heads / gs;
+        let reserve = self.plan.scratch_bytes(&shape, gs, widest + t);
+        for g in 0..groups {
+            let kn = step.k.narrow(1, g * gs, gs)?.contiguous()?;
+            let vn = step.v.narrow(1, g * gs, gs)?.contiguous()?;
+            let unit = layer * groups + g;
+            if let Some(r) = self.residency.as_mut() {
+                r.decide(unit, self.plan.grow_tokens());
+                match r.append(unit, (&kn, &vn), step, reserve, &mut self.meter)? {
+                    Placed::Appended => continue,
+                    Placed::Streams => {}
+                    Placed::Demote => self.demote(unit, layer, g, gs)?,
+                }
+            }
+            self.host.write(
+                &mut self.link,
+                WriteAt {
+                    layer,
+                    first_head: g * gs,
+                    offset: pos,
+                },
+                &kn,
+                &vn,
+            )?;
+        }
+        self.host.advance(layer, t);
         Ok(())
     }
 }

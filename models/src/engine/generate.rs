@@ -238,8 +238,23 @@ pub fn prefill_with(
     collect: bool,
     on_chunk: &mut dyn FnMut(usize),
 ) -> Result<(Tensor, Option<Tensor>)> {
+    prefill_from(model, policy, prompt, 0, chunk, collect, on_chunk)
+}
+
+/// [`prefill_with`] of `prompt[from..]`: the first `from` tokens are already in `policy`
+/// (restored from a prefix cache or a session); the logits rows start at `from`.
+pub fn prefill_from(
+    model: &dyn CausalLm,
+    policy: &mut dyn KvPolicy,
+    prompt: &[u32],
+    from: usize,
+    chunk: usize,
+    collect: bool,
+    on_chunk: &mut dyn FnMut(usize),
+) -> Result<(Tensor, Option<Tensor>)> {
     let info = model.info();
-    let chunk = if chunk == 0 { prompt.len() } else { chunk };
+    let rest = prompt.get(from..).unwrap_or_default();
+    let chunk = if chunk == 0 { rest.len().max(1) } else { chunk };
     let mode = if collect {
         LogitsMode::All
     } else {
@@ -247,8 +262,8 @@ pub fn prefill_with(
     };
     let mut rows = Vec::new();
     let mut last = None;
-    let mut pos = 0;
-    for piece in prompt.chunks(chunk) {
+    let mut pos = from;
+    for piece in rest.chunks(chunk) {
         let _span = tracing::info_span!("prefill_chunk", pos, tokens = piece.len()).entered();
         let logits = model.forward(&ids_tensor(piece, info)?, pos, policy, mode)?;
         let logits = logits.squeeze(0)?;
@@ -293,23 +308,59 @@ pub fn generate(
     cfg: &GenerateConfig,
     on_token: &mut dyn FnMut(u32) -> Result<()>,
 ) -> Result<Generation> {
-    let info = model.info().clone();
-    validate_request(&info, prompt, cfg)?;
+    begin(model, policy, prompt, cfg)?;
+    let prefilled = prefill_phase(model, policy, prompt, 0, cfg)?;
+    decode_phase(model, policy, prompt, cfg, prefilled, on_token)
+}
+
+/// Checks the request and prepares `policy` for it (the first step of [`generate`]).
+pub(crate) fn begin(
+    model: &dyn CausalLm,
+    policy: &mut dyn KvPolicy,
+    prompt: &[u32],
+    cfg: &GenerateConfig,
+) -> Result<()> {
+    let info = model.info();
+    validate_request(info, prompt, cfg)?;
     let new = cfg.decode_ids.as_ref().map_or(cfg.max_new_tokens, Vec::len);
     let step = chunk_len(cfg.prefill_chunk, prompt.len());
-    policy.prepare(&kv_shape(&info, 1, prompt.len() + new, step))?;
+    policy.prepare(&kv_shape(info, 1, prompt.len() + new, step))?;
+    Ok(())
+}
+
+/// What a prefill leaves for decoding.
+pub(crate) struct Prefilled {
+    /// The last prompt position's logits `(vocab,)`.
+    pub last: Tensor,
+    /// The logits rows kept so far.
+    pub rows: Vec<Tensor>,
+    /// Prompt tokens computed.
+    pub tokens: usize,
+    /// Seconds it took.
+    pub seconds: f64,
+}
+
+/// Prefills `prompt[from..]` (the first `from` tokens are already in `policy`).
+pub(crate) fn prefill_phase(
+    model: &dyn CausalLm,
+    policy: &mut dyn KvPolicy,
+    prompt: &[u32],
+    from: usize,
+    cfg: &GenerateConfig,
+) -> Result<Prefilled> {
     let start = Instant::now();
-    let bar =
-        (cfg.progress && prompt.len() >= PROGRESS_MIN_PROMPT).then(|| progress_bar(prompt.len()));
-    let (mut last, prompt_rows) = prefill_with(
+    let rest = prompt.len() - from;
+    let bar = (cfg.progress && rest >= PROGRESS_MIN_PROMPT).then(|| progress_bar(rest));
+    let (last, prompt_rows) = prefill_from(
         model,
         policy,
         prompt,
+        from,
         cfg.prefill_chunk,
         cfg.collect_logits && !cfg.decode_logits_only,
         &mut |done| {
             if let Some(b) = &bar {
-                b.set_position(done as u64);
+                b.set_position((done - from) as u64);
             }
         },
     )?;
@@ -317,12 +368,35 @@ pub fn generate(
         b.finish_and_clear();
     }
     check_finite(&last, prompt.len() - 1)?;
-    let prefill_s = start.elapsed().as_secs_f64();
-    let prefill_stats = policy.stats();
     let mut rows: Vec<Tensor> = prompt_rows.into_iter().collect();
     if cfg.collect_logits && cfg.decode_logits_only {
         rows.push(last.unsqueeze(0)?);
     }
+    Ok(Prefilled {
+        last,
+        rows,
+        tokens: rest,
+        seconds: start.elapsed().as_secs_f64(),
+    })
+}
+
+/// Decodes after a prefill (the last step of [`generate`]).
+pub(crate) fn decode_phase(
+    model: &dyn CausalLm,
+    policy: &mut dyn KvPolicy,
+    prompt: &[u32],
+    cfg: &GenerateConfig,
+    prefilled: Prefilled,
+    on_token: &mut dyn FnMut(u32) -> Result<()>,
+) -> Result<Generation> {
+    let info = model.info().clone();
+    let prefill_stats = policy.stats();
+    let Prefilled {
+        mut last,
+        mut rows,
+        tokens: prefill_tokens,
+        seconds: prefill_s,
+    } = prefilled;
     let mut generated = Vec::new();
     let mut decode_tokens = 0;
     let start = Instant::now();
@@ -369,7 +443,7 @@ pub fn generate(
         prompt_ids: prompt.to_vec(),
         generated_ids: generated,
         logits,
-        prefill_tokens: prompt.len(),
+        prefill_tokens,
         prefill_s,
         decode_tokens,
         decode_s,

@@ -1,4 +1,6 @@
 //! Running a loaded model: chunked prefill and decoding of one request ([`generate`]) and
-//! of ragged batches of requests, each under its own cache ([`batch`]).
+//! of ragged batches of requests, each under its own cache ([`batch`]); one request through
+//! a prefix cache ([`reuse`]).
 pub mod batch;
 pub mod generate;
+pub mod reuse;

@@ -3,6 +3,7 @@
 //! under caps ([`files`]), safetensors checked before they are mapped ([`weights`]), sizes
 //! checked before anything is allocated ([`sizes`]), and GGUF files ([`gguf`]).
 pub mod files;
+pub mod fingerprint;
 pub mod gguf;
 pub mod pypi;
 pub mod random;

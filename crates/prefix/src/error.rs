@@ -1,0 +1,51 @@
+//! The prefix cache's typed errors. A damaged or foreign chunk file is not an error — it
+//! is a miss ([`crate::chunk::Damage`]); errors are what the caller must act on: a cache
+//! directory that cannot be used, a write that failed, a session for another model.
+use std::path::PathBuf;
+
+/// Everything the prefix cache and sessions can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum PrefixError {
+    /// A tensor operation failed.
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+    /// The policy refused restored K/V (it takes none without attention), or failed.
+    #[error(transparent)]
+    Policy(#[from] kvpolicy_core::KvError),
+    /// A file or directory operation failed.
+    #[error("{what} {}: {source}", path.display())]
+    Io {
+        /// What was being done ("cannot create the prefix cache directory", …).
+        what: String,
+        /// The path.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Input the cache cannot work with (a chunk of mismatched layers, a zero chunk size).
+    #[error("{0}")]
+    Invalid(String),
+    /// A session file that is not one, or is for another model.
+    #[error("session {}: {why}", path.display())]
+    Session {
+        /// The session file.
+        path: PathBuf,
+        /// What is wrong and what to do.
+        why: String,
+    },
+}
+
+impl PrefixError {
+    /// An [`PrefixError::Io`] for `path`.
+    pub fn io(what: impl Into<String>, path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Self::Io {
+            what: what.into(),
+            path: path.into(),
+            source,
+        }
+    }
+}
+
+/// The prefix cache's result.
+pub type Result<T> = std::result::Result<T, PrefixError>;

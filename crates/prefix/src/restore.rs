@@ -1,0 +1,154 @@
+//! A request's side of the prefix cache: [`restore_prefix`] finds the longest run of cached
+//! chunks at the start of a prompt and stores their K/V in the policy with
+//! [`append_kv`](kvpolicy_core::append_kv), layer by layer, chunk by chunk, where a prefill
+//! would have put them; [`store_new`] adds the chunks a prefill computed
+//! ([`Capture`](crate::Capture)). The prefill that follows starts at the first position not
+//! restored and gives the logits of a fresh run.
+use std::time::Instant;
+
+use candle_core::{DType, Device, Tensor};
+use kvpolicy_core::{append_kv, AttnSpec, AttnStep, KvPolicy, NoRegen};
+
+use crate::cache::{PrefixCache, Tier};
+use crate::chunk::ChunkKv;
+use crate::error::Result;
+
+/// What the model's layers look like to a policy taking restored K/V.
+#[derive(Clone, Debug)]
+pub struct LayerSpecs {
+    /// Per layer, its attention (sliding windows matter to what a policy keeps).
+    pub specs: Vec<AttnSpec>,
+    /// Width of a layer's input (the shape of a step's `x`; not read by `append_kv`).
+    pub hidden: usize,
+    /// The policy's device.
+    pub device: Device,
+    /// K/V dtype.
+    pub dtype: DType,
+}
+
+/// What one request got from the cache or a session.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Reuse {
+    /// Prompt tokens restored (not prefilled).
+    pub tokens: usize,
+    /// Of those, from host RAM.
+    pub from_ram: usize,
+    /// Of those, from files.
+    pub from_disk: usize,
+    /// Of those, from a loaded session.
+    pub from_session: usize,
+    /// Seconds spent finding and restoring them.
+    pub seconds: f64,
+}
+
+/// What [`restore_prefix`] restored.
+#[derive(Debug, Default)]
+pub struct Restored {
+    /// The counts.
+    pub reuse: Reuse,
+    /// The K/V restored, in order from position 0 (a saved session holds them too).
+    pub chunks: Vec<ChunkKv>,
+}
+
+/// Stores `kv` at positions `pos..` in `policy`, in steps of at most `piece` tokens (0:
+/// one step), layer by layer as a prefill would.
+pub fn restore_kv(
+    policy: &mut dyn KvPolicy,
+    kv: &ChunkKv,
+    pos: usize,
+    layers: &LayerSpecs,
+    piece: usize,
+) -> Result<()> {
+    let tokens = kv.shape()?.tokens;
+    let piece = if piece == 0 { tokens.max(1) } else { piece };
+    let mut at = 0;
+    while at < tokens {
+        let n = piece.min(tokens - at);
+        let part = kv.narrow(at, n)?;
+        let x = Tensor::zeros((1, n, layers.hidden), layers.dtype, &layers.device)?;
+        for (layer, (l, spec)) in part.layers.iter().zip(&layers.specs).enumerate() {
+            let k = l.k.to_device(&layers.device)?.contiguous()?;
+            let v = l.v.to_device(&layers.device)?.contiguous()?;
+            append_kv(
+                policy,
+                &AttnStep {
+                    layer,
+                    seq: 0,
+                    // Not read by `append_kv`.
+                    q: &k,
+                    k: &k,
+                    v: &v,
+                    x: &x,
+                    pos: pos + at,
+                    spec,
+                    regen: &NoRegen,
+                },
+            )?;
+        }
+        at += n;
+    }
+    Ok(())
+}
+
+/// Restores into `policy` (prepared, holding nothing) the longest cached run of `prompt`'s
+/// chunks from its start, leaving at least one token to prefill (the last position's
+/// logits come from the prefill). A chunk of another shape than the model's is a miss.
+pub fn restore_prefix(
+    cache: &mut PrefixCache,
+    policy: &mut dyn KvPolicy,
+    prompt: &[u32],
+    layers: &LayerSpecs,
+) -> Result<Restored> {
+    let start = Instant::now();
+    let c = cache.chunk_tokens();
+    let usable = prompt.len().saturating_sub(1) / c;
+    let keys = cache.keys(&prompt[..usable * c]);
+    let mut out = Restored::default();
+    for key in &keys {
+        let Some((chunk, tier)) = cache.get(key)? else {
+            break;
+        };
+        let shape = chunk.shape()?;
+        if shape.n_layers != layers.specs.len() || shape.dtype != layers.dtype {
+            break;
+        }
+        restore_kv(policy, &chunk, out.reuse.tokens, layers, 0)?;
+        out.chunks.push(chunk);
+        out.reuse.tokens += c;
+        match tier {
+            Tier::Ram => out.reuse.from_ram += c,
+            Tier::Disk => out.reuse.from_disk += c,
+        }
+    }
+    out.reuse.seconds = start.elapsed().as_secs_f64();
+    cache.add_restore_seconds(out.reuse.seconds);
+    Ok(out)
+}
+
+/// Stores the whole chunks of `kv` — the K/V of `prompt[from..]` as a run computed them —
+/// under their keys, skipping those already held in RAM. Chunks start at multiples of the
+/// chunk size: when `from` is not one (after a session), the chunk it falls in is left out.
+/// Returns how many were stored.
+pub fn store_new(
+    cache: &mut PrefixCache,
+    prompt: &[u32],
+    from: usize,
+    kv: &ChunkKv,
+) -> Result<usize> {
+    let c = cache.chunk_tokens();
+    let first = from.div_ceil(c);
+    let computed = kv.shape()?.tokens.min(prompt.len().saturating_sub(from));
+    let Some(skip) = (first * c).checked_sub(from).filter(|&s| s <= computed) else {
+        return Ok(0);
+    };
+    let chunks = kv.narrow(0, computed)?.split(skip, c)?;
+    let keys = cache.keys(prompt);
+    let mut stored = 0;
+    for (key, chunk) in keys.into_iter().skip(first).zip(chunks) {
+        if !cache.contains(&key) {
+            cache.put(key, chunk)?;
+            stored += 1;
+        }
+    }
+    Ok(stored)
+}
