@@ -12,16 +12,16 @@ pub enum PrefixError {
     /// The policy refused restored K/V (it takes none without attention), or failed.
     #[error(transparent)]
     Policy(#[from] kvpolicy_core::KvError),
-    /// A file or directory operation failed.
-    #[error("{what} {}: {source}", path.display())]
+    /// A file or directory operation failed (the OS error is part of the message, so that
+    /// one line says it all).
+    #[error("{what} {}: {cause}", path.display())]
     Io {
         /// What was being done ("cannot create the prefix cache directory", …).
         what: String,
         /// The path.
         path: PathBuf,
-        /// The cause.
-        #[source]
-        source: std::io::Error,
+        /// The OS error.
+        cause: std::io::Error,
     },
     /// Input the cache cannot work with (a chunk of mismatched layers, a zero chunk size).
     #[error("{0}")]
@@ -42,7 +42,7 @@ impl PrefixError {
         Self::Io {
             what: what.into(),
             path: path.into(),
-            source,
+            cause: source,
         }
     }
 }
