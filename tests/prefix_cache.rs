@@ -8,6 +8,8 @@
 //! read.
 mod common;
 
+use std::path::Path;
+
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
 use kvpolicy::models::engine::generate::kv_shape;
@@ -325,7 +327,7 @@ fn another_models_or_dtypes_cache_and_sessions_are_never_read() -> Result<()> {
         assert_eq!(other.stats().damaged, 0);
     }
     // A chunk file renamed to another model's key: its header says whose it is.
-    let mut other = cache(dir.path(), 0, fp_mha)?;
+    let other = cache(dir.path(), 0, fp_mha)?;
     let (ours, theirs) = (c.keys(&prompt)[0], other.keys(&prompt)[0]);
     std::fs::rename(
         dir.path().join(format!("{}.kvc", ours.hex())),
@@ -340,6 +342,77 @@ fn another_models_or_dtypes_cache_and_sessions_are_never_read() -> Result<()> {
     match Session::load(&path, &fp_half) {
         Err(PrefixError::Session { why, .. }) => assert!(why.contains("another model"), "{why}"),
         other => anyhow::bail!("expected a refusal, got {other:?}"),
+    }
+    Ok(())
+}
+
+/// The default model (SmolLM2, Q4_1 GGUF) on the CPU takes another matmul kernel below 32
+/// rows a pass (`ModelInfo::row_split`): a prefill resumed after a restore ends its passes
+/// where a fresh one does, and restores less where the pass it resumes in would fall below
+/// 32 rows while the fresh pass did not — so the logits are a fresh run's, bit for bit.
+#[test]
+fn a_quantized_model_resumes_where_a_fresh_prefill_computes_alike() -> Result<()> {
+    let path = common::default_gguf()?;
+    let files = kvpolicy::models::ModelFiles::Gguf(path);
+    let loaded = load(&files, &Device::Cpu, DType::F32, None)?;
+    let model = loaded.model.as_ref();
+    assert_eq!(model.info().row_split, Some(32));
+    let fp = fingerprint(&files, model.info())?;
+    let mut rng = common::Rng(7);
+    let ids: Vec<u32> = (0..540).map(|_| rng.below(49_000) as u32 + 100).collect();
+    let decode = [ids[3], ids[9], ids[27]];
+    let c = |dir: &Path, ram| {
+        PrefixCache::open(
+            &PrefixConfig {
+                chunk_tokens: 256,
+                ram_bytes: ram,
+                dir: Some(dir.to_path_buf()),
+                ..PrefixConfig::default()
+            },
+            fp,
+        )
+    };
+    // (prompt tokens, prefill chunk, tokens restored): a pass boundary at the restore;
+    // a cut pass of 18 rows where the fresh one has 530 (so one chunk fewer is restored);
+    // a cut pass of 10 rows where the fresh one has 10 too.
+    for (len, chunk, restored) in [(522, 512, 512), (530, 1024, 256), (522, 256, 512)] {
+        let prompt = &ids[..len];
+        let fresh = run(
+            model,
+            "full",
+            &PolicyOptions::default(),
+            (prompt, &decode),
+            chunk,
+            ReuseSources::default(),
+        )?;
+        let dir = tempfile::tempdir()?;
+        let mut cold = c(dir.path(), 0)?;
+        run(
+            model,
+            "full",
+            &PolicyOptions::default(),
+            (prompt, &decode),
+            chunk,
+            ReuseSources {
+                cache: Some(&mut cold),
+                ..Default::default()
+            },
+        )?;
+        let mut warm = c(dir.path(), 0)?;
+        let got = run(
+            model,
+            "full",
+            &PolicyOptions::default(),
+            (prompt, &decode),
+            chunk,
+            ReuseSources {
+                cache: Some(&mut warm),
+                ..Default::default()
+            },
+        )?;
+        assert_eq!(got.reuse.from_disk, restored, "{len} tokens, chunk {chunk}");
+        let d = common::max_abs_diff(logits(&got)?, logits(&fresh)?)?;
+        assert_eq!(d, 0.0, "{len} tokens, chunk {chunk}");
     }
     Ok(())
 }

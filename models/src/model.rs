@@ -47,6 +47,13 @@ pub struct ModelInfo {
     pub eos: Vec<u32>,
     /// Per layer, its sliding attention window in tokens (`None`: global attention).
     pub windows: Vec<Option<usize>>,
+    /// Rows of a forward pass from which its matmuls take another kernel, with other
+    /// rounding: quantized weights on the CPU dequantize for a pass of this many tokens or
+    /// more and dot quantized activations below it ([`DEQUANT_MIN_ROWS`](crate::arch::layers::DEQUANT_MIN_ROWS)).
+    /// `None`: a token's numbers do not depend on how many tokens share its pass. A prefill
+    /// resumed after restored K/V splits its passes so that each token takes the kernel a
+    /// fresh prefill would ([`crate::engine::reuse`]).
+    pub row_split: Option<usize>,
 }
 
 impl ModelInfo {

@@ -130,8 +130,8 @@ pub struct Args {
     /// Prefix cache directory: chunks of prompt K/V (every --prefix-cache-chunk tokens, keyed by all token ids up to the chunk's end and the model's fingerprint) are kept in host RAM and written to files here; a later prompt with the same start — in this run or another — restores them instead of prefilling (created if missing; full, layer, headwise and auto).
     #[arg(long, value_name = "DIR")]
     pub prefix_cache: Option<PathBuf>,
-    /// Host RAM the prefix cache keeps chunks in, e.g. 2GiB (the default); alone, without --prefix-cache, a RAM-only cache for this run (shared by the prompts of a --prompts-file).
-    #[arg(long, value_parser = parse_budget, value_name = "SIZE")]
+    /// Host RAM the prefix cache keeps chunks in, e.g. 2GiB (the default; 0: files only); alone, without --prefix-cache, a RAM-only cache for this run (shared by the prompts of a --prompts-file).
+    #[arg(long, value_parser = parse_size_or_zero, value_name = "SIZE")]
     pub prefix_cache_ram: Option<u64>,
     /// Bytes of chunk files kept under --prefix-cache, e.g. 8GiB (the default); least recently used files are removed past it.
     #[arg(long, value_parser = parse_budget, value_name = "SIZE", requires = "prefix_cache")]
@@ -184,6 +184,14 @@ fn parse_host_dtype(s: &str) -> std::result::Result<KvCodec, String> {
         "q8_0" => Ok(KvCodec::Q8_0),
         other => Err(format!("`{other}`: use f16, bf16 or q8_0")),
     }
+}
+
+/// A size that may be 0 (nothing kept there).
+fn parse_size_or_zero(s: &str) -> std::result::Result<u64, String> {
+    if s.trim() == "0" {
+        return Ok(0);
+    }
+    parse_budget(s)
 }
 
 pub(crate) fn parse_budget(s: &str) -> std::result::Result<u64, String> {

@@ -38,7 +38,7 @@ impl Default for PrefixConfig {
             chunk_tokens: DEFAULT_CHUNK_TOKENS,
             ram_bytes: 2 << 30,
             dir: None,
-            disk_bytes: 16 << 30,
+            disk_bytes: 8 << 30,
             disk_io: DiskIo::Direct,
         }
     }
@@ -60,7 +60,7 @@ pub struct PrefixStats {
     pub hits: u64,
     /// Chunk lookups that found nothing.
     pub misses: u64,
-    /// Tokens restored from host RAM.
+    /// Tokens restored from host RAM (a chunk found but not restored counts as a hit only).
     pub tokens_from_ram: u64,
     /// Tokens restored from files.
     pub tokens_from_disk: u64,
@@ -136,7 +136,6 @@ impl PrefixCache {
     pub fn get(&mut self, key: &ChunkKey) -> Result<Option<(ChunkKv, Tier)>> {
         if let Some(chunk) = self.ram.get(key) {
             self.stats.hits += 1;
-            self.stats.tokens_from_ram += self.chunk_tokens as u64;
             return Ok(Some((chunk, Tier::Ram)));
         }
         let found = match &mut self.disk {
@@ -146,7 +145,6 @@ impl PrefixCache {
         match found {
             Some(chunk) => {
                 self.stats.hits += 1;
-                self.stats.tokens_from_disk += self.chunk_tokens as u64;
                 self.ram.put(*key, chunk.clone());
                 Ok(Some((chunk, Tier::Disk)))
             }
@@ -174,9 +172,13 @@ impl PrefixCache {
         Ok(())
     }
 
-    /// Adds restore time to the counters.
-    pub fn add_restore_seconds(&mut self, s: f64) {
-        self.stats.restore_s += s;
+    /// Counts `tokens` restored from `tier` in `seconds`.
+    pub fn count_restored(&mut self, tier: Tier, tokens: usize, seconds: f64) {
+        match tier {
+            Tier::Ram => self.stats.tokens_from_ram += tokens as u64,
+            Tier::Disk => self.stats.tokens_from_disk += tokens as u64,
+        }
+        self.stats.restore_s += seconds;
     }
 
     /// The counters.

@@ -91,19 +91,21 @@ pub fn restore_kv(
 }
 
 /// Restores into `policy` (prepared, holding nothing) the longest cached run of `prompt`'s
-/// chunks from its start, leaving at least one token to prefill (the last position's
+/// chunks from its start that `usable` accepts (the tokens restored; the prefill must be
+/// able to resume there), leaving at least one token to prefill (the last position's
 /// logits come from the prefill). A chunk of another shape than the model's is a miss.
 pub fn restore_prefix(
     cache: &mut PrefixCache,
     policy: &mut dyn KvPolicy,
     prompt: &[u32],
     layers: &LayerSpecs,
+    usable: &dyn Fn(usize) -> bool,
 ) -> Result<Restored> {
     let start = Instant::now();
     let c = cache.chunk_tokens();
-    let usable = prompt.len().saturating_sub(1) / c;
-    let keys = cache.keys(&prompt[..usable * c]);
-    let mut out = Restored::default();
+    let whole = prompt.len().saturating_sub(1) / c;
+    let keys = cache.keys(&prompt[..whole * c]);
+    let mut found: Vec<(ChunkKv, Tier)> = Vec::new();
     for key in &keys {
         let Some((chunk, tier)) = cache.get(key)? else {
             break;
@@ -112,6 +114,15 @@ pub fn restore_prefix(
         if shape.n_layers != layers.specs.len() || shape.dtype != layers.dtype {
             break;
         }
+        found.push((chunk, tier));
+    }
+    let take = (0..=found.len())
+        .rev()
+        .find(|&n| usable(n * c))
+        .unwrap_or(0);
+    found.truncate(take);
+    let mut out = Restored::default();
+    for (chunk, tier) in found {
         restore_kv(policy, &chunk, out.reuse.tokens, layers, 0)?;
         out.chunks.push(chunk);
         out.reuse.tokens += c;
@@ -121,7 +132,13 @@ pub fn restore_prefix(
         }
     }
     out.reuse.seconds = start.elapsed().as_secs_f64();
-    cache.add_restore_seconds(out.reuse.seconds);
+    let per_tier = out.reuse.seconds / out.reuse.tokens.max(1) as f64;
+    for (tier, tokens) in [
+        (Tier::Ram, out.reuse.from_ram),
+        (Tier::Disk, out.reuse.from_disk),
+    ] {
+        cache.count_restored(tier, tokens, per_tier * tokens as f64);
+    }
     Ok(out)
 }
 

@@ -10,7 +10,7 @@ use candle_core::{DType, Device, Module, Tensor};
 use kvpolicy_core::KvPolicy;
 
 use crate::arch::attention::{Attention, Segment};
-use crate::arch::layers::{Embedding, Linear, Mlp, Norm};
+use crate::arch::layers::{Embedding, Linear, Mlp, Norm, DEQUANT_MIN_ROWS};
 use crate::error::ModelError;
 use crate::error::Result;
 use crate::model::{CausalLm, LogitsMode, ModelInfo, SeqChunk};
@@ -98,6 +98,9 @@ impl Decoder {
             ));
         };
         let spec = &first.attn.spec;
+        let quantized = matches!(parts.lm_head, Linear::Quant { .. })
+            || matches!(first.attn.q, Linear::Quant { .. });
+        let row_split = (quantized && identity.device.is_cpu()).then_some(DEQUANT_MIN_ROWS);
         let info = ModelInfo {
             architecture: identity.architecture,
             source: identity.source,
@@ -123,6 +126,7 @@ impl Decoder {
                 .iter()
                 .map(|b| b.attn.spec.sliding_window)
                 .collect(),
+            row_split,
         };
         Ok(Self { parts, info })
     }

@@ -242,7 +242,10 @@ pub fn prefill_with(
 }
 
 /// [`prefill_with`] of `prompt[from..]`: the first `from` tokens are already in `policy`
-/// (restored from a prefix cache or a session); the logits rows start at `from`.
+/// (restored from a prefix cache or a session); the logits rows start at `from`. The passes
+/// end where a prefill from 0 would end them (at multiples of `chunk`), so that each token
+/// shares its pass with the tokens it would share it with in a fresh prefill, save those
+/// before `from`.
 pub fn prefill_from(
     model: &dyn CausalLm,
     policy: &mut dyn KvPolicy,
@@ -253,8 +256,7 @@ pub fn prefill_from(
     on_chunk: &mut dyn FnMut(usize),
 ) -> Result<(Tensor, Option<Tensor>)> {
     let info = model.info();
-    let rest = prompt.get(from..).unwrap_or_default();
-    let chunk = if chunk == 0 { rest.len().max(1) } else { chunk };
+    let chunk = chunk_len(chunk, prompt.len());
     let mode = if collect {
         LogitsMode::All
     } else {
@@ -263,7 +265,8 @@ pub fn prefill_from(
     let mut rows = Vec::new();
     let mut last = None;
     let mut pos = from;
-    for piece in rest.chunks(chunk) {
+    while pos < prompt.len() {
+        let piece = &prompt[pos..((pos / chunk + 1) * chunk).min(prompt.len())];
         let _span = tracing::info_span!("prefill_chunk", pos, tokens = piece.len()).entered();
         let logits = model.forward(&ids_tensor(piece, info)?, pos, policy, mode)?;
         let logits = logits.squeeze(0)?;

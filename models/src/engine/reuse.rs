@@ -37,6 +37,20 @@ pub fn layer_specs(info: &ModelInfo) -> LayerSpecs {
     }
 }
 
+/// Whether a prefill of `len` tokens in passes of `chunk` can resume at `from` and compute
+/// every token as a fresh one would: the pass `from` falls in, cut short, takes the same
+/// kernel as the whole pass ([`ModelInfo::row_split`]). Restoring less than is cached (down
+/// to a position where it can) costs a few more tokens of prefill, never exactness.
+pub fn resumable(info: &ModelInfo, from: usize, len: usize, chunk: usize) -> bool {
+    let Some(split) = info.row_split else {
+        return true;
+    };
+    let pass = chunk_len(chunk, len);
+    let begin = from / pass * pass;
+    let end = (begin + pass).min(len);
+    from == begin || ((end - from >= split) == (end - begin >= split))
+}
+
 /// Where a request's K/V may come from and go to.
 #[derive(Default)]
 pub struct ReuseSources<'a> {
@@ -103,10 +117,12 @@ pub fn generate_reusing(
     };
     begin(model, policy, &ids, cfg)?;
     let layers = layer_specs(model.info());
+    let usable = |from| resumable(model.info(), from, ids.len(), cfg.prefill_chunk);
     let (reuse, restored) = match (&session, cache.as_deref_mut()) {
         (Some(s), _) => {
             let start = Instant::now();
-            let n = s.kv_tokens()?.min(ids.len() - 1);
+            let most = s.kv_tokens()?.min(ids.len() - 1);
+            let n = (0..=most).rev().find(|&n| usable(n)).unwrap_or(0);
             let kv = s.kv.narrow(0, n)?;
             let piece = chunk_len(cfg.prefill_chunk, ids.len());
             restore_kv(policy, &kv, 0, &layers, piece)?;
@@ -119,7 +135,7 @@ pub fn generate_reusing(
             (reuse, vec![kv])
         }
         (None, Some(c)) => {
-            let r = restore_prefix(c, policy, &ids, &layers)?;
+            let r = restore_prefix(c, policy, &ids, &layers, &usable)?;
             (r.reuse, r.chunks)
         }
         (None, None) => (Reuse::default(), Vec::new()),
