@@ -346,12 +346,13 @@ fn another_models_or_dtypes_cache_and_sessions_are_never_read() -> Result<()> {
     Ok(())
 }
 
-/// The default model (SmolLM2, Q4_1 GGUF) on the CPU takes another matmul kernel below 32
-/// rows a pass (`ModelInfo::row_split`): a prefill resumed after a restore ends its passes
-/// where a fresh one does, and restores less where the pass it resumes in would fall below
-/// 32 rows while the fresh pass did not — so the logits are a fresh run's, bit for bit.
+/// The default model (SmolLM2, Q4_1 GGUF) on the CPU: a token's numbers depend on the pass
+/// it shares (the quantized matmul's kernel below 32 rows, the attention kernel's tiles),
+/// so with a cache the prefill runs in passes of one chunk (256 tokens) — each stored chunk
+/// computed exactly as any prompt's fresh prefill in such passes computes it. A document
+/// stored by one question and restored by another gives that fresh run's logits bit for bit.
 #[test]
-fn a_quantized_model_resumes_where_a_fresh_prefill_computes_alike() -> Result<()> {
+fn a_quantized_model_restores_another_prompts_chunks_bit_for_bit() -> Result<()> {
     let path = common::default_gguf()?;
     let files = kvpolicy::models::ModelFiles::Gguf(path);
     let loaded = load(&files, &Device::Cpu, DType::F32, None)?;
@@ -359,60 +360,79 @@ fn a_quantized_model_resumes_where_a_fresh_prefill_computes_alike() -> Result<()
     assert_eq!(model.info().row_split, Some(32));
     let fp = fingerprint(&files, model.info())?;
     let mut rng = common::Rng(7);
-    let ids: Vec<u32> = (0..540).map(|_| rng.below(49_000) as u32 + 100).collect();
-    let decode = [ids[3], ids[9], ids[27]];
-    let c = |dir: &Path, ram| {
+    let mut draw =
+        |n: usize| -> Vec<u32> { (0..n).map(|_| rng.below(49_000) as u32 + 100).collect() };
+    let doc = draw(600);
+    let (q1, q2) = (draw(20), draw(45));
+    let decode = [doc[3], doc[9], doc[27]];
+    let first = [doc.as_slice(), &q1].concat();
+    let second = [doc.as_slice(), &q2].concat();
+    let dir = tempfile::tempdir()?;
+    let c = |ram| {
         PrefixCache::open(
             &PrefixConfig {
                 chunk_tokens: 256,
                 ram_bytes: ram,
-                dir: Some(dir.to_path_buf()),
+                dir: Some(dir.path().to_path_buf()),
                 ..PrefixConfig::default()
             },
             fp,
         )
     };
-    // (prompt tokens, prefill chunk, tokens restored): a pass boundary at the restore;
-    // a cut pass of 18 rows where the fresh one has 530 (so one chunk fewer is restored);
-    // a cut pass of 10 rows where the fresh one has 10 too.
-    for (len, chunk, restored) in [(522, 512, 512), (530, 1024, 256), (522, 256, 512)] {
-        let prompt = &ids[..len];
-        let fresh = run(
-            model,
-            "full",
-            &PolicyOptions::default(),
-            (prompt, &decode),
-            chunk,
-            ReuseSources::default(),
-        )?;
-        let dir = tempfile::tempdir()?;
-        let mut cold = c(dir.path(), 0)?;
-        run(
-            model,
-            "full",
-            &PolicyOptions::default(),
-            (prompt, &decode),
-            chunk,
-            ReuseSources {
-                cache: Some(&mut cold),
-                ..Default::default()
-            },
-        )?;
-        let mut warm = c(dir.path(), 0)?;
+    let full = PolicyOptions::default();
+    // Stored by the first question (the default prefill chunk, 2048: passes of 256 here).
+    let mut cold = c(0)?;
+    run(
+        model,
+        "full",
+        &full,
+        (&first, &decode),
+        2048,
+        ReuseSources {
+            cache: Some(&mut cold),
+            ..Default::default()
+        },
+    )?;
+    for ram in [0, u64::MAX] {
+        let mut warm = c(ram)?;
         let got = run(
             model,
             "full",
-            &PolicyOptions::default(),
-            (prompt, &decode),
-            chunk,
+            &full,
+            (&second, &decode),
+            2048,
             ReuseSources {
                 cache: Some(&mut warm),
                 ..Default::default()
             },
         )?;
-        assert_eq!(got.reuse.from_disk, restored, "{len} tokens, chunk {chunk}");
+        assert_eq!(got.reuse.tokens, 512, "the document's two whole chunks");
+        let fresh = run(
+            model,
+            "full",
+            &full,
+            (&second, &decode),
+            256,
+            ReuseSources::default(),
+        )?;
         let d = common::max_abs_diff(logits(&got)?, logits(&fresh)?)?;
-        assert_eq!(d, 0.0, "{len} tokens, chunk {chunk}");
+        assert_eq!(d, 0.0, "restored from another prompt's chunks");
     }
+    // A session resumes mid-pass: where the cut pass would drop below 32 rows while the
+    // fresh pass does not, it restores less (`resumable`); both below, or at a pass's
+    // start, it resumes.
+    let info = model.info();
+    assert!(!kvpolicy::models::engine::reuse::resumable(
+        info, 1020, 1030, 1024
+    ));
+    assert!(kvpolicy::models::engine::reuse::resumable(
+        info, 990, 1030, 1024
+    ));
+    assert!(kvpolicy::models::engine::reuse::resumable(
+        info, 1024, 1030, 1024
+    ));
+    assert!(kvpolicy::models::engine::reuse::resumable(
+        info, 1025, 1030, 1024
+    ));
     Ok(())
 }

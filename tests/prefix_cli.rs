@@ -50,11 +50,11 @@ fn run(dir: &Path, tag: &str, args: &[&str]) -> Result<(Value, Value)> {
 #[test]
 fn a_second_run_restores_the_prompt_from_the_directory() -> Result<()> {
     let dir = tempfile::tempdir()?;
-    let cache = dir.path().join("cache");
-    let c = cache.to_string_lossy().into_owned();
     let p = ids_csv(&prompt()?);
     let (fresh, _) = run(dir.path(), "fresh", &["--prompt-ids", &p])?;
     for policy in ["full", "headwise", "auto"] {
+        // A directory of its own: the first run is cold.
+        let c = dir.path().join(policy).to_string_lossy().into_owned();
         let flags = [
             "--prompt-ids",
             &p,
@@ -70,10 +70,8 @@ fn a_second_run_restores_the_prompt_from_the_directory() -> Result<()> {
         assert_eq!(cold, fresh, "{policy}");
         assert_eq!(warm, fresh, "{policy}");
         let req = |s: &Value| s["prefix_cache"]["requests"][0].clone();
-        if policy == "full" {
-            assert_eq!(req(&s1)["restored_tokens"], 0);
-            assert_eq!(req(&s1)["stored_chunks"], 7);
-        }
+        assert_eq!(req(&s1)["restored_tokens"], 0, "{policy}");
+        assert_eq!(req(&s1)["stored_chunks"], 7, "{policy}");
         // 28 tokens (7 chunks of 4) restored from files, 2 prefilled.
         assert_eq!(req(&s2)["from_disk_tokens"], 28, "{policy}");
         assert_eq!(s2["prefill_tokens"], 2, "{policy}");
@@ -269,5 +267,89 @@ fn reuse_errors_are_one_line_and_write_nothing() -> Result<()> {
         one_line_error(&o, true, &needles)?;
         ensure!(!out.exists(), "{extra:?} wrote an output");
     }
+    Ok(())
+}
+
+#[test]
+fn the_ram_budget_holds_end_to_end() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    // Three documents of 12 tokens (3 chunks of 4), each asked twice, in RAM for 4 chunks:
+    // every second question finds its document's chunks (used last), the oldest go first.
+    let all = prompt()?;
+    let docs: Vec<&[u32]> = vec![&all[..12], &all[12..24], &all[6..18]];
+    let mut prompts = Vec::new();
+    for d in &docs {
+        prompts.push([*d, &[5]].concat());
+        prompts.push([*d, &[9, 1]].concat());
+    }
+    let file = dir.path().join("p.jsonl");
+    let lines: Vec<String> = prompts
+        .iter()
+        .map(serde_json::to_string)
+        .collect::<Result<_, _>>()?;
+    std::fs::write(&file, lines.join("\n"))?;
+    let f = file.to_string_lossy().into_owned();
+    let cfg: Value = serde_json::from_str(&std::fs::read_to_string(
+        common::fixture("llama_mha").join("config.json"),
+    )?)?;
+    let n = |k: &str| cfg[k].as_u64().unwrap_or(0);
+    // 4 tokens × layers × (K, V) × KV heads × head width × f32.
+    let chunk = 4 * n("num_hidden_layers") * 2 * n("num_key_value_heads") * n("head_dim") * 4;
+    assert!(chunk > 0);
+    let budget = 4 * chunk;
+    let b = budget.to_string();
+    let (_, s) = run(
+        dir.path(),
+        "ram",
+        &[
+            "--prompts-file",
+            &f,
+            "--prefix-cache-ram",
+            &b,
+            "--prefix-cache-chunk",
+            "4",
+        ],
+    )?;
+    let pc = &s["prefix_cache"];
+    assert!(
+        pc["ram_bytes"].as_u64().unwrap_or(u64::MAX) <= budget,
+        "{pc}"
+    );
+    // Held at the end: the last document's three chunks and the second's last one.
+    assert_eq!(pc["ram_bytes"], budget, "{pc}");
+    assert_eq!(pc["ram_evictions"], 5, "{pc}");
+    let restored: Vec<u64> = (0..6)
+        .map(|i| pc["requests"][i]["from_ram_tokens"].as_u64().unwrap_or(99))
+        .collect();
+    assert_eq!(restored, vec![0, 12, 0, 12, 0, 12], "{pc}");
+    Ok(())
+}
+
+#[test]
+fn saving_a_session_needs_no_restoring_policy() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let session = dir.path().join("s.kvs");
+    let s = session.to_string_lossy().into_owned();
+    let p = ids_csv(&prompt()?);
+    for policy in ["recompute", "hybrid"] {
+        let (ids, _) = run(
+            dir.path(),
+            policy,
+            &["--prompt-ids", &p, "--policy", policy, "--save-session", &s],
+        )?;
+        let (fresh, _) = run(
+            dir.path(),
+            "fresh",
+            &["--prompt-ids", &p, "--policy", policy],
+        )?;
+        assert_eq!(ids, fresh, "{policy}");
+        assert!(session.is_file());
+    }
+    // And the session it saved continues under full.
+    run(
+        dir.path(),
+        "more",
+        &["--prompt-ids", "4,5", "--load-session", &s],
+    )?;
     Ok(())
 }

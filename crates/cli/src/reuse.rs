@@ -26,26 +26,48 @@ pub fn wanted(args: &Args) -> bool {
         || args.load_session.is_some()
 }
 
+/// The flag that asks to restore K/V (`None`: nothing is restored; a session may be saved).
+fn restoring_flag(args: &Args) -> Option<&'static str> {
+    if args.load_session.is_some() {
+        Some("--load-session")
+    } else if args.prefix_cache.is_some() {
+        Some("--prefix-cache")
+    } else if args.prefix_cache_ram.is_some() {
+        Some("--prefix-cache-ram")
+    } else {
+        None
+    }
+}
+
 /// Flag combinations reuse cannot serve, refused before the model loads.
 pub fn check_flags(args: &Args) -> Result<()> {
-    if wanted(args) && args.dump_logits.is_some() && !args.decode_logits_only {
-        bail!(
-            "--dump-logits with --prefix-cache or --load-session needs --decode-logits-only: positions restored from a cache or a session are not computed, so they have no logits"
-        );
+    if let Some(flag) = restoring_flag(args) {
+        if args.dump_logits.is_some() && !args.decode_logits_only {
+            bail!(
+                "--dump-logits with {flag} needs --decode-logits-only: positions restored from a cache or a session are not computed, so they have no logits"
+            );
+        }
     }
     if args.prefix_cache_chunk == 0 {
         bail!("--prefix-cache-chunk 0: a chunk holds at least one token (the default is 256)");
     }
+    if args.prefix_cache_ram == Some(0) && args.prefix_cache.is_none() {
+        bail!(
+            "--prefix-cache-ram 0 without --prefix-cache keeps nothing anywhere; give a directory (--prefix-cache DIR) or some RAM (e.g. --prefix-cache-ram 2GiB)"
+        );
+    }
     Ok(())
 }
 
-/// Refuses a policy that takes no K/V without attention.
-pub fn check_policy(policy: &mut dyn KvPolicy) -> Result<()> {
-    if policy.as_restore().is_none() {
-        bail!(
-            "`{}` cannot take restored K/V (--prefix-cache, --load-session): only full, layer, headwise and auto store K/V without attention; pick one of them",
-            policy.name()
-        );
+/// Refuses a policy that takes no K/V without attention, when K/V are to be restored.
+pub fn check_policy(args: &Args, policy: &mut dyn KvPolicy) -> Result<()> {
+    if let Some(flag) = restoring_flag(args) {
+        if policy.as_restore().is_none() {
+            bail!(
+                "`{}` cannot take restored K/V ({flag}): only full, layer, headwise and auto store K/V without attention; pick one of them",
+                policy.name()
+            );
+        }
     }
     Ok(())
 }
@@ -169,6 +191,14 @@ pub struct PrefixOut {
     pub disk_evictions: u64,
     /// Chunk files that failed their checks (removed; misses).
     pub damaged_files: u64,
+    /// Chunk files that could not be written.
+    pub write_errors: u64,
+    /// Tokens restored from host RAM, over every request.
+    pub tokens_from_ram: u64,
+    /// Tokens restored from files, over every request.
+    pub tokens_from_disk: u64,
+    /// Seconds spent restoring from the cache, over every request.
+    pub restore_s: f64,
 }
 
 impl PrefixOut {
@@ -185,6 +215,10 @@ impl PrefixOut {
             ram_evictions: c.ram_evictions,
             disk_evictions: c.disk_evictions,
             damaged_files: c.damaged,
+            write_errors: c.write_errors,
+            tokens_from_ram: c.tokens_from_ram,
+            tokens_from_disk: c.tokens_from_disk,
+            restore_s: c.restore_s,
         }
     }
 }

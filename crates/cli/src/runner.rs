@@ -149,7 +149,7 @@ fn run(
         reg.build_spec(spec, &opts)?
     };
     if reuse::wanted(args) {
-        reuse::check_policy(policy.as_mut())?;
+        reuse::check_policy(args, policy.as_mut())?;
     }
     // Output paths that cannot be written fail before any work.
     for (path, flag) in [

@@ -64,7 +64,7 @@ pub struct PrefixStats {
     pub tokens_from_ram: u64,
     /// Tokens restored from files.
     pub tokens_from_disk: u64,
-    /// Chunks stored.
+    /// Chunks stored (kept in RAM or written to a file).
     pub stored: u64,
     /// K/V bytes held in host RAM (never above its budget).
     pub ram_bytes: u64,
@@ -76,6 +76,8 @@ pub struct PrefixStats {
     pub disk_evictions: u64,
     /// Chunk files that failed their checks (removed; misses).
     pub damaged: u64,
+    /// Chunk files that could not be written (the chunk stayed in RAM, if it fit).
+    pub write_errors: u64,
     /// Seconds spent restoring K/V into policies.
     pub restore_s: f64,
 }
@@ -129,7 +131,7 @@ impl PrefixCache {
 
     /// Whether `key` is held in RAM or known on disk (without reading it).
     pub fn contains(&self, key: &ChunkKey) -> bool {
-        self.ram.contains(key)
+        self.ram.contains(key) || self.disk.as_ref().is_some_and(|d| d.contains(key))
     }
 
     /// The chunk under `key` and its tier: RAM first, then its file (kept in RAM after).
@@ -155,8 +157,11 @@ impl PrefixCache {
         }
     }
 
-    /// Stores `chunk` under `key`: in RAM, and written through to its file.
-    pub fn put(&mut self, key: ChunkKey, chunk: ChunkKv) -> Result<()> {
+    /// Stores `chunk` under `key`: in RAM, and written through to its file. A file that
+    /// cannot be written (a full disk, a lost permission) is counted and logged, not an
+    /// error: the request that computed the chunk goes on. Returns whether it is kept
+    /// anywhere.
+    pub fn put(&mut self, key: ChunkKey, chunk: ChunkKv) -> Result<bool> {
         let tokens = chunk.shape()?.tokens;
         if tokens != self.chunk_tokens {
             return Err(PrefixError::Invalid(format!(
@@ -164,12 +169,22 @@ impl PrefixCache {
                 self.chunk_tokens
             )));
         }
-        if let Some(d) = &mut self.disk {
-            d.put(&self.fp, &key, &chunk)?;
+        let on_disk = match &mut self.disk {
+            Some(d) => match d.put(&self.fp, &key, &chunk) {
+                Ok(written) => written,
+                Err(e) => {
+                    tracing::warn!("prefix cache: a chunk was not written: {e}");
+                    self.stats.write_errors += 1;
+                    false
+                }
+            },
+            None => false,
+        };
+        let in_ram = self.ram.put(key, chunk);
+        if on_disk || in_ram {
+            self.stats.stored += 1;
         }
-        self.ram.put(key, chunk);
-        self.stats.stored += 1;
-        Ok(())
+        Ok(on_disk || in_ram)
     }
 
     /// Counts `tokens` restored from `tier` in `seconds`.

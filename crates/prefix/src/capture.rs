@@ -34,6 +34,11 @@ impl<'a> Capture<'a> {
         self.keep = keep;
     }
 
+    /// Forgets what was kept so far.
+    pub fn clear(&mut self) {
+        self.layers.clear();
+    }
+
     fn keep(&mut self, step: &AttnStep<'_>) -> Result<()> {
         let t = step.k.dim(2)?;
         if !self.keep || step.seq != 0 || step.pos + t <= self.from {

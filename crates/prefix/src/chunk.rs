@@ -52,13 +52,17 @@ pub struct ChunkShape {
 }
 
 impl ChunkShape {
-    /// Bytes of K and V of every layer.
-    pub fn payload_bytes(&self) -> usize {
-        2 * self.n_layers
-            * self.n_kv_heads
-            * self.tokens
-            * self.head_dim
-            * self.dtype.size_in_bytes()
+    /// Bytes of K and V of every layer (`None`: more than a `usize` holds — a damaged
+    /// header's dimensions).
+    pub fn payload_bytes(&self) -> Option<usize> {
+        [
+            self.n_kv_heads,
+            self.tokens,
+            self.head_dim,
+            self.dtype.size_in_bytes(),
+        ]
+        .into_iter()
+        .try_fold(2 * self.n_layers, usize::checked_mul)
     }
 }
 
@@ -127,8 +131,9 @@ impl ChunkKv {
         Ok(Some(Self { layers }))
     }
 
-    /// The whole chunks of `chunk` tokens of tokens `skip..`, contiguous (a trailing
-    /// partial chunk is left out).
+    /// The whole chunks of `chunk` tokens of tokens `skip..`, each in storage of its own (a
+    /// view would keep the whole run's K/V alive behind a chunk's counted bytes); a trailing
+    /// partial chunk is left out.
     pub fn split(&self, skip: usize, chunk: usize) -> Result<Vec<Self>> {
         let tokens = self.shape()?.tokens.saturating_sub(skip);
         (0..tokens / chunk.max(1))
@@ -139,8 +144,8 @@ impl ChunkKv {
                     .into_iter()
                     .map(|l| {
                         Ok(LayerKv {
-                            k: l.k.contiguous()?,
-                            v: l.v.contiguous()?,
+                            k: l.k.force_contiguous()?,
+                            v: l.v.force_contiguous()?,
                         })
                     })
                     .collect::<Result<Vec<_>>>()?;
@@ -219,14 +224,20 @@ fn header(fp: &Fingerprint, key: &ChunkKey, shape: &ChunkShape) -> Result<Vec<u8
         h.extend_from_slice(&n.to_le_bytes());
     }
     h.extend_from_slice(&dtype_code(shape.dtype)?.to_le_bytes());
-    h.extend_from_slice(&(shape.payload_bytes() as u64).to_le_bytes());
+    let bytes = shape
+        .payload_bytes()
+        .ok_or_else(|| PrefixError::Invalid("a chunk too large to store".into()))?;
+    h.extend_from_slice(&(bytes as u64).to_le_bytes());
     Ok(h)
 }
 
 /// The file's bytes for `chunk` under `key` of model `fp`: page-aligned length.
 pub fn encode(fp: &Fingerprint, key: &ChunkKey, chunk: &ChunkKv) -> Result<Vec<u8>> {
     let shape = chunk.shape()?;
-    let mut payload = Vec::with_capacity(shape.payload_bytes());
+    let bytes = shape
+        .payload_bytes()
+        .ok_or_else(|| PrefixError::Invalid("a chunk too large to store".into()))?;
+    let mut payload = Vec::with_capacity(bytes);
     for l in &chunk.layers {
         put_tensor(&l.k, &mut payload)?;
         put_tensor(&l.v, &mut payload)?;
@@ -283,7 +294,8 @@ pub fn decode(
     len.copy_from_slice(&bytes[92..100]);
     let len = u64::from_le_bytes(len) as usize;
     let start = round_up(HEADER);
-    if len != shape.payload_bytes() || bytes.len() < start + len {
+    let fits = start.checked_add(len).is_some_and(|end| end <= bytes.len());
+    if shape.payload_bytes() != Some(len) || !fits || shape.n_layers == 0 {
         return Err(bad("truncated, or its length disagrees with its shape"));
     }
     let payload = &bytes[start..start + len];

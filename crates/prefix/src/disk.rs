@@ -183,8 +183,8 @@ impl DiskTier {
         }
     }
 
-    /// The chunk under `key` of model `fp`, or `None` (absent, not a regular file, or
-    /// damaged — then removed). A hit marks the file as just used.
+    /// The chunk under `key` of model `fp`, or `None`: absent, not a regular file,
+    /// unreadable (left alone), or damaged — then removed. A hit marks the file as just used.
     pub fn get(&mut self, fp: &Fingerprint, key: &ChunkKey) -> Result<Option<ChunkKv>> {
         let path = self.path(key);
         let file = match self.open_chunk(&path) {
@@ -203,19 +203,33 @@ impl DiskTier {
             return Ok(None);
         }
         let len = meta.len();
-        let read = if len % ALIGN as u64 != 0 || len > MAX_FILE {
-            None
+        let _span = tracing::debug_span!("chunk_read", bytes = len).entered();
+        let decoded = if len % ALIGN as u64 != 0 || len > MAX_FILE {
+            Err(chunk::Damage("a length that is no chunk file's".into()))
         } else {
-            with_bytes(&file, len as usize, |b| chunk::decode(b, fp, key)).ok()
+            let decode = |b: &[u8]| {
+                let _span = tracing::debug_span!("chunk_decode").entered();
+                chunk::decode(b, fp, key)
+            };
+            match with_bytes(&file, len as usize, decode) {
+                Ok(d) => d,
+                // An I/O error says nothing about the file's bytes: a miss, the file kept.
+                Err(e) => {
+                    tracing::warn!("prefix cache: cannot read {}: {e}", path.display());
+                    return Ok(None);
+                }
+            }
         };
-        match read {
-            Some(Ok(chunk)) => {
+        match decoded {
+            Ok(chunk) => {
                 // The use is recorded for other processes' eviction order too.
                 let _ = file.set_modified(SystemTime::now());
                 self.index(*key, len);
+                // A file another process wrote may take this index past the budget.
+                self.evict_for(0);
                 Ok(Some(chunk))
             }
-            _ => {
+            Err(_) => {
                 let _ = std::fs::remove_file(&path);
                 self.forget(key);
                 self.counts.damaged += 1;
@@ -250,6 +264,11 @@ impl DiskTier {
             .map_err(|e| PrefixError::io("cannot name the chunk file", &path, e.error))?;
         self.index(*key, len);
         Ok(true)
+    }
+
+    /// Whether a file for `key` is known (not read; another process may have removed it).
+    pub fn contains(&self, key: &ChunkKey) -> bool {
+        self.entries.contains_key(key)
     }
 
     /// The counters.

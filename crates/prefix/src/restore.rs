@@ -94,17 +94,20 @@ pub fn restore_kv(
 /// chunks from its start that `usable` accepts (the tokens restored; the prefill must be
 /// able to resume there), leaving at least one token to prefill (the last position's
 /// logits come from the prefill). A chunk of another shape than the model's is a miss.
+/// Chunks are appended `piece` tokens at a time (joined first): a policy's buffers then
+/// grow as often as a prefill in passes of `piece` makes them, not once per chunk.
 pub fn restore_prefix(
     cache: &mut PrefixCache,
     policy: &mut dyn KvPolicy,
     prompt: &[u32],
     layers: &LayerSpecs,
-    usable: &dyn Fn(usize) -> bool,
+    (usable, piece): (&dyn Fn(usize) -> bool, usize),
 ) -> Result<Restored> {
     let start = Instant::now();
     let c = cache.chunk_tokens();
     let whole = prompt.len().saturating_sub(1) / c;
     let keys = cache.keys(&prompt[..whole * c]);
+    let lookup = tracing::info_span!("prefix_lookup", chunks = keys.len()).entered();
     let mut found: Vec<(ChunkKv, Tier)> = Vec::new();
     for key in &keys {
         let Some((chunk, tier)) = cache.get(key)? else {
@@ -121,15 +124,25 @@ pub fn restore_prefix(
         .find(|&n| usable(n * c))
         .unwrap_or(0);
     found.truncate(take);
+    drop(lookup);
+    let _append = tracing::info_span!("prefix_append", chunks = take).entered();
     let mut out = Restored::default();
     for (chunk, tier) in found {
-        restore_kv(policy, &chunk, out.reuse.tokens, layers, 0)?;
         out.chunks.push(chunk);
-        out.reuse.tokens += c;
         match tier {
             Tier::Ram => out.reuse.from_ram += c,
             Tier::Disk => out.reuse.from_disk += c,
         }
+    }
+    let per_piece = (piece / c).max(1);
+    for group in out.chunks.chunks(per_piece) {
+        let joined = match group {
+            [one] => one.clone(),
+            many => ChunkKv::cat(many)?
+                .ok_or_else(|| crate::error::PrefixError::Invalid("no chunks to join".into()))?,
+        };
+        restore_kv(policy, &joined, out.reuse.tokens, layers, piece)?;
+        out.reuse.tokens += group.len() * c;
     }
     out.reuse.seconds = start.elapsed().as_secs_f64();
     let per_tier = out.reuse.seconds / out.reuse.tokens.max(1) as f64;
@@ -143,9 +156,9 @@ pub fn restore_prefix(
 }
 
 /// Stores the whole chunks of `kv` — the K/V of `prompt[from..]` as a run computed them —
-/// under their keys, skipping those already held in RAM. Chunks start at multiples of the
+/// under their keys, skipping those already held (in RAM or as a file). Chunks start at multiples of the
 /// chunk size: when `from` is not one (after a session), the chunk it falls in is left out.
-/// Returns how many were stored.
+/// Returns how many were kept (in RAM or a file).
 pub fn store_new(
     cache: &mut PrefixCache,
     prompt: &[u32],
@@ -162,8 +175,7 @@ pub fn store_new(
     let keys = cache.keys(prompt);
     let mut stored = 0;
     for (key, chunk) in keys.into_iter().skip(first).zip(chunks) {
-        if !cache.contains(&key) {
-            cache.put(key, chunk)?;
+        if !cache.contains(&key) && cache.put(key, chunk)? {
             stored += 1;
         }
     }

@@ -2,7 +2,8 @@
 //! and slot save): a run's token ids and the K/V of every token it computed, in one
 //! versioned file, so the next run continues the conversation without prefilling its
 //! history again. The file is a header — magic `KVPS`, version, the model [`Fingerprint`],
-//! the ids — then the K/V as a chunk file ([`crate::chunk`]: its own header, checksum and
+//! the ids, a SHA-256 of all that (checked before anything in it is believed) — then the
+//! K/V as a chunk file ([`crate::chunk`]: its own header, checksum and
 //! payload) whose key is a digest of the ids, so ids and K/V cannot be paired wrongly.
 //! Written whole to a temporary beside the target and renamed ([`Session::save`]); read
 //! only from a regular file, and refused with a clear error when it is another model's,
@@ -77,6 +78,8 @@ impl Session {
         for id in &self.ids {
             out.extend_from_slice(&id.to_le_bytes());
         }
+        let sum = Sha256::digest(&out);
+        out.extend_from_slice(&sum);
         let key = ids_key(&self.fingerprint, &self.ids);
         out.extend_from_slice(&chunk::encode(&self.fingerprint, &key, &self.kv)?);
         Ok(out)
@@ -101,6 +104,20 @@ impl Session {
                 ),
             ));
         }
+        let mut n = [0u8; 8];
+        n.copy_from_slice(&bytes[40..48]);
+        let n = u64::from_le_bytes(n) as usize;
+        let ids_end = n
+            .checked_mul(4)
+            .and_then(|b| b.checked_add(48))
+            .filter(|&e| e.checked_add(32).is_some_and(|end| end <= bytes.len()))
+            .ok_or_else(|| bad(path, "truncated (its token ids end past the file)"))?;
+        if Sha256::digest(&bytes[..ids_end]).as_slice() != &bytes[ids_end..ids_end + 32] {
+            return Err(bad(
+                path,
+                "damaged (header checksum); delete it and start a new session",
+            ));
+        }
         let mut theirs = [0u8; 32];
         theirs.copy_from_slice(&bytes[8..40]);
         let theirs = Fingerprint(theirs);
@@ -114,20 +131,12 @@ impl Session {
                 ),
             ));
         }
-        let mut n = [0u8; 8];
-        n.copy_from_slice(&bytes[40..48]);
-        let n = u64::from_le_bytes(n) as usize;
-        let ids_end = n
-            .checked_mul(4)
-            .and_then(|b| b.checked_add(48))
-            .filter(|&e| e <= bytes.len())
-            .ok_or_else(|| bad(path, "truncated (its token ids end past the file)"))?;
         let ids: Vec<u32> = bytes[48..ids_end]
             .chunks_exact(4)
             .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect();
         let key = ids_key(fp, &ids);
-        let kv = chunk::decode(&bytes[ids_end..], fp, &key).map_err(|d| {
+        let kv = chunk::decode(&bytes[ids_end + 32..], fp, &key).map_err(|d| {
             bad(
                 path,
                 format!("damaged ({}); delete it and start a new session", d.0),

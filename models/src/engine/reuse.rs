@@ -80,9 +80,16 @@ pub struct CachedGeneration {
 /// [`generate`](super::generate::generate) with K/V reused across requests: the prompt
 /// continues `src.session`'s ids when one is given (its K/V restored), else its longest
 /// cached prefix is restored from `src.cache`; only the rest is prefilled, and the new whole
-/// chunks go to the cache. The policy must take K/V without attention (`append_kv`: `full`,
-/// `layer`, `headwise`, `auto`); the logits of restored positions do not exist
-/// (`collect_logits` needs `decode_logits_only`).
+/// chunks go to the cache once the generation is done (the first token does not wait for
+/// them). Restoring needs a policy that takes K/V without attention (`append_kv`: `full`,
+/// `layer`, `headwise`, `auto`), and restored positions have no logits (`collect_logits`
+/// then needs `decode_logits_only`); saving a session alone needs neither.
+///
+/// With a cache, a model whose numbers for a token depend on the pass it shares
+/// ([`ModelInfo::row_split`]: GGUF on the CPU) prefills in passes of one cache chunk at
+/// most, so that every stored chunk was computed exactly as any later prompt's fresh
+/// prefill in such passes computes it: the logits then equal a fresh run with that
+/// `prefill_chunk`, bit for bit, whatever prompt stored the chunks.
 pub fn generate_reusing(
     model: &dyn CausalLm,
     policy: &mut dyn KvPolicy,
@@ -91,13 +98,19 @@ pub fn generate_reusing(
     src: ReuseSources<'_>,
     on_token: &mut dyn FnMut(u32) -> Result<()>,
 ) -> Result<CachedGeneration> {
-    if cfg.collect_logits && !cfg.decode_logits_only {
+    let ReuseSources {
+        mut cache,
+        session,
+        save_session,
+    } = src;
+    let restoring = cache.is_some() || session.is_some();
+    if restoring && cfg.collect_logits && !cfg.decode_logits_only {
         return Err(ModelError::Input(
             "a prompt restored from the prefix cache or a session has no logits for its restored positions; keep only the rows that predict generated tokens (decode_logits_only)"
                 .into(),
         ));
     }
-    if policy.as_restore().is_none() {
+    if restoring && policy.as_restore().is_none() {
         return Err(ModelError::Input(
             format!(
                 "the prefix cache and sessions restore K/V with append_kv, which `{}` does not take; use full, layer, headwise or auto",
@@ -106,17 +119,18 @@ pub fn generate_reusing(
             .into(),
         ));
     }
-    let ReuseSources {
-        mut cache,
-        session,
-        save_session,
-    } = src;
     let ids: Vec<u32> = match &session {
         Some(s) => s.ids.iter().chain(prompt).copied().collect(),
         None => prompt.to_vec(),
     };
+    let mut cfg = cfg.clone();
+    if let (Some(c), Some(_)) = (cache.as_deref(), model.info().row_split) {
+        cfg.prefill_chunk = chunk_len(cfg.prefill_chunk, ids.len()).min(c.chunk_tokens());
+    }
+    let cfg = &cfg;
     begin(model, policy, &ids, cfg)?;
     let layers = layer_specs(model.info());
+    let piece = chunk_len(cfg.prefill_chunk, ids.len());
     let usable = |from| resumable(model.info(), from, ids.len(), cfg.prefill_chunk);
     let (reuse, restored) = match (&session, cache.as_deref_mut()) {
         (Some(s), _) => {
@@ -124,7 +138,6 @@ pub fn generate_reusing(
             let most = s.kv_tokens()?.min(ids.len() - 1);
             let n = (0..=most).rev().find(|&n| usable(n)).unwrap_or(0);
             let kv = s.kv.narrow(0, n)?;
-            let piece = chunk_len(cfg.prefill_chunk, ids.len());
             restore_kv(policy, &kv, 0, &layers, piece)?;
             let reuse = Reuse {
                 tokens: n,
@@ -135,20 +148,31 @@ pub fn generate_reusing(
             (reuse, vec![kv])
         }
         (None, Some(c)) => {
-            let r = restore_prefix(c, policy, &ids, &layers, &usable)?;
+            let r = restore_prefix(c, policy, &ids, &layers, (&usable, piece))?;
             (r.reuse, r.chunks)
         }
         (None, None) => (Reuse::default(), Vec::new()),
     };
+    // What a session needs besides what this run computes; nothing otherwise.
+    let restored = if save_session.is_some() {
+        restored
+    } else {
+        Vec::new()
+    };
     let mut capture = Capture::new(policy, reuse.tokens);
+    capture.keeping(cache.is_some() || save_session.is_some());
     let mut prefilled = prefill_phase(model, &mut capture, &ids, reuse.tokens, cfg)?;
     prefilled.seconds += reuse.seconds;
-    let stored = match (cache, capture.kv()?) {
+    let computed = if cache.is_some() { capture.kv()? } else { None };
+    if save_session.is_none() {
+        capture.clear();
+    }
+    capture.keeping(save_session.is_some());
+    let generation = decode_phase(model, &mut capture, &ids, cfg, prefilled, on_token)?;
+    let stored = match (cache, computed) {
         (Some(c), Some(kv)) => store_new(c, &ids, reuse.tokens, &kv)?,
         _ => 0,
     };
-    capture.keeping(save_session.is_some());
-    let generation = decode_phase(model, &mut capture, &ids, cfg, prefilled, on_token)?;
     let session = match save_session {
         Some(fingerprint) => {
             let mut parts = restored;
