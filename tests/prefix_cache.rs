@@ -12,7 +12,6 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
-use kvpolicy::models::engine::generate::kv_shape;
 use kvpolicy::models::{
     fingerprint, generate_reusing, load, resolve, CachedGeneration, GenerateConfig, ModelSpec,
     ReuseSources,
@@ -67,17 +66,7 @@ fn cache(dir: &std::path::Path, ram_bytes: u64, fp: Fingerprint) -> Result<Prefi
 /// The policies that take restored K/V, with `auto` under a budget for its streaming
 /// buffers, a step's scratch and one unit of `model` at `total` tokens.
 fn policies(model: &dyn CausalLm, total: usize) -> Vec<(&'static str, PolicyOptions)> {
-    let info = model.info();
-    let shape = kv_shape(info, 1, total, 8);
-    let cap = total.div_ceil(4) * 4;
-    let unit = shape.kv_bytes(info.n_kv_heads, cap);
-    let small = PolicyOptions {
-        grow_tokens: 4,
-        device_kv_budget: Some(
-            3 * unit + shape.step_scratch_bytes(info.n_kv_heads, cap, &Device::Cpu),
-        ),
-        ..PolicyOptions::default()
-    };
+    let small = common::auto_one_resident(model.info(), total, 8);
     vec![
         ("full", PolicyOptions::default()),
         ("layer", PolicyOptions::default()),

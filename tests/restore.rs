@@ -128,15 +128,7 @@ fn appended_kv_continues_the_sequence_exactly() -> Result<()> {
     // `auto` under a budget for the streaming buffers, a step's scratch and one unit.
     let total = prompt.len() + decode.len();
     let shape = kv_shape(info, 1, total, 5);
-    let cap = total.div_ceil(4) * 4;
-    let unit = shape.kv_bytes(info.n_kv_heads, cap);
-    let one_resident = PolicyOptions {
-        grow_tokens: 4,
-        device_kv_budget: Some(
-            3 * unit + shape.step_scratch_bytes(info.n_kv_heads, cap, &Device::Cpu),
-        ),
-        ..PolicyOptions::default()
-    };
+    let one_resident = common::auto_one_resident(info, total, 5);
     let cases = [
         ("full", PolicyOptions::default()),
         ("auto", PolicyOptions::default()),

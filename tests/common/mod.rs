@@ -341,3 +341,23 @@ pub fn spec(policy: &str, group: kvpolicy::HeadGroup) -> String {
         policy.to_string()
     }
 }
+
+/// `auto`'s options (growth by 4 tokens) under a device budget for its two streaming
+/// buffers, a step's scratch and one resident unit (all KV heads of a layer) of `info`'s
+/// model, at `total` tokens and steps of at most `step`.
+pub fn auto_one_resident(
+    info: &kvpolicy::ModelInfo,
+    total: usize,
+    step: usize,
+) -> kvpolicy::PolicyOptions {
+    let shape = kvpolicy::models::engine::generate::kv_shape(info, 1, total, step);
+    let cap = total.div_ceil(4) * 4;
+    let unit = shape.kv_bytes(info.n_kv_heads, cap);
+    kvpolicy::PolicyOptions {
+        grow_tokens: 4,
+        device_kv_budget: Some(
+            3 * unit + shape.step_scratch_bytes(info.n_kv_heads, cap, &Device::Cpu),
+        ),
+        ..kvpolicy::PolicyOptions::default()
+    }
+}

@@ -123,14 +123,17 @@ pub fn generate_reusing(
         Some(s) => s.ids.iter().chain(prompt).copied().collect(),
         None => prompt.to_vec(),
     };
+    // Prepared for, and restored in, steps of the prefill chunk asked for (a policy's
+    // buffers then grow as often as that prefill would make them); the passes may be
+    // smaller.
+    begin(model, policy, &ids, cfg)?;
+    let piece = chunk_len(cfg.prefill_chunk, ids.len());
     let mut cfg = cfg.clone();
     if let (Some(c), Some(_)) = (cache.as_deref(), model.info().row_split) {
-        cfg.prefill_chunk = chunk_len(cfg.prefill_chunk, ids.len()).min(c.chunk_tokens());
+        cfg.prefill_chunk = piece.min(c.chunk_tokens());
     }
     let cfg = &cfg;
-    begin(model, policy, &ids, cfg)?;
     let layers = layer_specs(model.info());
-    let piece = chunk_len(cfg.prefill_chunk, ids.len());
     let usable = |from| resumable(model.info(), from, ids.len(), cfg.prefill_chunk);
     let (reuse, restored) = match (&session, cache.as_deref_mut()) {
         (Some(s), _) => {
