@@ -500,8 +500,11 @@ fn a_disk_tier_row_reports_its_reads() -> Result<()> {
                 && l.contains("(buffered reads)")),
         "{out}"
     );
-    // `auto` places units as they attend: it takes no K/V without attention.
+    // `auto` places restored units as it would when attending; `recompute` stores layer
+    // inputs, not K/V, and refuses, naming `append_kv`.
     let o = synthetic("auto")?;
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = synthetic("recompute")?;
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("append_kv"), "{err}");
     assert_eq!(std::fs::read_dir(&disk)?.count(), 0);

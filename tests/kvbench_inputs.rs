@@ -47,11 +47,15 @@ fn bad_sweep_arguments_fail_before_any_measurement() -> Result<()> {
     }
     let o = kvbench(&cfg, &["--policies", "full", "--repeats", "0"])?;
     refused(&o, "--repeats must be at least 1")?;
-    // `auto` takes no synthetic history: refused before `full` is measured.
+    // `recompute` takes no synthetic history (it stores layer inputs, not K/V): refused
+    // before `full` is measured.
     let disk = d.path().join("disk");
     std::fs::create_dir(&disk)?;
-    let o = kvbench(&cfg, &["--policies", "full,auto", "--synthetic-history"])?;
-    refused(&o, "--synthetic-history with `auto`")?;
+    let o = kvbench(
+        &cfg,
+        &["--policies", "full,recompute", "--synthetic-history"],
+    )?;
+    refused(&o, "--synthetic-history with `recompute`")?;
     Ok(())
 }
 

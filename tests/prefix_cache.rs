@@ -8,8 +8,6 @@
 //! read.
 mod common;
 
-use std::path::Path;
-
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
 use kvpolicy::models::{

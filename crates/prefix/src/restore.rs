@@ -1,6 +1,6 @@
 //! A request's side of the prefix cache: [`restore_prefix`] finds the longest run of cached
 //! chunks at the start of a prompt and stores their K/V in the policy with
-//! [`append_kv`](kvpolicy_core::append_kv), layer by layer, chunk by chunk, where a prefill
+//! [`append_kv`], layer by layer, chunk by chunk, where a prefill
 //! would have put them; [`store_new`] adds the chunks a prefill computed
 //! ([`Capture`](crate::Capture)). The prefill that follows starts at the first position not
 //! restored and gives the logits of a fresh run.
