@@ -6,10 +6,12 @@
 //! nothing.
 use anyhow::Result;
 use candle_core::Tensor;
-use kvpolicy::{AttnSpec, AttnStep, CausalLm, KvPolicy, NoRegen};
+use kvpolicy::models::layer_specs;
+use kvpolicy::prefix::{restore_kv, ChunkKv, LayerKv};
+use kvpolicy::{CausalLm, KvPolicy};
 
 /// Stores `context` tokens of random K/V (standard normal, the model's dtype) in `policy`,
-/// `chunk` tokens per step.
+/// `chunk` tokens per step (through the prefix cache's [`restore_kv`], as a restored prefix).
 pub fn fill(
     model: &dyn CausalLm,
     policy: &mut dyn KvPolicy,
@@ -18,32 +20,24 @@ pub fn fill(
 ) -> Result<()> {
     let info = model.info();
     let (dev, chunk) = (&info.device, chunk.max(1));
+    let layers = layer_specs(info);
     let mut start = 0;
     while start < context {
         let t = chunk.min(context - start);
-        let x = Tensor::zeros((1, t, info.hidden), info.dtype, dev)?;
-        for layer in 0..info.n_layers {
-            let dims = (1, info.n_kv_heads, t, info.head_dim);
-            let k = Tensor::randn(0f32, 1.0, dims, dev)?.to_dtype(info.dtype)?;
-            let v = Tensor::randn(0f32, 1.0, dims, dev)?.to_dtype(info.dtype)?;
-            let mut spec = AttnSpec::new(info.n_heads, info.n_kv_heads, info.head_dim);
-            spec.sliding_window = info.windows.get(layer).copied().flatten();
-            kvpolicy::core::append_kv(
-                policy,
-                &AttnStep {
-                    layer,
-                    seq: 0,
-                    // Not read by `append_kv`.
-                    q: &k,
-                    k: &k,
-                    v: &v,
-                    x: &x,
-                    pos: start,
-                    spec: &spec,
-                    regen: &NoRegen,
-                },
-            )?;
-        }
+        let dims = (1, info.n_kv_heads, t, info.head_dim);
+        let random =
+            || -> Result<Tensor> { Ok(Tensor::randn(0f32, 1.0, dims, dev)?.to_dtype(info.dtype)?) };
+        let kv = ChunkKv {
+            layers: (0..info.n_layers)
+                .map(|_| {
+                    Ok(LayerKv {
+                        k: random()?,
+                        v: random()?,
+                    })
+                })
+                .collect::<Result<_>>()?,
+        };
+        restore_kv(policy, &kv, start, &layers, 0)?;
         start += t;
     }
     Ok(())

@@ -131,6 +131,23 @@ impl OffloadPolicy {
         Ok(())
     }
 
+    /// Writes a step's new entries of heads `first_head..` of `layer` (tokens from `pos`)
+    /// to the host tier.
+    fn write_new(
+        &mut self,
+        layer: usize,
+        first_head: usize,
+        pos: usize,
+        (k, v): (&Tensor, &Tensor),
+    ) -> Result<()> {
+        let at = WriteAt {
+            layer,
+            first_head,
+            offset: pos,
+        };
+        self.host.write(&mut self.link, at, k, v)
+    }
+
     /// `auto`: decides `unit` on its first run and attends it in place if it is resident
     /// (its new entries appended to its device buffer). `None` when the unit streams — also
     /// when it was resident but its growth (and a step's scratch, `reserve`) no longer fits
@@ -307,16 +324,7 @@ impl KvPolicy for OffloadPolicy {
             self.stats.note_scratch(part.scratch_bytes + expanded, act);
             outs.push(part.out.to_dtype(q.dtype())?);
             // Write the unit's new entries back to the host tier behind the compute.
-            self.host.write(
-                &mut self.link,
-                WriteAt {
-                    layer,
-                    first_head: g * gs,
-                    offset: pos,
-                },
-                &kn,
-                &vn,
-            )?;
+            self.write_new(layer, g * gs, pos, (&kn, &vn))?;
             self.stream.done(
                 (&mut self.host, &mut self.link),
                 self.residency.as_ref(),
@@ -390,16 +398,7 @@ impl KvRestore for OffloadPolicy {
         self.host.begin(&mut self.link, step, &shape)?;
         let (layer, pos, t) = (step.layer, step.pos, step.k.dim(2)?);
         if self.residency.is_none() {
-            self.host.write(
-                &mut self.link,
-                WriteAt {
-                    layer,
-                    first_head: 0,
-                    offset: pos,
-                },
-                step.k,
-                step.v,
-            )?;
+            self.write_new(layer, 0, pos, (step.k, step.v))?;
             self.host.advance(layer, t);
             return Ok(());
         }
@@ -421,16 +420,7 @@ impl KvRestore for OffloadPolicy {
                     Placed::Demote => self.demote(unit, layer, g, gs)?,
                 }
             }
-            self.host.write(
-                &mut self.link,
-                WriteAt {
-                    layer,
-                    first_head: g * gs,
-                    offset: pos,
-                },
-                &kn,
-                &vn,
-            )?;
+            self.write_new(layer, g * gs, pos, (&kn, &vn))?;
         }
         self.host.advance(layer, t);
         Ok(())
