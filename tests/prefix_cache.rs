@@ -405,9 +405,38 @@ fn a_quantized_model_restores_another_prompts_chunks_bit_for_bit() -> Result<()>
         let d = common::max_abs_diff(logits(&got)?, logits(&fresh)?)?;
         assert_eq!(d, 0.0, "restored from another prompt's chunks");
     }
-    // A session resumes mid-pass: where the cut pass would drop below 32 rows while the
-    // fresh pass does not, it restores less (`resumable`); both below, or at a pass's
-    // start, it resumes.
+    // A session restores its whole history, even where a new turn shorter than 32 rows
+    // takes another kernel than a fresh prefill of everything would: its reply tokens were
+    // decoded one at a time, so no fresh prefill reproduces them anyway.
+    let chat = run(
+        model,
+        "full",
+        &full,
+        (&first, &decode),
+        2048,
+        ReuseSources {
+            save_session: Some(fp),
+            ..Default::default()
+        },
+    )?;
+    let session = chat.session.context("no session")?;
+    let history = session.ids.len();
+    let next = run(
+        model,
+        "full",
+        &full,
+        (&q1[..20], &decode),
+        2048,
+        ReuseSources {
+            session: Some(session),
+            ..Default::default()
+        },
+    )?;
+    assert_eq!(next.reuse.from_session, history);
+    assert_eq!(next.generation.prefill_tokens, 20);
+    // A restore may end mid-pass: where the cut pass would drop below 32 rows while the
+    // fresh pass does not, the cache restores less (`resumable`); both below, or at a
+    // pass's start, it resumes.
     let info = model.info();
     assert!(!kvpolicy::models::engine::reuse::resumable(
         info, 1020, 1030, 1024

@@ -134,12 +134,13 @@ pub fn generate_reusing(
     }
     let cfg = &cfg;
     let layers = layer_specs(model.info());
-    let usable = |from| resumable(model.info(), from, ids.len(), cfg.prefill_chunk);
     let (reuse, restored) = match (&session, cache.as_deref_mut()) {
         (Some(s), _) => {
             let start = Instant::now();
-            let most = s.kv_tokens()?.min(ids.len() - 1);
-            let n = (0..=most).rev().find(|&n| usable(n)).unwrap_or(0);
+            // The whole history: its reply tokens were computed one per decode step, so no
+            // fresh prefill reproduces them anyway; restoring less would only recompute
+            // tokens it has (with the numbers of yet another pass).
+            let n = s.kv_tokens()?.min(ids.len() - 1);
             let kv = s.kv.narrow(0, n)?;
             restore_kv(policy, &kv, 0, &layers, piece)?;
             let reuse = Reuse {
@@ -151,6 +152,7 @@ pub fn generate_reusing(
             (reuse, vec![kv])
         }
         (None, Some(c)) => {
+            let usable = |from| resumable(model.info(), from, ids.len(), cfg.prefill_chunk);
             let r = restore_prefix(c, policy, &ids, &layers, (&usable, piece))?;
             (r.reuse, r.chunks)
         }

@@ -1,0 +1,198 @@
+//! The approximate policies (`quest`, `flexicache`, `clo`; issue 29) on real models, held to
+//! their own measured tolerance: on the needle prompt of `scripts/make_gemma3_refs.py`
+//! (numbered filler records, a passphrase ~200 tokens from the start, the question at the
+//! end: ~3.2K tokens), teacher-forced along `full`'s greedy answer, every policy at its
+//! budget (Gemma 3: 256 tokens, SmolLM2: 1024) keeps `full`'s choice at every step — it
+//! answers the needle — and its mean and largest KL divergence from `full`'s next-token
+//! distribution stay under the bounds below: the values measured on this repository's
+//! 2-core CPU (the test prints them), doubled for another CPU's rounding. They are also
+//! above zero: at these budgets the policies are approximate, not `full` by another name.
+//!
+//! Gemma 3 270M selects only in its 3 global layers (its 15 sliding-window layers keep their
+//! windows); SmolLM2-135M selects in all 30.
+mod common;
+
+use anyhow::{ensure, Context, Result};
+use candle_core::{DType, Tensor, D};
+use kvpolicy::models::{generate, GenerateConfig, Loaded};
+use kvpolicy::{build_policy, PolicyOptions};
+
+/// Greedy answer tokens every policy is teacher-forced along (SmolLM2 spells the
+/// passphrase's digits one token each).
+const ANSWER: usize = 10;
+
+/// A policy at its tested budget and the KL bounds it is held to.
+struct Bound {
+    spec: &'static str,
+    /// Mean over the answer's steps of KL(full ‖ policy), nats.
+    mean_kl: f32,
+    /// The largest step's KL, nats.
+    max_kl: f32,
+}
+
+/// `full`'s greedy answer and its logits along it, then every bound's policy along the same
+/// tokens: same top-1 at every step, KL within the bound and above zero.
+fn held_to(loaded: &Loaded, prompt: &[u32], answer: &str, bounds: &[Bound]) -> Result<()> {
+    let model = loaded.model.as_ref();
+    let tok = loaded.tokenizer.as_ref().context("tokenizer")?;
+    let run = |spec: &str, decode: Option<Vec<u32>>| -> Result<_> {
+        let mut policy = build_policy(spec, &PolicyOptions::default())?;
+        let cfg = GenerateConfig {
+            max_new_tokens: ANSWER,
+            stop_at_eos: false,
+            collect_logits: true,
+            decode_logits_only: true,
+            decode_ids: decode,
+            ..GenerateConfig::default()
+        };
+        let gen = generate(model, policy.as_mut(), prompt, &cfg, &mut |_| Ok(()))?;
+        Ok((gen, policy.stats()))
+    };
+    let (greedy, _) = run("full", None)?;
+    let text = tok.decode(&greedy.generated_ids)?;
+    ensure!(text.starts_with(answer), "full answered {text:?}");
+    // Teacher-forced along the answer: the rows predicting each of its tokens, as the
+    // greedy run computed them.
+    let decode = greedy.generated_ids[..ANSWER - 1].to_vec();
+    let reference = greedy.logits.context("full's logits")?;
+    let mut failures = Vec::new();
+    for b in bounds {
+        let (gen, stats) = run(b.spec, Some(decode.clone()))?;
+        let got = gen.logits.context("logits")?;
+        ensure!(
+            got.dims() == reference.dims(),
+            "{:?} vs {:?}",
+            got.dims(),
+            reference.dims()
+        );
+        let kl = kl_rows(&reference, &got)?;
+        let mean = kl.iter().sum::<f32>() / kl.len() as f32;
+        let max = kl.iter().copied().fold(0f32, f32::max);
+        let agree = top1(&reference)? == top1(&got)?;
+        println!(
+            "{}: mean KL {mean:.5}, max KL {max:.5} over {} steps, top-1 kept: {agree}, {} bytes moved",
+            b.spec,
+            kl.len(),
+            stats.h2d_bytes
+        );
+        if !stats.lossy {
+            failures.push(format!("{} is not labeled lossy", b.spec));
+        }
+        if !agree {
+            failures.push(format!("{} leaves full's answer: {kl:?}", b.spec));
+        }
+        if mean <= 0.0 {
+            failures.push(format!("{}: no difference from full at all", b.spec));
+        }
+        if mean > b.mean_kl || max > b.max_kl {
+            failures.push(format!(
+                "{}: mean KL {mean} (bound {}), max {max} (bound {})",
+                b.spec, b.mean_kl, b.max_kl
+            ));
+        }
+    }
+    ensure!(failures.is_empty(), "{}", failures.join("\n"));
+    Ok(())
+}
+
+/// KL(p ‖ q) per row of two `(rows, vocab)` logit tensors.
+fn kl_rows(p: &Tensor, q: &Tensor) -> Result<Vec<f32>> {
+    let lp = candle_nn::ops::log_softmax(&p.to_dtype(DType::F32)?, D::Minus1)?;
+    let lq = candle_nn::ops::log_softmax(&q.to_dtype(DType::F32)?, D::Minus1)?;
+    let kl = (lp.exp()? * (&lp - &lq)?)?.sum(D::Minus1)?;
+    Ok(kl
+        .to_vec1::<f32>()?
+        .into_iter()
+        .map(|k| k.max(0.0))
+        .collect())
+}
+
+fn top1(logits: &Tensor) -> Result<Vec<u32>> {
+    Ok(logits.argmax(D::Minus1)?.to_vec1::<u32>()?)
+}
+
+/// The needle prompt's text and ids (Gemma 3's, from llama.cpp's tokenizer).
+fn needle() -> Result<(String, Vec<u32>)> {
+    let refs = common::gemma3_refs()?;
+    let g = refs["greedy"]
+        .as_array()
+        .context("greedy")?
+        .iter()
+        .find(|g| g["name"] == "needle_3k")
+        .context("no needle_3k reference")?;
+    let text = g["prompt"].as_str().context("prompt")?.to_string();
+    Ok((text, common::ids_of(&g["prompt_ids"])?))
+}
+
+#[test]
+fn gemma3_keeps_the_needle_within_its_measured_kl() -> Result<()> {
+    let loaded = kvpolicy::models::load(
+        &kvpolicy::models::ModelFiles::Gguf(common::gemma3_gguf()?),
+        &candle_core::Device::Cpu,
+        DType::F32,
+        None,
+    )?;
+    let (_, prompt) = needle()?;
+    // Measured: quest 0.00171 / 0.01022, flexicache 0.01571 / 0.14688, clo 0.00171 /
+    // 0.01022 (mean / max KL over 10 steps).
+    held_to(
+        &loaded,
+        &prompt,
+        " tangerine-harbor-42",
+        &[
+            Bound {
+                spec: "quest:budget=256",
+                mean_kl: 0.0035,
+                max_kl: 0.021,
+            },
+            Bound {
+                spec: "flexicache:budget=256",
+                mean_kl: 0.032,
+                max_kl: 0.30,
+            },
+            Bound {
+                spec: "clo:budget=256",
+                mean_kl: 0.0035,
+                max_kl: 0.021,
+            },
+        ],
+    )
+}
+
+/// SmolLM2 selects in every layer, and this prompt of near-identical records is hard for
+/// it: at a budget of 512 (a fifth of the ~2.6K tokens) `quest` and `clo` lose the answer
+/// (mean KL 0.28 and 1.06; `flexicache` keeps it at 0.13), at 1024 all three keep it.
+#[test]
+fn smollm2_keeps_the_needle_within_its_measured_kl() -> Result<()> {
+    let loaded = common::load_default_gguf()?;
+    let (text, _) = needle()?;
+    let prompt = loaded
+        .tokenizer
+        .as_ref()
+        .context("tokenizer")?
+        .encode(&text)?;
+    // Measured: quest 0.00132 / 0.00729, flexicache 0.00108 / 0.00362, clo 0.00570 /
+    // 0.01789 (mean / max KL over 10 steps).
+    held_to(
+        &loaded,
+        &prompt,
+        " tangerine-harbor-4",
+        &[
+            Bound {
+                spec: "quest:budget=1024",
+                mean_kl: 0.0027,
+                max_kl: 0.015,
+            },
+            Bound {
+                spec: "flexicache:budget=1024",
+                mean_kl: 0.0022,
+                max_kl: 0.0075,
+            },
+            Bound {
+                spec: "clo:budget=1024",
+                mean_kl: 0.012,
+                max_kl: 0.036,
+            },
+        ],
+    )
+}
