@@ -21,7 +21,8 @@ tables, and charted (accuracy against bytes moved per token) with `--chart`.
     cargo build --release --examples
     python3 scripts/quality.py --model smollm2 --contexts 4096,8000 \\
         --results bench-results/quality-smollm2.json --chart docs/quality-smollm2.svg
-    python3 scripts/quality.py --model gemma3 --contexts 16384,30000 ...
+    python3 scripts/quality.py --model gemma3 --contexts 4096,16384,30000 \\
+        --skip-failed-by-full ...
 
 `full` is the reference: where it fails a task (these are small models) the table says so,
 and a policy is judged by whether it answers what `full` answers.
@@ -255,6 +256,7 @@ def tables(a, results, policies):
                        f"{fmt_bytes(mean('bytes_per_token'))} | "
                        f"{fmt_bytes(mean('device_kv_peak_bytes'))} | "
                        f"{mean('decode_s_per_token'):.4f} |")
+        out.append("\n`-`: not run (with `--skip-failed-by-full`, a task `full` fails).")
     kl = [(p, results.get(f"kl|{a.kl_context}|{p}")) for p in policies]
     if any(r for _, r in kl):
         out.append(f"\n### {a.model}: natural text at {a.kl_context} tokens, "
@@ -269,15 +271,19 @@ def tables(a, results, policies):
 
 
 def chart(a, results, policies, path):
-    """SVG: per context, accuracy (tasks answered) against link bytes per token (log)."""
+    """SVG: per context, the share of the tasks `full` answers that a policy answers too,
+    against link bytes per token (log)."""
     pts = []
     for ctx in a.contexts:
         for policy in policies:
             cells = [results.get(f"{ctx}|{t}|{policy}") for t in TASKS]
             done = [c for c in cells if c]
-            if not done:
+            # Judged against full: the tasks full answers.
+            want = [c for t, c in zip(TASKS, cells)
+                    if c and results.get(f"{ctx}|{t}|full", {}).get("correct")]
+            if not done or not want:
                 continue
-            acc = sum(c["correct"] for c in done) / len(done)
+            acc = sum(c["correct"] for c in want) / len(want)
             b = sum(c["bytes_per_token"] for c in done) / len(done)
             pts.append((ctx, policy, max(b, 1.0), acc))
     if not pts:
@@ -290,11 +296,11 @@ def chart(a, results, policies, path):
     colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"]
     s = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="11">',
          f'<rect width="{w}" height="{h}" fill="white"/>',
-         f'<text x="{w/2}" y="18" text-anchor="middle" font-size="13">{a.model}: tasks answered vs bytes moved per token (log scale; link {a.link})</text>',
+         f'<text x="{w/2}" y="18" text-anchor="middle" font-size="13">{a.model}: share of full&#8217;s answers kept vs bytes moved per token (log scale; link {a.link})</text>',
          f'<line x1="{pad}" y1="{h-pad}" x2="{w-pad}" y2="{h-pad}" stroke="black"/>',
          f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{h-pad}" stroke="black"/>',
          f'<text x="{w/2}" y="{h-15}" text-anchor="middle">link bytes per decoded token (1 B for full: nothing moves)</text>',
-         f'<text x="15" y="{h/2}" transform="rotate(-90 15 {h/2})" text-anchor="middle">share of tasks answered</text>']
+         f'<text x="15" y="{h/2}" transform="rotate(-90 15 {h/2})" text-anchor="middle">share of full&#8217;s answers kept</text>']
     for acc in (0, 0.5, 1):
         s.append(f'<text x="{pad-8}" y="{y(acc)+4}" text-anchor="end">{acc:.1f}</text>')
     for e in range(math.floor(lo), math.ceil(hi) + 1):
@@ -324,6 +330,8 @@ def main():
     ap.add_argument("--results", required=True, help="JSON cache of every cell")
     ap.add_argument("--chart", help="SVG to write")
     ap.add_argument("--table-only", action="store_true")
+    ap.add_argument("--skip-failed-by-full", action="store_true",
+                    help="run no other policy on a task `full` fails (its cells show '-')")
     a = ap.parse_args()
     a.contexts = [int(c) for c in a.contexts.split(",")]
     policies = split_policies(a.policies)
@@ -340,6 +348,9 @@ def main():
                     for policy in policies:
                         key = f"{ctx}|{task}|{policy}"
                         if key in results:
+                            continue
+                        ref = results.get(f"{ctx}|{task}|full")
+                        if a.skip_failed_by_full and ref and not ref["correct"]:
                             continue
                         ids, stats, stdout = run(a.model, prompt, policy, new, tmp, a.link)
                         text = stdout.strip()

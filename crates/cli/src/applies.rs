@@ -42,10 +42,10 @@ fn human_seconds(s: f64) -> String {
 /// `longest` tokens take minutes under a policy that reads it.
 pub fn warn_slow_link(args: &Args, info: &ModelInfo, longest: usize) {
     let reads = crate::registry::registry()
-        .reads(args.policy_name())
+        .reads(args.kv.policy_name())
         .unwrap_or(&[]);
     if let (Some(bandwidth), true) = (
-        args.link_bandwidth,
+        args.kv.link_bandwidth,
         reads.contains(&PolicyOption::LinkBandwidth),
     ) {
         let context = longest

@@ -2,21 +2,26 @@
 //! example takes the same ones.
 use std::path::PathBuf;
 
-use candle_core::DType;
+use anyhow::{Context, Result};
+use candle_core::{DType, Device};
 use clap::Parser;
 use kvpolicy::core::{DiskIo, KvCodec};
-use kvpolicy::{GenerateConfig, HeadGroup};
+use kvpolicy::models::{activation_dtype, ModelSpec};
+use kvpolicy::{GenerateConfig, HeadGroup, PolicyOptions, Profile};
 
 /// Flags shared by every example.
 #[derive(Parser, Debug)]
 #[command(about = "Generate text under a KV-cache policy", long_about = None)]
 pub struct Args {
-    /// KV policy spec: NAME or NAME:KEY=VALUE,… — full (all on device), layer (layer-wise offload), headwise (head-wise offload; headwise:group=1), recompute (partial recompute, KVPR; recompute:split=N), hybrid (KV and activation blocks, HybridServe), auto (resident units under the budget, the rest streamed; auto:64MiB), quest / flexicache / clo (APPROXIMATE: each KV head attends only its selected pages of the cache, quest:budget=512,page=16), sinks (APPROXIMATE: attention sinks + recent window, sinks:sinks=4,window=256, from the downstream crate examples/custom-policy); --list-policies prints every policy's settings.
-    #[arg(long, default_value = "full", value_name = "SPEC")]
-    pub policy: String,
-    /// Print every policy with its settings (types, defaults, docs) and the options it reads, then exit.
-    #[arg(long)]
-    pub list_policies: bool,
+    /// The model: which, where, in what dtype, on which device.
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// The policy and the options policies read.
+    #[command(flatten)]
+    pub kv: PolicyArgs,
+    /// The prefix cache.
+    #[command(flatten)]
+    pub prefix: PrefixArgs,
     /// Prompt text (tokenized with the model's tokenizer).
     #[arg(long, conflicts_with_all = ["prompt_ids", "prompts_file", "random_prompt", "prompt_file"])]
     pub prompt: Option<String>,
@@ -47,6 +52,35 @@ pub struct Args {
     /// Seed of the sampler.
     #[arg(long, default_value_t = 299_792_458)]
     pub seed: u64,
+    /// Prompt tokens per prefill pass, so that a long prompt's activations and attention scratch stay small (0 = the whole prompt in one pass).
+    #[arg(long, default_value_t = kvpolicy::models::engine::generate::DEFAULT_PREFILL_CHUNK)]
+    pub prefill_chunk: usize,
+    /// Teacher forcing: after the prompt, feed exactly these comma-separated ids, one decode step each.
+    #[arg(long, value_delimiter = ',')]
+    pub decode_ids: Option<Vec<u32>>,
+    /// Write {"prompt_ids": [...], "generated_ids": [...]} as JSON to FILE; with --prompts-file, a JSON array of one such object per prompt, in input order.
+    #[arg(long)]
+    pub ids_out: Option<PathBuf>,
+    /// Write float32 logits [rows, vocab] as .npy: every prompt position, then each decode step.
+    #[arg(long)]
+    pub dump_logits: Option<PathBuf>,
+    /// With --dump-logits, write only the rows that predict generated tokens — the prompt's last position, then each decode step — instead of every prompt position too (a long prompt's rows do not fit in memory).
+    #[arg(long, requires = "dump_logits")]
+    pub decode_logits_only: bool,
+    /// After generating, write the run's token ids and K/V to FILE (versioned, atomic), to continue later with --load-session.
+    #[arg(long, value_name = "FILE", conflicts_with = "prompts_file")]
+    pub save_session: Option<PathBuf>,
+    /// Continue a saved session: its tokens come before this run's prompt and their K/V are restored, not prefilled (a chat turn without re-prefilling its history); refused for another model or dtype.
+    #[arg(long, value_name = "FILE", conflicts_with = "prompts_file")]
+    pub load_session: Option<PathBuf>,
+    /// Write the policy's stats and timings as JSON to FILE (with --prompts-file also the stats after every step, as `steps`).
+    #[arg(long)]
+    pub stats_out: Option<PathBuf>,
+}
+
+/// The model flags, shared by every binary that loads a model (the examples, the server).
+#[derive(clap::Args, Debug, Clone)]
+pub struct ModelArgs {
     /// Local HF model directory (config.json, *.safetensors, tokenizer.json).
     #[arg(long, conflicts_with_all = ["model_id", "gguf"])]
     pub model_dir: Option<PathBuf>,
@@ -71,6 +105,21 @@ pub struct Args {
     /// config.json for --random-weights.
     #[arg(long, requires = "random_weights")]
     pub config: Option<PathBuf>,
+    /// Run on the CPU even when a GPU is available.
+    #[arg(long)]
+    pub cpu: bool,
+}
+
+/// The policy flags: `--policy` and the options policies read, shared by every binary that
+/// builds a policy (the examples, the server).
+#[derive(clap::Args, Debug, Clone)]
+pub struct PolicyArgs {
+    /// KV policy spec: NAME or NAME:KEY=VALUE,… — full (all on device), layer (layer-wise offload), headwise (head-wise offload; headwise:group=1), recompute (partial recompute, KVPR; recompute:split=N), hybrid (KV and activation blocks, HybridServe), auto (resident units under the budget, the rest streamed; auto:64MiB), quest / flexicache / clo (APPROXIMATE: each KV head attends only its selected pages of the cache, quest:budget=512,page=16), sinks (APPROXIMATE: attention sinks + recent window, sinks:sinks=4,window=256, from the downstream crate examples/custom-policy); --list-policies prints every policy's settings.
+    #[arg(long, default_value = "full", value_name = "SPEC")]
+    pub policy: String,
+    /// Print every policy with its settings (types, defaults, docs) and the options it reads, then exit.
+    #[arg(long)]
+    pub list_policies: bool,
     /// KV heads per head group for `headwise`: a divisor of the model's KV heads, or auto (default); the same as --policy headwise:group=N.
     #[arg(long)]
     pub head_group: Option<HeadGroup>,
@@ -109,24 +158,11 @@ pub struct Args {
     /// Simulate a host↔device link of this many bytes per second on the CPU (e.g. 200MB), so offload policies pay transfer time as on a GPU.
     #[arg(long, value_parser = parse_budget, value_name = "BYTES")]
     pub link_bandwidth: Option<u64>,
-    /// Run on the CPU even when a GPU is available.
-    #[arg(long)]
-    pub cpu: bool,
-    /// Prompt tokens per prefill pass, so that a long prompt's activations and attention scratch stay small (0 = the whole prompt in one pass).
-    #[arg(long, default_value_t = kvpolicy::models::engine::generate::DEFAULT_PREFILL_CHUNK)]
-    pub prefill_chunk: usize,
-    /// Teacher forcing: after the prompt, feed exactly these comma-separated ids, one decode step each.
-    #[arg(long, value_delimiter = ',')]
-    pub decode_ids: Option<Vec<u32>>,
-    /// Write {"prompt_ids": [...], "generated_ids": [...]} as JSON to FILE; with --prompts-file, a JSON array of one such object per prompt, in input order.
-    #[arg(long)]
-    pub ids_out: Option<PathBuf>,
-    /// Write float32 logits [rows, vocab] as .npy: every prompt position, then each decode step.
-    #[arg(long)]
-    pub dump_logits: Option<PathBuf>,
-    /// With --dump-logits, write only the rows that predict generated tokens — the prompt's last position, then each decode step — instead of every prompt position too (a long prompt's rows do not fit in memory).
-    #[arg(long, requires = "dump_logits")]
-    pub decode_logits_only: bool,
+}
+
+/// The prefix cache's flags (README "Reusing K/V across requests").
+#[derive(clap::Args, Debug, Clone)]
+pub struct PrefixArgs {
     /// Prefix cache directory: chunks of prompt K/V (every --prefix-cache-chunk tokens, keyed by all token ids up to the chunk's end and the model's fingerprint) are kept in host RAM and written to files here; a later prompt with the same start — in this run or another — restores them instead of prefilling (created if missing; full, layer, headwise and auto).
     #[arg(long, value_name = "DIR")]
     pub prefix_cache: Option<PathBuf>,
@@ -139,26 +175,8 @@ pub struct Args {
     /// Tokens per prefix-cache chunk (default 256): a prompt reuses whole chunks only.
     #[arg(long, value_name = "N", default_value_t = kvpolicy::prefix::DEFAULT_CHUNK_TOKENS)]
     pub prefix_cache_chunk: usize,
-    /// After generating, write the run's token ids and K/V to FILE (versioned, atomic), to continue later with --load-session.
-    #[arg(long, value_name = "FILE", conflicts_with = "prompts_file")]
-    pub save_session: Option<PathBuf>,
-    /// Continue a saved session: its tokens come before this run's prompt and their K/V are restored, not prefilled (a chat turn without re-prefilling its history); refused for another model or dtype.
-    #[arg(long, value_name = "FILE", conflicts_with = "prompts_file")]
-    pub load_session: Option<PathBuf>,
-    /// Write the policy's stats and timings as JSON to FILE (with --prompts-file also the stats after every step, as `steps`).
-    #[arg(long)]
-    pub stats_out: Option<PathBuf>,
 }
-
 impl Args {
-    /// The policy's name: `--policy`'s spec before its settings.
-    pub fn policy_name(&self) -> &str {
-        self.policy
-            .split_once(':')
-            .map_or(self.policy.as_str(), |(name, _)| name)
-            .trim()
-    }
-
     /// The generation settings the flags ask for.
     pub fn generate_config(&self) -> GenerateConfig {
         GenerateConfig {
@@ -173,6 +191,80 @@ impl Args {
             stop_at_eos: true,
             progress: true,
         }
+    }
+}
+
+impl ModelArgs {
+    /// Whether a model flag was given (else the example's default model loads).
+    pub fn explicit(&self) -> bool {
+        self.model_dir.is_some()
+            || self.model_id.is_some()
+            || self.gguf.is_some()
+            || self.random_weights
+    }
+
+    /// The model the flags name, `default` when none does; `seed` draws random weights.
+    pub fn spec(&self, default: ModelSpec, seed: u64) -> Result<ModelSpec> {
+        Ok(match (&self.model_dir, &self.model_id, &self.gguf) {
+            _ if self.random_weights => ModelSpec::Random {
+                config: self
+                    .config
+                    .clone()
+                    .context("--random-weights needs --config FILE")?,
+                seed,
+            },
+            (Some(d), _, _) => ModelSpec::Dir(d.clone()),
+            (_, Some(id), _) => ModelSpec::Hub {
+                id: id.clone(),
+                revision: self.revision.clone(),
+            },
+            (_, _, Some(g)) => ModelSpec::Gguf(g.clone()),
+            _ => default,
+        })
+    }
+
+    /// The device: the CPU with `--cpu`, else the first GPU when there is one.
+    pub fn device(&self) -> Result<Device> {
+        Ok(if self.cpu {
+            Device::Cpu
+        } else {
+            Device::cuda_if_available(0)?
+        })
+    }
+
+    /// The activation dtype `--dtype` asks for on `device`.
+    pub fn dtype(&self, device: &Device) -> Result<DType> {
+        activation_dtype(self.dtype.as_deref(), device).with_context(|| {
+            format!(
+                "unknown --dtype `{}`; use f32, f16 or bf16",
+                self.dtype.as_deref().unwrap_or_default()
+            )
+        })
+    }
+}
+
+impl PolicyArgs {
+    /// The policy's name: `--policy`'s spec before its settings.
+    pub fn policy_name(&self) -> &str {
+        self.policy
+            .split_once(':')
+            .map_or(self.policy.as_str(), |(name, _)| name)
+            .trim()
+    }
+
+    /// The options the flags set, for policies on `device`.
+    pub fn options(&self, device: &Device) -> Result<PolicyOptions> {
+        Ok(PolicyOptions {
+            device: device.clone(),
+            device_kv_budget: self.device_kv_budget,
+            profile: self.profile.as_deref().map(Profile::load).transpose()?,
+            link_bandwidth: self.link_bandwidth.map(|b| b as f64),
+            host_kv_budget: self.host_kv_budget,
+            disk_dir: self.disk_dir.clone(),
+            disk_io: self.disk_io,
+            host_kv_dtype: self.host_kv_dtype.unwrap_or_default(),
+            ..PolicyOptions::default()
+        })
     }
 }
 

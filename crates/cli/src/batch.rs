@@ -225,7 +225,7 @@ fn write_outputs(
         let _ = writeln!(
             std::io::stderr(),
             "LOSSY: logits differ from full ({})",
-            if args.host_kv_dtype.is_some() {
+            if args.kv.host_kv_dtype.is_some() {
                 "K/V stored in the smaller --host-kv-dtype"
             } else {
                 "an approximate policy"

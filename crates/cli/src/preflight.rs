@@ -10,12 +10,12 @@ use kvpolicy::{ModelInfo, PolicyOption};
 use crate::args::Args;
 use crate::registry;
 
-/// Whether `args.policy` puts layers on the disk tier (it reads `--disk-dir`, and one is
+/// Whether `args.kv.policy` puts layers on the disk tier (it reads `--disk-dir`, and one is
 /// given).
 fn uses_disk(args: &Args) -> bool {
-    args.disk_dir.is_some()
+    args.kv.disk_dir.is_some()
         && registry::registry()
-            .reads(args.policy_name())
+            .reads(args.kv.policy_name())
             .is_ok_and(|r| r.contains(&PolicyOption::DiskDir))
 }
 
@@ -29,7 +29,7 @@ pub fn check_descriptors(args: &Args, info: &ModelInfo, prompt_lens: &[usize]) -
     }
     let limit = rlimit::increase_nofile_limit(u64::MAX).unwrap_or(0);
     let reads_in_flight = (kvpolicy::tiered::READ_AHEAD + 1) as u64;
-    let budget = args.host_kv_budget.unwrap_or(0);
+    let budget = args.kv.host_kv_budget.unwrap_or(0);
     let mut on_disk = 0u64;
     for &p in prompt_lens {
         // Host buffers grow in chunks: a layer may hold up to a few thousand tokens more
@@ -64,6 +64,7 @@ fn final_len(args: &Args, info: &ModelInfo, prompt: usize) -> usize {
 /// at their window).
 fn layer_bytes(args: &Args, info: &ModelInfo, t: usize) -> Vec<u64> {
     let row = args
+        .kv
         .host_kv_dtype
         .unwrap_or_default()
         .row_bytes(info.dtype, info.head_dim);
@@ -93,13 +94,13 @@ fn disk_bytes_needed(args: &Args, info: &ModelInfo, prompt_lens: &[usize]) -> u6
                 .fold(0u64, u64::saturating_add)
         })
         .fold(0u64, u64::saturating_add);
-    total.saturating_sub(args.host_kv_budget.unwrap_or(0))
+    total.saturating_sub(args.kv.host_kv_budget.unwrap_or(0))
 }
 
 /// Checks that the file system under `--disk-dir` has room for the K/V that must go there
 /// for requests of `prompt_lens` tokens (each growing by `--max-new-tokens`).
 pub fn check_disk_room(args: &Args, info: &ModelInfo, prompt_lens: &[usize]) -> Result<()> {
-    let (true, Some(dir)) = (uses_disk(args), &args.disk_dir) else {
+    let (true, Some(dir)) = (uses_disk(args), &args.kv.disk_dir) else {
         return Ok(());
     };
     let needed = disk_bytes_needed(args, info, prompt_lens);

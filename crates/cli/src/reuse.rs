@@ -20,8 +20,8 @@ use crate::args::Args;
 
 /// Whether any reuse flag is given.
 pub fn wanted(args: &Args) -> bool {
-    args.prefix_cache.is_some()
-        || args.prefix_cache_ram.is_some()
+    args.prefix.prefix_cache.is_some()
+        || args.prefix.prefix_cache_ram.is_some()
         || args.save_session.is_some()
         || args.load_session.is_some()
 }
@@ -30,9 +30,9 @@ pub fn wanted(args: &Args) -> bool {
 fn restoring_flag(args: &Args) -> Option<&'static str> {
     if args.load_session.is_some() {
         Some("--load-session")
-    } else if args.prefix_cache.is_some() {
+    } else if args.prefix.prefix_cache.is_some() {
         Some("--prefix-cache")
-    } else if args.prefix_cache_ram.is_some() {
+    } else if args.prefix.prefix_cache_ram.is_some() {
         Some("--prefix-cache-ram")
     } else {
         None
@@ -48,10 +48,10 @@ pub fn check_flags(args: &Args) -> Result<()> {
             );
         }
     }
-    if args.prefix_cache_chunk == 0 {
+    if args.prefix.prefix_cache_chunk == 0 {
         bail!("--prefix-cache-chunk 0: a chunk holds at least one token (the default is 256)");
     }
-    if args.prefix_cache_ram == Some(0) && args.prefix_cache.is_none() {
+    if args.prefix.prefix_cache_ram == Some(0) && args.prefix.prefix_cache.is_none() {
         bail!(
             "--prefix-cache-ram 0 without --prefix-cache keeps nothing anywhere; give a directory (--prefix-cache DIR) or some RAM (e.g. --prefix-cache-ram 2GiB)"
         );
@@ -84,13 +84,14 @@ impl Reusing {
     /// the session.
     pub fn open(args: &Args, files: &ModelFiles, model: &dyn CausalLm) -> Result<Self> {
         let fingerprint = fingerprint(files, model.info())?;
-        let cache = if args.prefix_cache.is_some() || args.prefix_cache_ram.is_some() {
+        let cache = if args.prefix.prefix_cache.is_some() || args.prefix.prefix_cache_ram.is_some()
+        {
             let defaults = PrefixConfig::default();
             let cfg = PrefixConfig {
-                chunk_tokens: args.prefix_cache_chunk,
-                ram_bytes: args.prefix_cache_ram.unwrap_or(defaults.ram_bytes),
-                dir: args.prefix_cache.clone(),
-                disk_bytes: args.prefix_cache_disk.unwrap_or(defaults.disk_bytes),
+                chunk_tokens: args.prefix.prefix_cache_chunk,
+                ram_bytes: args.prefix.prefix_cache_ram.unwrap_or(defaults.ram_bytes),
+                dir: args.prefix.prefix_cache.clone(),
+                disk_bytes: args.prefix.prefix_cache_disk.unwrap_or(defaults.disk_bytes),
                 disk_io: defaults.disk_io,
             };
             Some(PrefixCache::open(&cfg, fingerprint).context("--prefix-cache")?)

@@ -3,10 +3,9 @@
 use std::process::ExitCode;
 
 use anyhow::{Context, Result};
-use candle_core::{DType, Device};
 use clap::{CommandFactory, FromArgMatches};
-use kvpolicy::models::{activation_dtype, generate, load, resolve, ModelSpec};
-use kvpolicy::{PolicyOptions, PolicySpec, Profile};
+use kvpolicy::models::{generate, load, resolve, ModelSpec};
+use kvpolicy::PolicySpec;
 
 use crate::applies::warn_slow_link;
 use crate::args::Args;
@@ -46,7 +45,7 @@ pub fn main(
     let args = Args::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     init_tracing();
     let reg = registry::registry();
-    if args.list_policies {
+    if args.kv.list_policies {
         println!("{}", flags::list_policies(&reg, true));
         return ExitCode::SUCCESS;
     }
@@ -54,7 +53,7 @@ pub fn main(
         eprintln!("error: {}", errors::for_cli(&e, errors::Frontend::Runner));
         ExitCode::FAILURE
     };
-    let spec = match flags::run_spec(&reg, &matches, &args.policy) {
+    let spec = match flags::run_spec(&reg, &matches, &args.kv.policy) {
         Ok((spec, warnings)) => {
             for warning in warnings {
                 eprintln!("{warning}");
@@ -83,15 +82,6 @@ fn init_tracing() {
         .try_init();
 }
 
-fn parse_dtype(s: Option<&str>, dev: &Device) -> Result<DType> {
-    activation_dtype(s, dev).with_context(|| {
-        format!(
-            "unknown --dtype `{}`; use f32, f16 or bf16",
-            s.unwrap_or_default()
-        )
-    })
-}
-
 /// The example that runs `arch`.
 fn example_for(arch: &str) -> &'static str {
     match arch {
@@ -111,35 +101,17 @@ fn run(
     archs: &[&str],
     default: Option<ModelSpec>,
 ) -> Result<()> {
-    let explicit = args.model_dir.is_some()
-        || args.model_id.is_some()
-        || args.gguf.is_some()
-        || args.random_weights;
     let default = match default {
         Some(d) => d,
-        None if explicit => ModelSpec::Default,
+        None if args.model.explicit() => ModelSpec::Default,
         None => anyhow::bail!(
             "the `{example}` example needs a model: pass --model-dir DIR, --gguf FILE, --model-id ID or --random-weights --config FILE (`--example llama` and `--example gemma` have built-in default models)"
         ),
     };
-    let device = if args.cpu {
-        Device::Cpu
-    } else {
-        Device::cuda_if_available(0)?
-    };
-    let dtype = parse_dtype(args.dtype.as_deref(), &device)?;
+    let device = args.model.device()?;
+    let dtype = args.model.dtype(&device)?;
     // Fail on a bad policy name before loading anything.
-    let opts = PolicyOptions {
-        device: device.clone(),
-        device_kv_budget: args.device_kv_budget,
-        profile: args.profile.as_deref().map(Profile::load).transpose()?,
-        link_bandwidth: args.link_bandwidth.map(|b| b as f64),
-        host_kv_budget: args.host_kv_budget,
-        disk_dir: args.disk_dir.clone(),
-        disk_io: args.disk_io,
-        host_kv_dtype: args.host_kv_dtype.unwrap_or_default(),
-        ..PolicyOptions::default()
-    };
+    let opts = args.kv.options(&device)?;
     reuse::check_flags(args)?;
     // With a prefix cache a prompts file runs one prompt after another (each reusing the
     // earlier ones' chunks) under one policy, reset between them.
@@ -165,24 +137,9 @@ fn run(
     // A prompts file that cannot be read fails before the model loads.
     let batch = args.prompts_file.as_deref().map(batch::read).transpose()?;
 
-    let spec = match (&args.model_dir, &args.model_id, &args.gguf) {
-        _ if args.random_weights => ModelSpec::Random {
-            config: args
-                .config
-                .clone()
-                .context("--random-weights needs --config FILE")?,
-            seed: args.seed,
-        },
-        (Some(d), _, _) => ModelSpec::Dir(d.clone()),
-        (_, Some(id), _) => ModelSpec::Hub {
-            id: id.clone(),
-            revision: args.revision.clone(),
-        },
-        (_, _, Some(g)) => ModelSpec::Gguf(g.clone()),
-        _ => default,
-    };
+    let spec = args.model.spec(default, args.seed)?;
     let files = resolve(&spec)?;
-    let loaded = load(&files, &device, dtype, args.tokenizer.as_deref())?;
+    let loaded = load(&files, &device, dtype, args.model.tokenizer.as_deref())?;
     let model = loaded.model;
     let tok = loaded.tokenizer;
     let arch = model.info().architecture.clone();
@@ -286,7 +243,7 @@ fn run(
 
     let info = model.info();
     let stats = policy.stats();
-    summary::print(&gen, &stats, policy.name(), args.host_kv_dtype.is_some());
+    summary::print(&gen, &stats, policy.name(), args.kv.host_kv_dtype.is_some());
     let cache_stats = reusing.as_ref().and_then(reuse::Reusing::cache_stats);
     let (prefix_out, session) = match reused {
         Some((req, session)) => {
