@@ -21,11 +21,13 @@ pub mod tokenizer;
 pub use arch::decoder::Decoder;
 pub use config::{LlamaConfig, ModelConfig, OptConfig};
 pub use engine::batch::{batch_step, generate_batch, BatchGeneration};
-pub use engine::generate::{generate, prefill, validate_request, GenerateConfig, Generation};
+pub use engine::generate::{
+    generate, prefill, sampling, validate_request, GenerateConfig, Generation,
+};
 pub use engine::reuse::{generate_reusing, layer_specs, CachedGeneration, ReuseSources};
 pub use error::{Message, ModelError, ModelInput, Result};
 pub use load::fingerprint::fingerprint;
 pub use load::gguf::file::GgufFile;
 pub use load::source::{activation_dtype, load, resolve, Loaded, ModelFiles, ModelSpec};
 pub use model::{CausalLm, LogitsMode, ModelInfo, SeqChunk};
-pub use tokenizer::TextTokenizer;
+pub use tokenizer::{ChatMessage, TextTokenizer};

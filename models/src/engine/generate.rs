@@ -288,7 +288,7 @@ pub fn prefill_from(
 }
 
 /// The sampling `cfg` asks for: greedy at temperature 0, else nucleus or full sampling.
-pub(crate) fn sampling(cfg: &GenerateConfig) -> Sampling {
+pub fn sampling(cfg: &GenerateConfig) -> Sampling {
     if cfg.temperature <= 0.0 {
         Sampling::ArgMax
     } else if let Some(p) = cfg.top_p {

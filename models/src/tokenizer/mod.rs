@@ -32,6 +32,15 @@ pub const CHAT_TEMPLATE_FUEL: u64 = 10_000_000;
 /// Bytes a chat template may render for one message (its text included).
 pub const CHAT_TEMPLATE_OUTPUT: usize = 64 << 20;
 
+/// One turn of a conversation, for [`TextTokenizer::apply_chat_template_to`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChatMessage {
+    /// `system`, `user` or `assistant` (what the template knows).
+    pub role: String,
+    /// The turn's text.
+    pub content: String,
+}
+
 /// A tokenizer with the model's special tokens and chat template.
 pub struct TextTokenizer {
     inner: Tokenizer,
@@ -244,6 +253,15 @@ impl TextTokenizer {
     /// Renders the chat template for one user message, ready for generation, within
     /// [`CHAT_TEMPLATE_FUEL`] instructions and [`CHAT_TEMPLATE_OUTPUT`] bytes.
     pub fn apply_chat_template(&self, user: &str) -> Result<String> {
+        self.apply_chat_template_to(&[ChatMessage {
+            role: "user".into(),
+            content: user.into(),
+        }])
+    }
+
+    /// `messages` rendered by the model's chat template (a conversation: system, user and
+    /// assistant turns), ending in the prompt of the assistant's next turn.
+    pub fn apply_chat_template_to(&self, messages: &[ChatMessage]) -> Result<String> {
         let Some(tpl) = &self.chat_template else {
             return Err(ModelError::Tokenizer(
                 Message::from("this model has no chat template; drop ")
@@ -274,7 +292,10 @@ impl TextTokenizer {
         let mut out = guard::Capped::new(CHAT_TEMPLATE_OUTPUT);
         let rendered = t.render_captured_to(
             minijinja::context! {
-                messages => vec![minijinja::context!{ role => "user", content => user }],
+                messages => messages
+                    .iter()
+                    .map(|m| minijinja::context! { role => m.role.as_str(), content => m.content.as_str() })
+                    .collect::<Vec<_>>(),
                 add_generation_prompt => true,
                 bos_token => self.bos_text.clone(),
                 eos_token => self.eos_text.clone(),
@@ -283,9 +304,9 @@ impl TextTokenizer {
         );
         if out.overflowed() {
             return Err(ModelError::Tokenizer(format!(
-                "the chat template rendered more than {} MiB for a {}-byte message; the template is broken",
+                "the chat template rendered more than {} MiB for {} bytes of messages; the template is broken",
                 CHAT_TEMPLATE_OUTPUT >> 20,
-                user.len(),
+                messages.iter().map(|m| m.content.len()).sum::<usize>(),
             ).into()));
         }
         rendered

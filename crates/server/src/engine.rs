@@ -1,0 +1,496 @@
+//! The engine: one thread that owns the model and the policy and serves every request by
+//! continuous batching — requests join and leave the running ragged batch at step
+//! boundaries (Orca, OSDI '22, §3.1 "iteration-level scheduling") — with chunked prefill,
+//! so a newcomer's prompt does not stall the requests already decoding (Sarathi-Serve,
+//! OSDI '24, §4; vLLM's chunked prefill).
+//!
+//! **The scheduling rule**, every step: (1) waiting requests are admitted, oldest first,
+//! while fewer than `max_batch` run; (2) every running request past its prompt decodes one
+//! token; (3) the prompts still being prefilled, oldest first, fill a budget of
+//! `prefill_chunk` prompt tokens (the oldest always gets at least one); (4) one ragged
+//! forward pass runs all of it ([`batch_step`]: each request attends only its own cache);
+//! (5) a request that finished, or whose client went away, leaves and its cache is freed
+//! ([`Batched::release`](kvpolicy::core::Batched::release)) before the next step.
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::Instant;
+
+use candle_core::Tensor;
+use candle_transformers::generation::LogitsProcessor;
+use kvpolicy::models::TextTokenizer;
+use kvpolicy::models::{batch_step, sampling, CausalLm, GenerateConfig, LogitsMode, SeqChunk};
+use kvpolicy::KvPolicy;
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::api::Params;
+use crate::detok::{Detok, Release};
+use crate::metrics::Metrics;
+
+/// A request for the engine.
+pub struct Job {
+    /// The prompt's token ids.
+    pub prompt: Vec<u32>,
+    /// How to generate.
+    pub params: Params,
+    /// Most tokens to generate (checked against the context).
+    pub max_tokens: usize,
+    /// Where its tokens go; closed when the client has gone.
+    pub events: UnboundedSender<Event>,
+    /// When it was received.
+    pub received: Instant,
+}
+
+/// The log-probabilities of one generated token.
+#[derive(Debug, Clone)]
+pub struct TokenLogprob {
+    /// The token's text.
+    pub token: String,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// The most likely tokens at that step, with theirs.
+    pub top: Vec<(String, f32)>,
+}
+
+/// Why a generation ended (OpenAI's `finish_reason`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finish {
+    /// End of sequence or a stop sequence.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+}
+
+impl Finish {
+    /// OpenAI's spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Finish::Stop => "stop",
+            Finish::Length => "length",
+        }
+    }
+}
+
+/// What a request hears from the engine.
+#[derive(Debug)]
+pub enum Event {
+    /// A generated token: the text it releases (possibly empty, held back) and its
+    /// log-probabilities when asked for.
+    Token {
+        /// Text released.
+        text: String,
+        /// Log-probabilities.
+        logprob: Option<TokenLogprob>,
+    },
+    /// The end.
+    Done {
+        /// Why.
+        finish: Finish,
+        /// Text released at the end.
+        text: String,
+        /// Prompt tokens.
+        prompt_tokens: usize,
+        /// Generated tokens.
+        completion_tokens: usize,
+    },
+    /// The request failed (the message says why).
+    Failed(String),
+}
+
+/// The engine's limits.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Requests decoding together at most.
+    pub max_batch: usize,
+    /// Requests waiting at most (more are refused: 429).
+    pub max_queue: usize,
+    /// Prompt tokens per step.
+    pub prefill_chunk: usize,
+}
+
+/// What the server keeps of the engine.
+#[derive(Clone)]
+pub struct EngineHandle {
+    tx: mpsc::Sender<Job>,
+    waiting: Arc<AtomicUsize>,
+    cancel: Arc<AtomicBool>,
+    max_queue: usize,
+}
+
+/// Why a request was not queued.
+#[derive(Debug)]
+pub enum Refused {
+    /// The queue is full.
+    Full,
+    /// The engine has stopped.
+    Stopped,
+}
+
+impl EngineHandle {
+    /// Queues `job`, unless `max_queue` requests already wait.
+    pub fn submit(&self, job: Job) -> Result<(), Refused> {
+        if self.waiting.fetch_add(1, Ordering::SeqCst) >= self.max_queue {
+            self.waiting.fetch_sub(1, Ordering::SeqCst);
+            return Err(Refused::Full);
+        }
+        self.tx.send(job).map_err(|_| {
+            self.waiting.fetch_sub(1, Ordering::SeqCst);
+            Refused::Stopped
+        })
+    }
+
+    /// Ends every request now (each hears `Failed`) and stops the engine once the server
+    /// holds no handle any more.
+    pub fn cancel_all(&self) {
+        self.cancel.store(true, Ordering::SeqCst);
+    }
+}
+
+/// A running request.
+struct Active {
+    job: Job,
+    pos: usize,
+    generated: Vec<u32>,
+    sampler: LogitsProcessor,
+    detok: Detok,
+    last_token_at: Option<Instant>,
+}
+
+/// The thread's state.
+struct Engine {
+    model: Arc<dyn CausalLm>,
+    tok: Arc<TextTokenizer>,
+    policy: Box<dyn KvPolicy>,
+    cfg: EngineConfig,
+    rx: mpsc::Receiver<Job>,
+    waiting: VecDeque<Job>,
+    queued: Arc<AtomicUsize>,
+    cancel: Arc<AtomicBool>,
+    slots: Vec<Option<Active>>,
+    metrics: Arc<Metrics>,
+}
+
+/// Starts the engine on its own thread; `policy` must take ragged batches (built with
+/// `build_batched_spec`) and be prepared for `cfg.max_batch` sequences.
+pub fn start(
+    model: Arc<dyn CausalLm>,
+    tok: Arc<TextTokenizer>,
+    policy: Box<dyn KvPolicy>,
+    cfg: EngineConfig,
+    metrics: Arc<Metrics>,
+) -> std::io::Result<(EngineHandle, std::thread::JoinHandle<()>)> {
+    let (tx, rx) = mpsc::channel();
+    let waiting = Arc::new(AtomicUsize::new(0));
+    let cancel = Arc::new(AtomicBool::new(false));
+    let handle = EngineHandle {
+        tx,
+        waiting: waiting.clone(),
+        cancel: cancel.clone(),
+        max_queue: cfg.max_queue,
+    };
+    let engine = Engine {
+        model,
+        tok,
+        policy,
+        slots: (0..cfg.max_batch).map(|_| None).collect(),
+        cfg,
+        rx,
+        waiting: VecDeque::new(),
+        queued: waiting,
+        cancel,
+        metrics,
+    };
+    let thread = std::thread::Builder::new()
+        .name("kvpolicy-engine".into())
+        .spawn(move || engine.run())?;
+    Ok((handle, thread))
+}
+
+impl Engine {
+    fn run(mut self) {
+        loop {
+            let idle = self.waiting.is_empty() && self.slots.iter().all(Option::is_none);
+            if idle {
+                match self.rx.recv() {
+                    Ok(job) => self.waiting.push_back(job),
+                    Err(_) => return,
+                }
+            }
+            while let Ok(job) = self.rx.try_recv() {
+                self.waiting.push_back(job);
+            }
+            if self.cancel.load(Ordering::SeqCst) {
+                self.cancel_everything();
+                continue;
+            }
+            self.admit();
+            self.drop_departed();
+            self.step();
+            self.publish();
+        }
+    }
+
+    fn cancel_everything(&mut self) {
+        for job in self.waiting.drain(..) {
+            self.queued.fetch_sub(1, Ordering::SeqCst);
+            let _ = job
+                .events
+                .send(Event::Failed("the server is shutting down".into()));
+        }
+        for seq in 0..self.slots.len() {
+            if let Some(a) = self.slots[seq].take() {
+                let _ = a
+                    .job
+                    .events
+                    .send(Event::Failed("the server is shutting down".into()));
+                self.release(seq);
+            }
+        }
+        self.publish();
+    }
+
+    /// Waiting requests into free slots, oldest first; those whose client left are dropped.
+    fn admit(&mut self) {
+        while let Some(free) = self.slots.iter().position(Option::is_none) {
+            let Some(job) = self.waiting.pop_front() else {
+                break;
+            };
+            self.queued.fetch_sub(1, Ordering::SeqCst);
+            if job.events.is_closed() {
+                self.metrics.cancelled.inc();
+                continue;
+            }
+            let cfg = GenerateConfig {
+                temperature: job.params.temperature,
+                top_p: job.params.top_p,
+                seed: job.params.seed,
+                ..GenerateConfig::default()
+            };
+            self.slots[free] = Some(Active {
+                sampler: LogitsProcessor::from_sampling(job.params.seed, sampling(&cfg)),
+                detok: Detok::new(job.params.stop.clone()),
+                job,
+                pos: 0,
+                generated: Vec::new(),
+                last_token_at: None,
+            });
+        }
+    }
+
+    /// Frees the cache of every request whose client has gone.
+    fn drop_departed(&mut self) {
+        for seq in 0..self.slots.len() {
+            if self.slots[seq]
+                .as_ref()
+                .is_some_and(|a| a.job.events.is_closed())
+            {
+                self.slots[seq] = None;
+                self.release(seq);
+                self.metrics.cancelled.inc();
+            }
+        }
+    }
+
+    fn release(&mut self, seq: usize) {
+        if let Some(b) = self.policy.as_batched() {
+            b.release(seq);
+        }
+    }
+
+    /// This step's pieces: every decoding request's last token, then prompt pieces within
+    /// the budget.
+    fn chunks(&self) -> Vec<SeqChunk> {
+        let mut chunks = Vec::new();
+        for (seq, a) in self.slots.iter().enumerate() {
+            if let Some(a) = a {
+                if a.pos >= a.job.prompt.len() {
+                    if let Some(&last) = a.generated.last() {
+                        chunks.push(SeqChunk {
+                            seq,
+                            pos: a.pos,
+                            ids: vec![last],
+                        });
+                    }
+                }
+            }
+        }
+        let mut budget = self.cfg.prefill_chunk.max(1);
+        let mut prefilling: Vec<(usize, &Active)> = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter_map(|(seq, a)| a.as_ref().map(|a| (seq, a)))
+            .filter(|(_, a)| a.pos < a.job.prompt.len())
+            .collect();
+        prefilling.sort_by_key(|(_, a)| a.job.received);
+        for (seq, a) in prefilling {
+            if budget == 0 {
+                break;
+            }
+            let n = budget.min(a.job.prompt.len() - a.pos);
+            chunks.push(SeqChunk {
+                seq,
+                pos: a.pos,
+                ids: a.job.prompt[a.pos..a.pos + n].to_vec(),
+            });
+            budget -= n;
+        }
+        chunks
+    }
+
+    fn step(&mut self) {
+        let chunks = self.chunks();
+        if chunks.is_empty() {
+            return;
+        }
+        let started = Instant::now();
+        let result = batch_step(
+            self.model.as_ref(),
+            self.policy.as_mut(),
+            &chunks,
+            LogitsMode::Last,
+        );
+        let prompt_tokens: usize = chunks
+            .iter()
+            .filter(|c| {
+                self.slots[c.seq]
+                    .as_ref()
+                    .is_some_and(|a| c.pos < a.job.prompt.len())
+            })
+            .map(|c| c.ids.len())
+            .sum();
+        self.metrics.prompt_tokens.inc_by(prompt_tokens as u64);
+        self.metrics
+            .step_seconds
+            .observe(started.elapsed().as_secs_f64());
+        match result {
+            Ok((order, logits)) => {
+                for (chunk, rows) in order.iter().zip(logits) {
+                    if let Err(e) = self.advance(chunk, &rows) {
+                        self.fail(chunk.seq, format!("{e:#}"));
+                    }
+                }
+            }
+            Err(e) => {
+                // The step's requests cannot go on: their caches hold a partial step.
+                for c in &chunks {
+                    self.fail(c.seq, format!("{e}"));
+                }
+            }
+        }
+    }
+
+    fn fail(&mut self, seq: usize, why: String) {
+        if let Some(a) = self.slots[seq].take() {
+            let _ = a.job.events.send(Event::Failed(why));
+            self.release(seq);
+            self.metrics.failed.inc();
+        }
+    }
+
+    /// One request's share of the step: past its prompt, sample and send a token; finish.
+    fn advance(&mut self, chunk: &SeqChunk, rows: &Tensor) -> anyhow::Result<()> {
+        let eos = self.model.info().eos.clone();
+        let Some(a) = self.slots[chunk.seq].as_mut() else {
+            return Ok(());
+        };
+        a.pos += chunk.ids.len();
+        if a.pos < a.job.prompt.len() {
+            return Ok(());
+        }
+        let row = rows.get(rows.dim(0)? - 1)?;
+        let tok = a.sampler.sample(&row)?;
+        let now = Instant::now();
+        match a.last_token_at {
+            None => self
+                .metrics
+                .time_to_first_token
+                .observe(now.duration_since(a.job.received).as_secs_f64()),
+            Some(t) => self
+                .metrics
+                .time_per_token
+                .observe(now.duration_since(t).as_secs_f64()),
+        }
+        a.last_token_at = Some(now);
+        a.generated.push(tok);
+        self.metrics.completion_tokens.inc();
+        let finish = if eos.contains(&tok) {
+            Some((Finish::Stop, String::new()))
+        } else {
+            let logprob = match a.job.params.logprobs {
+                Some(top) => Some(logprobs(&self.tok, &row, tok, top)?),
+                None => None,
+            };
+            match a.detok.push(&self.tok, tok)? {
+                Release::Stopped(text) => {
+                    let _ = a.job.events.send(Event::Token { text, logprob });
+                    Some((Finish::Stop, String::new()))
+                }
+                Release::Text(text) => {
+                    let _ = a.job.events.send(Event::Token { text, logprob });
+                    (a.generated.len() >= a.job.max_tokens)
+                        .then(|| a.detok.finish(&self.tok).map(|t| (Finish::Length, t)))
+                        .transpose()?
+                }
+            }
+        };
+        if let Some((finish, text)) = finish {
+            let a = self.slots[chunk.seq].take();
+            if let Some(a) = a {
+                let _ = a.job.events.send(Event::Done {
+                    finish,
+                    text,
+                    prompt_tokens: a.job.prompt.len(),
+                    completion_tokens: a.generated.len(),
+                });
+            }
+            self.release(chunk.seq);
+            self.metrics.finished.inc();
+        }
+        Ok(())
+    }
+
+    /// Running and queued requests, and the KV the policy holds per tier.
+    fn publish(&mut self) {
+        let running = self.slots.iter().filter(|s| s.is_some()).count();
+        self.metrics.running.set(running as i64);
+        // Submitted and not admitted yet: in the channel or in `waiting`.
+        self.metrics
+            .queued
+            .set(self.queued.load(Ordering::SeqCst) as i64);
+        let s = self.policy.stats();
+        self.metrics.set_kv(&s);
+    }
+}
+
+/// The chosen token's log-probability and the `top` most likely tokens' from `row`.
+fn logprobs(
+    tok: &TextTokenizer,
+    row: &Tensor,
+    chosen: u32,
+    top: usize,
+) -> anyhow::Result<TokenLogprob> {
+    let logits: Vec<f32> = row.to_dtype(candle_core::DType::F32)?.to_vec1()?;
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let lse = max + logits.iter().map(|&x| (x - max).exp()).sum::<f32>().ln();
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    let k = top.min(order.len());
+    if k > 0 {
+        order.select_nth_unstable_by(k - 1, |&a, &b| logits[b].total_cmp(&logits[a]));
+        order.truncate(k);
+        order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+    } else {
+        order.clear();
+    }
+    let name = |id: u32| tok.decode(&[id]).unwrap_or_default();
+    Ok(TokenLogprob {
+        token: name(chosen),
+        logprob: logits
+            .get(chosen as usize)
+            .map_or(f32::NEG_INFINITY, |&x| x - lse),
+        top: order
+            .into_iter()
+            .map(|i| (name(i as u32), logits[i] - lse))
+            .collect(),
+    })
+}

@@ -1,0 +1,73 @@
+//! Errors as an OpenAI client reads them: an HTTP status and
+//! `{"error": {"message", "type", "param", "code"}}` (OpenAI API reference, "Error codes").
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+/// A request the server answers with an error.
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    /// The HTTP status.
+    pub status: StatusCode,
+    /// What went wrong and what to do, for a person.
+    pub message: String,
+    /// The request field at fault (`max_tokens`, `messages[1].content`), when one is.
+    pub param: Option<String>,
+    /// Seconds after which a retry may succeed (429, 503).
+    pub retry_after: Option<u64>,
+}
+
+impl ApiError {
+    /// A 400 naming `param`.
+    pub fn invalid(param: impl Into<String>, message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            param: Some(param.into()),
+            retry_after: None,
+        }
+    }
+
+    /// An error of `status` with no field at fault.
+    pub fn status(status: StatusCode, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            message: message.into(),
+            param: None,
+            retry_after: None,
+        }
+    }
+
+    /// OpenAI's `type` for the status.
+    fn kind(&self) -> &'static str {
+        match self.status {
+            StatusCode::UNAUTHORIZED => "authentication_error",
+            StatusCode::NOT_FOUND => "not_found_error",
+            StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
+            s if s.is_server_error() => "server_error",
+            _ => "invalid_request_error",
+        }
+    }
+
+    /// The JSON body.
+    pub fn body(&self) -> serde_json::Value {
+        json!({"error": {
+            "message": self.message,
+            "type": self.kind(),
+            "param": self.param,
+            "code": self.status.as_u16().to_string(),
+        }})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut r = (self.status, axum::Json(self.body())).into_response();
+        if let Some(s) = self.retry_after {
+            if let Ok(v) = HeaderValue::from_str(&s.to_string()) {
+                r.headers_mut().insert(header::RETRY_AFTER, v);
+            }
+        }
+        r
+    }
+}

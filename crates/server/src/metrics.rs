@@ -1,0 +1,180 @@
+//! `GET /metrics`: the server's counters in Prometheus' text format (through
+//! `prometheus-client`): requests by route and status, tokens in and out, time to first
+//! token and per-token latency, running and queued requests, and the KV the policy holds
+//! per tier right now (all zero once every request is done or gone).
+use std::sync::atomic::AtomicU64;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+/// A request's route and answer.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RequestLabels {
+    /// The route (`/v1/completions`, …; `other` for unknown ones).
+    pub route: String,
+    /// The HTTP status answered.
+    pub status: String,
+}
+
+/// A KV tier.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TierLabels {
+    /// `device`, `host` or `disk`.
+    pub tier: String,
+}
+
+/// Every metric the server exports.
+pub struct Metrics {
+    registry: Registry,
+    /// Requests answered, by route and status.
+    pub requests: Family<RequestLabels, Counter>,
+    /// Prompt tokens prefilled.
+    pub prompt_tokens: Counter,
+    /// Tokens generated.
+    pub completion_tokens: Counter,
+    /// Generations that ended (stop or length).
+    pub finished: Counter,
+    /// Requests whose client went away before the end.
+    pub cancelled: Counter,
+    /// Requests that failed in the engine.
+    pub failed: Counter,
+    /// Seconds from receiving a request to its first token.
+    pub time_to_first_token: Histogram,
+    /// Seconds between a request's tokens.
+    pub time_per_token: Histogram,
+    /// Seconds per engine step (one ragged forward pass).
+    pub step_seconds: Histogram,
+    /// Requests decoding or prefilling now.
+    pub running: Gauge,
+    /// Requests waiting for a slot.
+    pub queued: Gauge,
+    /// KV bytes held now, per tier.
+    pub kv_bytes: Family<TierLabels, Gauge<u64, AtomicU64>>,
+    /// Sequences holding a cache now.
+    pub kv_sequences: Gauge,
+}
+
+impl Metrics {
+    /// Every metric at zero, registered under `kvpolicy_`.
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("kvpolicy");
+        let m = Self {
+            requests: Family::default(),
+            prompt_tokens: Counter::default(),
+            completion_tokens: Counter::default(),
+            finished: Counter::default(),
+            cancelled: Counter::default(),
+            failed: Counter::default(),
+            time_to_first_token: Histogram::new(exponential_buckets(0.01, 2.0, 16)),
+            time_per_token: Histogram::new(exponential_buckets(0.001, 2.0, 16)),
+            step_seconds: Histogram::new(exponential_buckets(0.001, 2.0, 16)),
+            running: Gauge::default(),
+            queued: Gauge::default(),
+            kv_bytes: Family::default(),
+            kv_sequences: Gauge::default(),
+            registry: Registry::default(),
+        };
+        registry.register(
+            "requests",
+            "Requests answered, by route and HTTP status",
+            m.requests.clone(),
+        );
+        registry.register(
+            "prompt_tokens",
+            "Prompt tokens prefilled",
+            m.prompt_tokens.clone(),
+        );
+        registry.register(
+            "completion_tokens",
+            "Tokens generated",
+            m.completion_tokens.clone(),
+        );
+        registry.register(
+            "requests_finished",
+            "Generations that ended (stop or length)",
+            m.finished.clone(),
+        );
+        registry.register(
+            "requests_cancelled",
+            "Requests whose client went away before the end",
+            m.cancelled.clone(),
+        );
+        registry.register(
+            "requests_failed",
+            "Requests that failed in the engine",
+            m.failed.clone(),
+        );
+        registry.register(
+            "time_to_first_token_seconds",
+            "Seconds from receiving a request to its first token",
+            m.time_to_first_token.clone(),
+        );
+        registry.register(
+            "time_per_output_token_seconds",
+            "Seconds between one request's tokens",
+            m.time_per_token.clone(),
+        );
+        registry.register(
+            "step_seconds",
+            "Seconds per engine step (one ragged forward pass)",
+            m.step_seconds.clone(),
+        );
+        registry.register(
+            "requests_running",
+            "Requests decoding or prefilling",
+            m.running.clone(),
+        );
+        registry.register(
+            "requests_queued",
+            "Requests waiting for a slot",
+            m.queued.clone(),
+        );
+        registry.register(
+            "kv_bytes",
+            "KV bytes the policy holds, per tier",
+            m.kv_bytes.clone(),
+        );
+        registry.register(
+            "kv_sequences",
+            "Sequences holding a cache",
+            m.kv_sequences.clone(),
+        );
+        Self { registry, ..m }
+    }
+
+    /// The KV gauges from the policy's stats.
+    pub fn set_kv(&self, s: &kvpolicy::KvStats) {
+        for (tier, bytes) in [
+            ("device", s.device_kv_bytes),
+            ("host", s.host_kv_bytes),
+            ("disk", s.disk_kv_bytes),
+        ] {
+            self.kv_bytes
+                .get_or_create(&TierLabels { tier: tier.into() })
+                .set(bytes);
+        }
+        self.kv_sequences.set(s.sequences as i64);
+    }
+
+    /// Counts an answer.
+    pub fn answered(&self, route: &str, status: u16) {
+        self.requests
+            .get_or_create(&RequestLabels {
+                route: route.into(),
+                status: status.to_string(),
+            })
+            .inc();
+    }
+
+    /// The text exposition.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}
