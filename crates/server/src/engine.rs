@@ -104,8 +104,10 @@ pub struct EngineConfig {
     pub max_batch: usize,
     /// Requests waiting at most (more are refused: 429).
     pub max_queue: usize,
-    /// Prompt tokens per step.
+    /// Prompt tokens per step, and per piece of a prompt.
     pub prefill_chunk: usize,
+    /// Kernels chosen per request, not per packed batch (see [`Engine::forward`]).
+    pub batch_invariant: bool,
 }
 
 /// What the server keeps of the engine.
@@ -314,7 +316,10 @@ impl Engine {
                 }
             }
         }
-        let mut budget = self.cfg.prefill_chunk.max(1);
+        // Whole pieces only (a request's pieces are the same whatever else runs), the
+        // oldest first, while the budget lasts; the oldest always gets one.
+        let chunk = self.cfg.prefill_chunk.max(1);
+        let mut budget = chunk;
         let mut prefilling: Vec<(usize, &Active)> = self
             .slots
             .iter()
@@ -323,17 +328,17 @@ impl Engine {
             .filter(|(_, a)| a.pos < a.job.prompt.len())
             .collect();
         prefilling.sort_by_key(|(_, a)| a.job.received);
-        for (seq, a) in prefilling {
-            if budget == 0 {
+        for (i, (seq, a)) in prefilling.into_iter().enumerate() {
+            let n = chunk.min(a.job.prompt.len() - a.pos);
+            if i > 0 && n > budget {
                 break;
             }
-            let n = budget.min(a.job.prompt.len() - a.pos);
             chunks.push(SeqChunk {
                 seq,
                 pos: a.pos,
                 ids: a.job.prompt[a.pos..a.pos + n].to_vec(),
             });
-            budget -= n;
+            budget = budget.saturating_sub(n);
         }
         chunks
     }
@@ -344,12 +349,7 @@ impl Engine {
             return;
         }
         let started = Instant::now();
-        let result = batch_step(
-            self.model.as_ref(),
-            self.policy.as_mut(),
-            &chunks,
-            LogitsMode::Last,
-        );
+        let result = self.forward(&chunks);
         let prompt_tokens: usize = chunks
             .iter()
             .filter(|c| {
@@ -378,6 +378,51 @@ impl Engine {
                 }
             }
         }
+    }
+
+    /// The step's forward passes: one ragged pass; or, batch-invariant, each prompt piece
+    /// alone and the decode tokens in passes small enough to take the kernel one token
+    /// takes alone ([`ModelInfo::row_split`](kvpolicy::models::ModelInfo::row_split)), so
+    /// no request's numbers depend on its batch-mates.
+    fn forward(
+        &mut self,
+        chunks: &[SeqChunk],
+    ) -> kvpolicy::models::Result<(Vec<SeqChunk>, Vec<Tensor>)> {
+        if !self.cfg.batch_invariant {
+            return batch_step(
+                self.model.as_ref(),
+                self.policy.as_mut(),
+                chunks,
+                LogitsMode::Last,
+            );
+        }
+        let most = self
+            .model
+            .info()
+            .row_split
+            .map_or(usize::MAX, |r| r.saturating_sub(1).max(1));
+        let (decode, prompt): (Vec<&SeqChunk>, Vec<&SeqChunk>) = chunks.iter().partition(|c| {
+            c.ids.len() == 1
+                && self.slots[c.seq]
+                    .as_ref()
+                    .is_some_and(|a| c.pos >= a.job.prompt.len())
+        });
+        let mut groups: Vec<Vec<SeqChunk>> = prompt.into_iter().map(|c| vec![c.clone()]).collect();
+        for g in decode.chunks(most) {
+            groups.push(g.iter().map(|&c| c.clone()).collect());
+        }
+        let (mut order, mut logits) = (Vec::new(), Vec::new());
+        for g in groups {
+            let (o, l) = batch_step(
+                self.model.as_ref(),
+                self.policy.as_mut(),
+                &g,
+                LogitsMode::Last,
+            )?;
+            order.extend(o);
+            logits.extend(l);
+        }
+        Ok((order, logits))
     }
 
     fn fail(&mut self, seq: usize, why: String) {

@@ -81,6 +81,12 @@ struct ServerArgs {
     /// are cancelled.
     #[arg(long, default_value_t = 10.0)]
     shutdown_timeout: f64,
+    /// A request's tokens do not depend on what it is batched with: each prompt piece runs
+    /// in a pass of its own and decode tokens in passes that take the kernel one token
+    /// takes alone (slower with many requests; greedy output then equals the request run
+    /// alone).
+    #[arg(long)]
+    batch_invariant: bool,
     /// Seed of --random-weights.
     #[arg(long, default_value_t = 299_792_458)]
     seed: u64,
@@ -167,6 +173,7 @@ fn run(
             max_batch: args.max_batch,
             max_queue: args.max_queue,
             prefill_chunk: args.prefill_chunk,
+            batch_invariant: args.batch_invariant,
         },
         metrics.clone(),
     )?;

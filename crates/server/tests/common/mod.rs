@@ -1,0 +1,111 @@
+//! A kvpolicy-server on a free loopback port for one test: started with the default model
+//! (SmolLM2-135M, fetched on first use), stopped with SIGTERM when dropped.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+
+/// A running server.
+pub struct Server {
+    child: Option<Child>,
+    /// `http://127.0.0.1:PORT`.
+    pub base: String,
+}
+
+impl Server {
+    /// Starts the server with `args` after `--cpu --port 0`, waiting for its address.
+    pub fn start(args: &[&str]) -> Result<Self> {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kvpolicy-server"))
+            .args(["--cpu", "--port", "0"])
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()?;
+        let out = child.stdout.take().context("stdout")?;
+        let mut line = String::new();
+        BufReader::new(out).read_line(&mut line)?;
+        let Some(at) = line.find("http://") else {
+            let _ = child.kill();
+            bail!("the server did not start: {line:?}");
+        };
+        let base = line[at..]
+            .split_whitespace()
+            .next()
+            .unwrap_or_default()
+            .to_string();
+        Ok(Self {
+            child: Some(child),
+            base,
+        })
+    }
+
+    /// `base` + `path`.
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    /// Sends SIGTERM and waits up to `within` for the exit.
+    pub fn terminate(&mut self, within: Duration) -> Result<ExitStatus> {
+        let mut child = self.child.take().context("already stopped")?;
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe {
+            libc::kill(child.id() as i32, libc::SIGTERM);
+        }
+        let start = Instant::now();
+        loop {
+            if let Some(status) = child.try_wait()? {
+                return Ok(status);
+            }
+            if start.elapsed() > within {
+                let _ = child.kill();
+                bail!("the server did not exit within {within:?} of SIGTERM");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if self.child.is_some() {
+            let _ = self.terminate(Duration::from_secs(20));
+        }
+    }
+}
+
+/// An HTTP client that hands back 4xx and 5xx answers instead of failing on them.
+pub fn agent() -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(300)))
+        .build()
+        .into()
+}
+
+/// POSTs `body` to `url`: the status and the body's text.
+pub fn post(agent: &ureq::Agent, url: &str, body: &[u8]) -> Result<(u16, String)> {
+    let mut r = agent
+        .post(url)
+        .header("content-type", "application/json")
+        .send(body)?;
+    let status = r.status().as_u16();
+    Ok((status, r.body_mut().read_to_string()?))
+}
+
+/// GETs `url`: the status and the body's text.
+pub fn get(agent: &ureq::Agent, url: &str) -> Result<(u16, String)> {
+    let mut r = agent.get(url).call()?;
+    let status = r.status().as_u16();
+    Ok((status, r.body_mut().read_to_string()?))
+}
+
+/// The value of the metric line starting with `name` (labels included) in `/metrics`.
+pub fn metric(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
