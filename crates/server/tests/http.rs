@@ -387,3 +387,50 @@ fn sigterm_during_load_exits_cleanly() -> Result<()> {
     }
     Ok(())
 }
+
+#[test]
+fn every_policy_serves_a_batch() -> Result<()> {
+    let mut reference: Option<String> = None;
+    for policy in [
+        "full",
+        "layer",
+        "headwise:group=1",
+        "recompute",
+        "hybrid",
+        "auto",
+        "quest:budget=64",
+    ] {
+        let server = Server::start(&["--policy", policy, "--max-batch", "3"])?;
+        let url = server.url("/v1/completions");
+        let texts: Vec<String> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..3)
+                .map(|_| {
+                    let url = url.clone();
+                    s.spawn(move || -> Result<String> {
+                        let body = br#"{"prompt": "The capital of France is", "max_tokens": 6}"#;
+                        let (status, text) = post(&agent(), &url, body)?;
+                        ensure!(status == 200, "{text}");
+                        let v: Value = serde_json::from_str(&text)?;
+                        Ok(v["choices"][0]["text"]
+                            .as_str()
+                            .context("text")?
+                            .to_string())
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().map_err(|_| anyhow::anyhow!("panicked"))?)
+                .collect::<Result<_>>()
+        })
+        .with_context(|| policy.to_string())?;
+        let first = texts[0].clone();
+        ensure!(texts.iter().all(|t| *t == first), "{policy}: {texts:?}");
+        // The lossless policies answer as `full` does.
+        if !policy.starts_with("quest") {
+            let want = reference.get_or_insert_with(|| first.clone());
+            ensure!(first == *want, "{policy}: {first:?} vs full's {want:?}");
+        }
+    }
+    Ok(())
+}
