@@ -1,0 +1,225 @@
+#!/usr/bin/env python3
+"""Load test of kvpolicy-server against llama.cpp's server (issue 31), loopback only.
+
+`--clients` concurrent clients (32) each send `--requests` (8) streamed, greedy completion
+requests of mixed lengths (prompts of 16 to 640 tokens of generated text, 8 to 48 new
+tokens), drawn from `--prompts` distinct prompts. For kvpolicy-server (run with
+`--batch-invariant`) every response must equal that prompt's response run alone first,
+one request at a time; none may fail. Reported per server: requests ok / failed,
+responses differing from the solo run, p50 and p99 time to first token (first streamed
+piece), aggregate generated tokens per second over the load's wall time, and the server's
+peak RSS (`VmHWM`). llama.cpp's server (`python3 -m llama_cpp.server`, llama-cpp-python
+0.3.36 with its `[server]` extra, the same GGUF, the same 2 threads) gets the same clients
+in the same run.
+
+    cargo build --release -p kvpolicy-server
+    python3 scripts/server_load.py --results bench-results/server-load.json
+
+Every run is bounded: `--timeout` seconds per request and a count fixed by the flags.
+"""
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+GGUF = Path.home() / ".cache" / "kvpolicy" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+WORDS = ("river stone lantern meadow copper orchard winter harbor velvet signal garden "
+         "thunder maple circuit canyon ember silver window shadow compass").split()
+
+
+def make_prompts(n, seed):
+    """`n` prompts of about 16 to 640 tokens (a token is roughly a word here)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        words = rng.randint(12, 600)
+        body = " ".join(rng.choice(WORDS) for _ in range(words))
+        out.append({"prompt": f"Story {i}: {body}. The end of story {i} is",
+                    "max_tokens": rng.choice([8, 16, 24, 32, 48])})
+    return out
+
+
+def start(cmd, ready, env=None):
+    """Starts a server; waits until `ready()` answers. Returns the process."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)
+    lines = []
+
+    def drain():
+        for line in proc.stdout:
+            lines.append(line)
+    threading.Thread(target=drain, daemon=True).start()
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            sys.exit(f"{cmd[0]} exited: {''.join(lines)[-2000:]}")
+        url = ready(lines)
+        if url:
+            try:
+                urllib.request.urlopen(url + "/v1/models", timeout=5).read()
+                return proc, url
+            except OSError:
+                pass
+        time.sleep(0.5)
+    proc.kill()
+    sys.exit(f"{cmd[0]} did not start: {''.join(lines)[-2000:]}")
+
+
+def peak_rss(pid):
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def stream(url, req, timeout):
+    """One streamed greedy completion: (text, seconds to first piece, pieces, error)."""
+    body = json.dumps({"prompt": req["prompt"], "max_tokens": req["max_tokens"],
+                       "temperature": 0, "stream": True, "model": "m",
+                       "stream_options": {"include_usage": True}}).encode()
+    r = urllib.request.Request(url + "/v1/completions", data=body,
+                               headers={"Content-Type": "application/json"})
+    start = time.time()
+    first, text, tokens, counted = None, [], 0, None
+    try:
+        with urllib.request.urlopen(r, timeout=timeout) as resp:
+            for raw in resp:
+                line = raw.decode().strip()
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    return "".join(text), first, tokens, str(chunk["error"])
+                if chunk.get("usage"):
+                    counted = chunk["usage"]["completion_tokens"]
+                if not chunk.get("choices"):
+                    continue
+                piece = chunk["choices"][0].get("text") or ""
+                if piece:
+                    if first is None:
+                        first = time.time() - start
+                    text.append(piece)
+                    tokens += 1
+    except Exception as e:  # noqa: BLE001 - every failure is counted, whatever its kind
+        return "".join(text), first, tokens, repr(e)
+    # Pieces are tokens unless text was held back; the usage, where sent, is exact.
+    return "".join(text), first, counted if counted is not None else tokens, None
+
+
+def load(url, prompts, clients, per_client, seed, timeout):
+    """`clients` threads × `per_client` requests; returns per-request results and wall time."""
+    rng = random.Random(seed)
+    plan = [[rng.randrange(len(prompts)) for _ in range(per_client)] for _ in range(clients)]
+    results = []
+    lock = threading.Lock()
+
+    def client(picks):
+        for i in picks:
+            text, ttft, tokens, err = stream(url, prompts[i], timeout)
+            with lock:
+                results.append({"prompt": i, "text": text, "ttft": ttft, "tokens": tokens,
+                                "error": err})
+    threads = [threading.Thread(target=client, args=(p,)) for p in plan]
+    t0 = time.time()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results, time.time() - t0
+
+
+def summarize(name, results, wall, rss, solo=None):
+    ok = [r for r in results if r["error"] is None]
+    ttfts = sorted(r["ttft"] for r in ok if r["ttft"] is not None)
+    pct = lambda q: ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))] if ttfts else float("nan")
+    differ = None
+    if solo is not None:
+        differ = sum(1 for r in ok if r["text"] != solo[r["prompt"]])
+    return {"server": name, "requests": len(results), "ok": len(ok),
+            "failed": len(results) - len(ok), "differ_from_solo": differ,
+            "ttft_p50_s": pct(0.5), "ttft_p99_s": pct(0.99),
+            "tokens": sum(r["tokens"] for r in ok), "wall_s": wall,
+            "tokens_per_s": sum(r["tokens"] for r in ok) / wall, "peak_rss_bytes": rss,
+            "errors": sorted({r["error"] for r in results if r["error"]})[:5]}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--gguf", default=str(GGUF))
+    ap.add_argument("--clients", type=int, default=32)
+    ap.add_argument("--requests", type=int, default=8, help="per client")
+    ap.add_argument("--prompts", type=int, default=32, help="distinct prompts")
+    ap.add_argument("--max-batch", type=int, default=16)
+    ap.add_argument("--policy", default="full")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-llamacpp", action="store_true")
+    ap.add_argument("--results", help="JSON to write")
+    a = ap.parse_args()
+    prompts = make_prompts(a.prompts, a.seed)
+    rows = []
+    binary = ROOT / "target" / "release" / "kvpolicy-server"
+    if not binary.is_file():
+        sys.exit(f"{binary} is missing: cargo build --release -p kvpolicy-server")
+    env = dict(os.environ, RAYON_NUM_THREADS=str(a.threads))
+    proc, url = start([str(binary), "--cpu", "--port", "0", "--gguf", a.gguf, "--policy",
+                       a.policy, "--batch-invariant", "--max-batch", str(a.max_batch),
+                       "--max-queue", str(a.clients * 2)],
+                      lambda lines: next((l.split("listening on ")[1].split()[0]
+                                          for l in lines if "listening on" in l), None), env)
+    try:
+        solo = []
+        for i, p in enumerate(prompts):
+            text, _, _, err = stream(url, p, a.timeout)
+            if err:
+                sys.exit(f"solo run of prompt {i} failed: {err}")
+            solo.append(text)
+        results, wall = load(url, prompts, a.clients, a.requests, a.seed, a.timeout)
+        rows.append(summarize(f"kvpolicy-server ({a.policy}, --batch-invariant, "
+                              f"--max-batch {a.max_batch})", results, wall,
+                              peak_rss(proc.pid), solo))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    if not a.no_llamacpp:
+        port = 18000 + os.getpid() % 1000
+        proc, url = start([sys.executable, "-m", "llama_cpp.server", "--model", a.gguf,
+                           "--port", str(port), "--host", "127.0.0.1", "--n_ctx", "8192",
+                           "--n_threads", str(a.threads), "--n_threads_batch", str(a.threads)],
+                          lambda lines: f"http://127.0.0.1:{port}", env)
+        try:
+            results, wall = load(url, prompts, a.clients, a.requests, a.seed, a.timeout)
+            rows.append(summarize("llama.cpp server (llama-cpp-python 0.3.36)", results, wall,
+                                  peak_rss(proc.pid)))
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+    print("| server | requests | ok | failed | ≠ solo | TTFT p50 s | TTFT p99 s | tokens/s | "
+          "wall s | peak RSS MiB |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        differ = "-" if r["differ_from_solo"] is None else r["differ_from_solo"]
+        print(f"| {r['server']} | {r['requests']} | {r['ok']} | {r['failed']} | {differ} | "
+              f"{r['ttft_p50_s']:.2f} | {r['ttft_p99_s']:.2f} | {r['tokens_per_s']:.1f} | "
+              f"{r['wall_s']:.0f} | {r['peak_rss_bytes'] / 2**20:.0f} |")
+    if a.results:
+        Path(a.results).write_text(json.dumps(rows, indent=1) + "\n")
+    bad = [r for r in rows if r["failed"] or r["differ_from_solo"]]
+    if any(r["server"].startswith("kvpolicy") for r in bad):
+        sys.exit("kvpolicy-server lost, failed or changed responses under load")
+
+
+if __name__ == "__main__":
+    main()
