@@ -37,7 +37,12 @@ pub fn fill(
                 })
                 .collect::<Result<_>>()?,
         };
-        restore_kv(policy, &kv, start, &layers, 0)?;
+        let at = kvpolicy::prefix::Placement {
+            seq: 0,
+            pos: start,
+            piece: 0,
+        };
+        restore_kv(policy, &kv, at, &layers)?;
         start += t;
     }
     Ok(())

@@ -7,6 +7,7 @@ use candle_core::{DType, Device};
 use clap::Parser;
 use kvpolicy::core::{DiskIo, KvCodec};
 use kvpolicy::models::{activation_dtype, ModelSpec};
+use kvpolicy::prefix::{Fingerprint, PrefixCache, PrefixConfig};
 use kvpolicy::{GenerateConfig, HeadGroup, PolicyOptions, Profile};
 
 /// Flags shared by every example.
@@ -176,6 +177,59 @@ pub struct PrefixArgs {
     #[arg(long, value_name = "N", default_value_t = kvpolicy::prefix::DEFAULT_CHUNK_TOKENS)]
     pub prefix_cache_chunk: usize,
 }
+
+impl PrefixArgs {
+    /// Whether a cache is asked for (a directory, or RAM alone).
+    pub fn wanted(&self) -> bool {
+        self.prefix_cache.is_some() || self.prefix_cache_ram.is_some()
+    }
+
+    /// The flag that asks for the cache (`None`: none does).
+    pub fn flag(&self) -> Option<&'static str> {
+        if self.prefix_cache.is_some() {
+            Some("--prefix-cache")
+        } else if self.prefix_cache_ram.is_some() {
+            Some("--prefix-cache-ram")
+        } else {
+            None
+        }
+    }
+
+    /// Combinations that keep nothing, refused before the model loads.
+    pub fn check(&self) -> Result<()> {
+        if self.prefix_cache_chunk == 0 {
+            anyhow::bail!(
+                "--prefix-cache-chunk 0: a chunk holds at least one token (the default is 256)"
+            );
+        }
+        if self.prefix_cache_ram == Some(0) && self.prefix_cache.is_none() {
+            anyhow::bail!(
+                "--prefix-cache-ram 0 without --prefix-cache keeps nothing anywhere; give a directory (--prefix-cache DIR) or some RAM (e.g. --prefix-cache-ram 2GiB)"
+            );
+        }
+        Ok(())
+    }
+
+    /// The cache the flags ask for, for the model of `fingerprint` (its directory created
+    /// if needed); `None` when none is asked for.
+    pub fn open(&self, fingerprint: Fingerprint) -> Result<Option<PrefixCache>> {
+        if !self.wanted() {
+            return Ok(None);
+        }
+        let defaults = PrefixConfig::default();
+        let cfg = PrefixConfig {
+            chunk_tokens: self.prefix_cache_chunk,
+            ram_bytes: self.prefix_cache_ram.unwrap_or(defaults.ram_bytes),
+            dir: self.prefix_cache.clone(),
+            disk_bytes: self.prefix_cache_disk.unwrap_or(defaults.disk_bytes),
+            disk_io: defaults.disk_io,
+        };
+        Ok(Some(
+            PrefixCache::open(&cfg, fingerprint).context("--prefix-cache")?,
+        ))
+    }
+}
+
 impl Args {
     /// The generation settings the flags ask for.
     pub fn generate_config(&self) -> GenerateConfig {

@@ -12,7 +12,7 @@ use kvpolicy::models::{
     fingerprint, generate_reusing, CachedGeneration, GenerateConfig, ModelFiles, ReuseSources,
     TextTokenizer,
 };
-use kvpolicy::prefix::{Fingerprint, PrefixCache, PrefixConfig, PrefixStats, Reuse, Session};
+use kvpolicy::prefix::{Fingerprint, PrefixCache, PrefixStats, Reuse, Session};
 use kvpolicy::{CausalLm, KvPolicy};
 use serde::Serialize;
 
@@ -20,22 +20,15 @@ use crate::args::Args;
 
 /// Whether any reuse flag is given.
 pub fn wanted(args: &Args) -> bool {
-    args.prefix.prefix_cache.is_some()
-        || args.prefix.prefix_cache_ram.is_some()
-        || args.save_session.is_some()
-        || args.load_session.is_some()
+    args.prefix.wanted() || args.save_session.is_some() || args.load_session.is_some()
 }
 
 /// The flag that asks to restore K/V (`None`: nothing is restored; a session may be saved).
 fn restoring_flag(args: &Args) -> Option<&'static str> {
     if args.load_session.is_some() {
         Some("--load-session")
-    } else if args.prefix.prefix_cache.is_some() {
-        Some("--prefix-cache")
-    } else if args.prefix.prefix_cache_ram.is_some() {
-        Some("--prefix-cache-ram")
     } else {
-        None
+        args.prefix.flag()
     }
 }
 
@@ -48,15 +41,7 @@ pub fn check_flags(args: &Args) -> Result<()> {
             );
         }
     }
-    if args.prefix.prefix_cache_chunk == 0 {
-        bail!("--prefix-cache-chunk 0: a chunk holds at least one token (the default is 256)");
-    }
-    if args.prefix.prefix_cache_ram == Some(0) && args.prefix.prefix_cache.is_none() {
-        bail!(
-            "--prefix-cache-ram 0 without --prefix-cache keeps nothing anywhere; give a directory (--prefix-cache DIR) or some RAM (e.g. --prefix-cache-ram 2GiB)"
-        );
-    }
-    Ok(())
+    args.prefix.check()
 }
 
 /// Refuses a policy that takes no K/V without attention, when K/V are to be restored.
@@ -84,20 +69,7 @@ impl Reusing {
     /// the session.
     pub fn open(args: &Args, files: &ModelFiles, model: &dyn CausalLm) -> Result<Self> {
         let fingerprint = fingerprint(files, model.info())?;
-        let cache = if args.prefix.prefix_cache.is_some() || args.prefix.prefix_cache_ram.is_some()
-        {
-            let defaults = PrefixConfig::default();
-            let cfg = PrefixConfig {
-                chunk_tokens: args.prefix.prefix_cache_chunk,
-                ram_bytes: args.prefix.prefix_cache_ram.unwrap_or(defaults.ram_bytes),
-                dir: args.prefix.prefix_cache.clone(),
-                disk_bytes: args.prefix.prefix_cache_disk.unwrap_or(defaults.disk_bytes),
-                disk_io: defaults.disk_io,
-            };
-            Some(PrefixCache::open(&cfg, fingerprint).context("--prefix-cache")?)
-        } else {
-            None
-        };
+        let cache = args.prefix.open(fingerprint)?;
         let session = match &args.load_session {
             Some(path) => Some(Session::load(path, &fingerprint).context("--load-session")?),
             None => None,

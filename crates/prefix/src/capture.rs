@@ -3,30 +3,121 @@
 //! history a saved session holds — and forwards every call unchanged. Holding the step's
 //! tensors costs nothing on the CPU (they are shared); on an accelerator the copy goes to
 //! host RAM, not the device.
+use std::collections::BTreeMap;
+
 use candle_core::{Device, Tensor};
-use kvpolicy_core::{AttnStep, KvPolicy, KvRestore, KvShape, KvStats, Profiled, Result};
+use kvpolicy_core::{AttnStep, Batched, KvPolicy, KvRestore, KvShape, KvStats, Profiled, Result};
 
 use crate::chunk::{ChunkKv, LayerKv};
 
-/// Forwards to `inner`, keeping sequence 0's K/V of positions `from..` per layer while
-/// [`Capture::keeping`].
-pub struct Capture<'a> {
-    inner: &'a mut dyn KvPolicy,
+/// What a [`Capture`] keeps: for each watched sequence, its K/V from a position on, per
+/// layer (a batched run watches several requests at once).
+#[derive(Default)]
+pub struct Recordings {
+    seqs: BTreeMap<usize, Recording>,
+}
+
+/// One sequence's kept K/V.
+struct Recording {
     from: usize,
-    keep: bool,
     /// Per layer, the pieces seen, in order.
     layers: Vec<Vec<LayerKv>>,
 }
 
+impl Recordings {
+    /// Keeps sequence `seq`'s K/V from position `from` on (what it kept so far is dropped).
+    pub fn watch(&mut self, seq: usize, from: usize) {
+        self.seqs.insert(
+            seq,
+            Recording {
+                from,
+                layers: Vec::new(),
+            },
+        );
+    }
+
+    /// Stops keeping sequence `seq`, dropping what was kept.
+    pub fn forget(&mut self, seq: usize) {
+        self.seqs.remove(&seq);
+    }
+
+    /// Drops what was kept for every sequence, still watching them.
+    pub fn clear(&mut self) {
+        for r in self.seqs.values_mut() {
+            r.layers.clear();
+        }
+    }
+
+    fn keep(&mut self, step: &AttnStep<'_>) -> Result<()> {
+        let Some(r) = self.seqs.get_mut(&step.seq) else {
+            return Ok(());
+        };
+        let t = step.k.dim(2)?;
+        if step.pos + t <= r.from {
+            return Ok(());
+        }
+        let skip = r.from.saturating_sub(step.pos);
+        let piece = |x: &Tensor| x.narrow(2, skip, t - skip)?.to_device(&Device::Cpu);
+        if r.layers.len() <= step.layer {
+            r.layers.resize_with(step.layer + 1, Vec::new);
+        }
+        r.layers[step.layer].push(LayerKv {
+            k: piece(step.k)?,
+            v: piece(step.v)?,
+        });
+        Ok(())
+    }
+
+    /// Everything kept for `seq`, from its position on, joined per layer (`None`: nothing).
+    pub fn kv(&self, seq: usize) -> Result<Option<ChunkKv>> {
+        let Some(r) = self.seqs.get(&seq) else {
+            return Ok(None);
+        };
+        if r.layers.iter().all(Vec::is_empty) {
+            return Ok(None);
+        }
+        let mut layers = Vec::with_capacity(r.layers.len());
+        for pieces in &r.layers {
+            let ks: Vec<&Tensor> = pieces.iter().map(|p| &p.k).collect();
+            let vs: Vec<&Tensor> = pieces.iter().map(|p| &p.v).collect();
+            layers.push(LayerKv {
+                k: Tensor::cat(&ks, 2)?,
+                v: Tensor::cat(&vs, 2)?,
+            });
+        }
+        Ok(Some(ChunkKv { layers }))
+    }
+}
+
+/// Forwards to `inner`, keeping the K/V of the watched sequences ([`Recordings`]) while
+/// [`Capture::keeping`].
+pub struct Capture<'a> {
+    inner: &'a mut dyn KvPolicy,
+    rec: Recordings,
+    keep: bool,
+}
+
 impl<'a> Capture<'a> {
-    /// Wraps `inner`, keeping K/V from position `from` on.
+    /// Wraps `inner`, keeping sequence 0's K/V from position `from` on (one request).
     pub fn new(inner: &'a mut dyn KvPolicy, from: usize) -> Self {
+        let mut rec = Recordings::default();
+        rec.watch(0, from);
+        Self::over(inner, rec)
+    }
+
+    /// Wraps `inner`, keeping what `rec` watches (a batched run's requests); take them
+    /// back with [`Capture::into_recordings`].
+    pub fn over(inner: &'a mut dyn KvPolicy, rec: Recordings) -> Self {
         Self {
             inner,
-            from,
+            rec,
             keep: true,
-            layers: Vec::new(),
         }
+    }
+
+    /// The recordings, for the next step's capture.
+    pub fn into_recordings(self) -> Recordings {
+        self.rec
     }
 
     /// Whether later steps are kept (they are from the start).
@@ -36,41 +127,19 @@ impl<'a> Capture<'a> {
 
     /// Forgets what was kept so far.
     pub fn clear(&mut self) {
-        self.layers.clear();
+        self.rec.clear();
     }
 
     fn keep(&mut self, step: &AttnStep<'_>) -> Result<()> {
-        let t = step.k.dim(2)?;
-        if !self.keep || step.seq != 0 || step.pos + t <= self.from {
-            return Ok(());
+        if self.keep {
+            self.rec.keep(step)?;
         }
-        let skip = self.from.saturating_sub(step.pos);
-        let piece = |x: &Tensor| x.narrow(2, skip, t - skip)?.to_device(&Device::Cpu);
-        if self.layers.len() <= step.layer {
-            self.layers.resize_with(step.layer + 1, Vec::new);
-        }
-        self.layers[step.layer].push(LayerKv {
-            k: piece(step.k)?,
-            v: piece(step.v)?,
-        });
         Ok(())
     }
 
-    /// Everything kept so far, from position `from` on, joined per layer (`None`: nothing).
+    /// Everything kept of sequence 0 so far, joined per layer (`None`: nothing).
     pub fn kv(&self) -> Result<Option<ChunkKv>> {
-        if self.layers.iter().all(Vec::is_empty) {
-            return Ok(None);
-        }
-        let mut layers = Vec::with_capacity(self.layers.len());
-        for pieces in &self.layers {
-            let ks: Vec<&Tensor> = pieces.iter().map(|p| &p.k).collect();
-            let vs: Vec<&Tensor> = pieces.iter().map(|p| &p.v).collect();
-            layers.push(LayerKv {
-                k: Tensor::cat(&ks, 2)?,
-                v: Tensor::cat(&vs, 2)?,
-            });
-        }
-        Ok(Some(ChunkKv { layers }))
+        self.rec.kv(0)
     }
 }
 
@@ -93,7 +162,7 @@ impl KvPolicy for Capture<'_> {
     }
 
     fn reset(&mut self) {
-        self.layers.clear();
+        self.rec.clear();
         self.inner.reset();
     }
 
@@ -107,5 +176,9 @@ impl KvPolicy for Capture<'_> {
 
     fn as_profiled(&self) -> Option<&dyn Profiled> {
         self.inner.as_profiled()
+    }
+
+    fn as_batched(&mut self) -> Option<&mut dyn Batched> {
+        self.inner.as_batched()
     }
 }

@@ -27,9 +27,11 @@ pub mod restore;
 pub mod session;
 
 pub use cache::{PrefixCache, PrefixConfig, PrefixStats, Tier, DEFAULT_CHUNK_TOKENS};
-pub use capture::Capture;
+pub use capture::{Capture, Recordings};
 pub use chunk::{ChunkKv, LayerKv};
 pub use error::{PrefixError, Result};
 pub use key::{chunk_keys, ChunkKey, Fingerprint, FingerprintBuilder};
-pub use restore::{restore_kv, restore_prefix, store_new, LayerSpecs, Restored, Reuse};
+pub use restore::{
+    restore_kv, restore_prefix, store_new, LayerSpecs, Placement, Restored, Resume, Reuse,
+};
 pub use session::{Session, SESSION_VERSION};

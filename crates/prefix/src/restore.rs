@@ -50,15 +50,36 @@ pub struct Restored {
     pub chunks: Vec<ChunkKv>,
 }
 
-/// Stores `kv` at positions `pos..` in `policy`, in steps of at most `piece` tokens (0:
-/// one step), layer by layer as a prefill would.
+/// Where restored K/V go in a policy.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Placement {
+    /// The sequence (a batched policy's request slot; 0 for one request).
+    pub seq: usize,
+    /// The position of the first token.
+    pub pos: usize,
+    /// Tokens per `append_kv` step (0: one step).
+    pub piece: usize,
+}
+
+/// How [`restore_prefix`] may resume a prefill.
+pub struct Resume<'a> {
+    /// Whether a prefill can resume at a position (restoring fewer chunks otherwise).
+    pub usable: &'a dyn Fn(usize) -> bool,
+    /// Tokens per `append_kv` step.
+    pub piece: usize,
+    /// The sequence the K/V go to.
+    pub seq: usize,
+}
+
+/// Stores `kv` in `policy` where `at` says, in steps of at most `at.piece` tokens, layer by
+/// layer as a prefill would.
 pub fn restore_kv(
     policy: &mut dyn KvPolicy,
     kv: &ChunkKv,
-    pos: usize,
+    at: Placement,
     layers: &LayerSpecs,
-    piece: usize,
 ) -> Result<()> {
+    let Placement { seq, pos, piece } = at;
     let tokens = kv.shape()?.tokens;
     let piece = if piece == 0 { tokens.max(1) } else { piece };
     let mut at = 0;
@@ -73,7 +94,7 @@ pub fn restore_kv(
                 policy,
                 &AttnStep {
                     layer,
-                    seq: 0,
+                    seq,
                     // Not read by `append_kv`.
                     q: &k,
                     k: &k,
@@ -101,8 +122,9 @@ pub fn restore_prefix(
     policy: &mut dyn KvPolicy,
     prompt: &[u32],
     layers: &LayerSpecs,
-    (usable, piece): (&dyn Fn(usize) -> bool, usize),
+    resume: Resume<'_>,
 ) -> Result<Restored> {
+    let Resume { usable, piece, seq } = resume;
     let start = Instant::now();
     let c = cache.chunk_tokens();
     let whole = prompt.len().saturating_sub(1) / c;
@@ -141,7 +163,12 @@ pub fn restore_prefix(
             many => ChunkKv::cat(many)?
                 .ok_or_else(|| crate::error::PrefixError::Invalid("no chunks to join".into()))?,
         };
-        restore_kv(policy, &joined, out.reuse.tokens, layers, piece)?;
+        let at = Placement {
+            seq,
+            pos: out.reuse.tokens,
+            piece,
+        };
+        restore_kv(policy, &joined, at, layers)?;
         out.reuse.tokens += group.len() * c;
     }
     out.reuse.seconds = start.elapsed().as_secs_f64();

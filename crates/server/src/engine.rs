@@ -21,81 +21,11 @@ use candle_transformers::generation::LogitsProcessor;
 use kvpolicy::models::TextTokenizer;
 use kvpolicy::models::{batch_step, sampling, CausalLm, GenerateConfig, LogitsMode, SeqChunk};
 use kvpolicy::KvPolicy;
-use tokio::sync::mpsc::UnboundedSender;
 
-use crate::api::Params;
 use crate::detok::{Detok, Release};
+use crate::events::{logprobs, Event, Finish, Job};
 use crate::metrics::Metrics;
-
-/// A request for the engine.
-pub struct Job {
-    /// The prompt's token ids.
-    pub prompt: Vec<u32>,
-    /// How to generate.
-    pub params: Params,
-    /// Most tokens to generate (checked against the context).
-    pub max_tokens: usize,
-    /// Where its tokens go; closed when the client has gone.
-    pub events: UnboundedSender<Event>,
-    /// When it was received.
-    pub received: Instant,
-}
-
-/// The log-probabilities of one generated token.
-#[derive(Debug, Clone)]
-pub struct TokenLogprob {
-    /// The token's text.
-    pub token: String,
-    /// Its log-probability.
-    pub logprob: f32,
-    /// The most likely tokens at that step, with theirs.
-    pub top: Vec<(String, f32)>,
-}
-
-/// Why a generation ended (OpenAI's `finish_reason`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Finish {
-    /// End of sequence or a stop sequence.
-    Stop,
-    /// `max_tokens` reached.
-    Length,
-}
-
-impl Finish {
-    /// OpenAI's spelling.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Finish::Stop => "stop",
-            Finish::Length => "length",
-        }
-    }
-}
-
-/// What a request hears from the engine.
-#[derive(Debug)]
-pub enum Event {
-    /// A generated token: the text it releases (possibly empty, held back) and its
-    /// log-probabilities when asked for.
-    Token {
-        /// Text released.
-        text: String,
-        /// Log-probabilities.
-        logprob: Option<TokenLogprob>,
-    },
-    /// The end.
-    Done {
-        /// Why.
-        finish: Finish,
-        /// Text released at the end.
-        text: String,
-        /// Prompt tokens.
-        prompt_tokens: usize,
-        /// Generated tokens.
-        completion_tokens: usize,
-    },
-    /// The request failed (the message says why).
-    Failed(String),
-}
+use crate::reuse::Reuse;
 
 /// The engine's limits.
 #[derive(Debug, Clone)]
@@ -152,6 +82,10 @@ impl EngineHandle {
 struct Active {
     job: Job,
     pos: usize,
+    /// Prompt tokens restored from the prefix cache.
+    restored: usize,
+    /// The prompt's K/V this request computed, stored in the cache when it finishes.
+    computed: Option<kvpolicy::prefix::ChunkKv>,
     generated: Vec<u32>,
     sampler: LogitsProcessor,
     detok: Detok,
@@ -170,6 +104,8 @@ struct Engine {
     cancel: Arc<AtomicBool>,
     slots: Vec<Option<Active>>,
     metrics: Arc<Metrics>,
+    /// The prefix cache, when one is served.
+    reuse: Option<Reuse>,
 }
 
 /// Starts the engine on its own thread; `policy` must take ragged batches (built with
@@ -180,6 +116,7 @@ pub fn start(
     policy: Box<dyn KvPolicy>,
     cfg: EngineConfig,
     metrics: Arc<Metrics>,
+    reuse: Option<Reuse>,
 ) -> std::io::Result<(EngineHandle, std::thread::JoinHandle<()>)> {
     let (tx, rx) = mpsc::channel();
     let waiting = Arc::new(AtomicUsize::new(0));
@@ -201,6 +138,7 @@ pub fn start(
         queued: waiting,
         cancel,
         metrics,
+        reuse,
     };
     let thread = std::thread::Builder::new()
         .name("kvpolicy-engine".into())
@@ -268,15 +206,46 @@ impl Engine {
                 seed: job.params.seed,
                 ..GenerateConfig::default()
             };
+            let restored = match self.restore(free, &job.prompt) {
+                Ok(n) => n,
+                Err(e) => {
+                    let _ = job.events.send(Event::Failed(format!("{e:#}")));
+                    self.release(free);
+                    self.metrics.failed.inc();
+                    continue;
+                }
+            };
             self.slots[free] = Some(Active {
                 sampler: LogitsProcessor::from_sampling(job.params.seed, sampling(&cfg)),
                 detok: Detok::new(job.params.stop.clone()),
                 job,
-                pos: 0,
+                pos: restored,
+                restored,
+                computed: None,
                 generated: Vec::new(),
                 last_token_at: None,
             });
         }
+    }
+
+    /// The longest cached prefix of `prompt` restored into slot `seq` (0 without a cache).
+    fn restore(&mut self, seq: usize, prompt: &[u32]) -> anyhow::Result<usize> {
+        let Some(reuse) = self.reuse.as_mut() else {
+            return Ok(0);
+        };
+        let n = reuse.restore(
+            self.policy.as_mut(),
+            self.model.info(),
+            seq,
+            prompt,
+            self.cfg.prefill_chunk,
+        )?;
+        self.metrics.prefix_lookups.inc();
+        if n > 0 {
+            self.metrics.prefix_hits.inc();
+            self.metrics.prefix_restored_tokens.inc_by(n as u64);
+        }
+        Ok(n)
     }
 
     /// Frees the cache of every request whose client has gone.
@@ -296,6 +265,9 @@ impl Engine {
     fn release(&mut self, seq: usize) {
         if let Some(b) = self.policy.as_batched() {
             b.release(seq);
+        }
+        if let Some(r) = self.reuse.as_mut() {
+            r.forget(seq);
         }
     }
 
@@ -380,49 +352,24 @@ impl Engine {
         }
     }
 
-    /// The step's forward passes: one ragged pass; or, batch-invariant, each prompt piece
-    /// alone and the decode tokens in passes small enough to take the kernel one token
-    /// takes alone ([`ModelInfo::row_split`](kvpolicy::models::ModelInfo::row_split)), so
-    /// no request's numbers depend on its batch-mates.
-    fn forward(
-        &mut self,
-        chunks: &[SeqChunk],
-    ) -> kvpolicy::models::Result<(Vec<SeqChunk>, Vec<Tensor>)> {
-        if !self.cfg.batch_invariant {
-            return batch_step(
-                self.model.as_ref(),
-                self.policy.as_mut(),
-                chunks,
-                LogitsMode::Last,
-            );
-        }
-        let most = self
-            .model
-            .info()
-            .row_split
-            .map_or(usize::MAX, |r| r.saturating_sub(1).max(1));
-        let (decode, prompt): (Vec<&SeqChunk>, Vec<&SeqChunk>) = chunks.iter().partition(|c| {
-            c.ids.len() == 1
-                && self.slots[c.seq]
+    /// The step's forward passes (see [`forward`]), recording prompt K/V for the cache.
+    fn forward(&mut self, chunks: &[SeqChunk]) -> kvpolicy::models::Result<Passes> {
+        let decode: Vec<bool> = chunks
+            .iter()
+            .map(|c| {
+                self.slots[c.seq]
                     .as_ref()
                     .is_some_and(|a| c.pos >= a.job.prompt.len())
-        });
-        let mut groups: Vec<Vec<SeqChunk>> = prompt.into_iter().map(|c| vec![c.clone()]).collect();
-        for g in decode.chunks(most) {
-            groups.push(g.iter().map(|&c| c.clone()).collect());
+            })
+            .collect();
+        let model = self.model.as_ref();
+        let invariant = self.cfg.batch_invariant;
+        match self.reuse.as_mut() {
+            Some(r) => r.recording(self.policy.as_mut(), |p| {
+                forward(model, p, chunks, &decode, invariant)
+            }),
+            None => forward(model, self.policy.as_mut(), chunks, &decode, invariant),
         }
-        let (mut order, mut logits) = (Vec::new(), Vec::new());
-        for g in groups {
-            let (o, l) = batch_step(
-                self.model.as_ref(),
-                self.policy.as_mut(),
-                &g,
-                LogitsMode::Last,
-            )?;
-            order.extend(o);
-            logits.extend(l);
-        }
-        Ok((order, logits))
     }
 
     fn fail(&mut self, seq: usize, why: String) {
@@ -442,6 +389,12 @@ impl Engine {
         a.pos += chunk.ids.len();
         if a.pos < a.job.prompt.len() {
             return Ok(());
+        }
+        if a.generated.is_empty() {
+            // The prompt is in: what it computed goes to the cache when the request ends.
+            if let Some(r) = self.reuse.as_mut() {
+                a.computed = r.take(chunk.seq)?;
+            }
         }
         let row = rows.get(rows.dim(0)? - 1)?;
         let tok = a.sampler.sample(&row)?;
@@ -488,6 +441,11 @@ impl Engine {
                     prompt_tokens: a.job.prompt.len(),
                     completion_tokens: a.generated.len(),
                 });
+                // After the answer: the client does not wait for the cache's writes.
+                if let (Some(r), Some(kv)) = (self.reuse.as_mut(), &a.computed) {
+                    let stored = r.store(&a.job.prompt, a.restored, kv)?;
+                    self.metrics.prefix_stored_chunks.inc_by(stored as u64);
+                }
             }
             self.release(chunk.seq);
             self.metrics.finished.inc();
@@ -505,37 +463,51 @@ impl Engine {
             .set(self.queued.load(Ordering::SeqCst) as i64);
         let s = self.policy.stats();
         self.metrics.set_kv(&s);
+        if let Some(r) = &self.reuse {
+            self.metrics.set_prefix(&r.stats());
+        }
     }
 }
 
-/// The chosen token's log-probability and the `top` most likely tokens' from `row`.
-fn logprobs(
-    tok: &TextTokenizer,
-    row: &Tensor,
-    chosen: u32,
-    top: usize,
-) -> anyhow::Result<TokenLogprob> {
-    let logits: Vec<f32> = row.to_dtype(candle_core::DType::F32)?.to_vec1()?;
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let lse = max + logits.iter().map(|&x| (x - max).exp()).sum::<f32>().ln();
-    let mut order: Vec<usize> = (0..logits.len()).collect();
-    let k = top.min(order.len());
-    if k > 0 {
-        order.select_nth_unstable_by(k - 1, |&a, &b| logits[b].total_cmp(&logits[a]));
-        order.truncate(k);
-        order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
-    } else {
-        order.clear();
+/// The chunks in the order run, and their logits.
+type Passes = (Vec<SeqChunk>, Vec<Tensor>);
+
+/// A step's forward passes: one ragged pass; or, batch-invariant, each prompt piece alone
+/// and the decode tokens (`decode[i]`) in passes small enough to take the kernel one token
+/// takes alone ([`ModelInfo::row_split`](kvpolicy::models::ModelInfo::row_split)), so no
+/// request's numbers depend on its batch-mates.
+fn forward(
+    model: &dyn CausalLm,
+    policy: &mut dyn KvPolicy,
+    chunks: &[SeqChunk],
+    decode: &[bool],
+    invariant: bool,
+) -> kvpolicy::models::Result<Passes> {
+    if !invariant {
+        return batch_step(model, policy, chunks, LogitsMode::Last);
     }
-    let name = |id: u32| tok.decode(&[id]).unwrap_or_default();
-    Ok(TokenLogprob {
-        token: name(chosen),
-        logprob: logits
-            .get(chosen as usize)
-            .map_or(f32::NEG_INFINITY, |&x| x - lse),
-        top: order
-            .into_iter()
-            .map(|i| (name(i as u32), logits[i] - lse))
-            .collect(),
-    })
+    let most = model
+        .info()
+        .row_split
+        .map_or(usize::MAX, |r| r.saturating_sub(1).max(1));
+    let mut groups: Vec<Vec<SeqChunk>> = chunks
+        .iter()
+        .zip(decode)
+        .filter(|(_, &d)| !d)
+        .map(|(c, _)| vec![c.clone()])
+        .collect();
+    let decoding: Vec<SeqChunk> = chunks
+        .iter()
+        .zip(decode)
+        .filter(|(_, &d)| d)
+        .map(|(c, _)| c.clone())
+        .collect();
+    groups.extend(decoding.chunks(most).map(<[SeqChunk]>::to_vec));
+    let (mut order, mut logits) = (Vec::new(), Vec::new());
+    for g in groups {
+        let (o, l) = batch_step(model, policy, &g, LogitsMode::Last)?;
+        order.extend(o);
+        logits.extend(l);
+    }
+    Ok((order, logits))
 }

@@ -16,8 +16,10 @@ mod api;
 mod detok;
 mod engine;
 mod error;
+mod events;
 mod metrics;
 mod reply;
+mod reuse;
 mod routes;
 
 use std::io::Write;
@@ -30,12 +32,13 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use clap::{CommandFactory, FromArgMatches, Parser};
 use kvpolicy::models::engine::generate::kv_shape;
-use kvpolicy::models::{load, resolve, CausalLm, ModelSpec};
-use kvpolicy_cli::args::{ModelArgs, PolicyArgs};
+use kvpolicy::models::{fingerprint, layer_specs, load, resolve, CausalLm, ModelSpec};
+use kvpolicy_cli::args::{ModelArgs, PolicyArgs, PrefixArgs};
 use kvpolicy_cli::{errors, flags, threads};
 
 use crate::engine::EngineConfig;
 use crate::metrics::Metrics;
+use crate::reuse::Reuse;
 use crate::routes::AppState;
 
 /// The server's flags: the examples' model and policy flags, and its own.
@@ -49,6 +52,8 @@ struct ServerArgs {
     model: ModelArgs,
     #[command(flatten)]
     kv: PolicyArgs,
+    #[command(flatten)]
+    prefix: PrefixArgs,
     /// Address to listen on (loopback unless told otherwise).
     #[arg(long, default_value = "127.0.0.1")]
     host: IpAddr,
@@ -130,6 +135,7 @@ fn run(
         "--shutdown-timeout {}: give a number of seconds ≥ 0",
         args.shutdown_timeout
     );
+    args.prefix.check()?;
     let (spec, warnings) = flags::run_spec(reg, matches, &args.kv.policy)?;
     for w in warnings {
         eprintln!("{w}");
@@ -139,6 +145,14 @@ fn run(
     let opts = args.kv.options(&device)?;
     // A bad policy fails before the model loads.
     let mut policy = reg.build_batched_spec(&spec, &opts)?;
+    if let Some(flag) = args.prefix.flag() {
+        if reg.build_spec(&spec, &opts)?.as_restore().is_none() {
+            anyhow::bail!(
+                "`{}` cannot take restored K/V ({flag}): only full, layer, headwise and auto store K/V without attention; pick one of them",
+                policy.name()
+            );
+        }
+    }
     let files = resolve(&args.model.spec(ModelSpec::Default, args.seed)?)?;
     let loaded = load(&files, &device, dtype, args.model.tokenizer.as_deref())?;
     let tok = Arc::new(
@@ -164,6 +178,14 @@ fn run(
         args.prefill_chunk,
     ))?;
     let lossy = policy.stats().lossy;
+    // The fingerprint hashes the weights: only when a cache is asked for.
+    let reuse = if args.prefix.wanted() {
+        args.prefix
+            .open(fingerprint(&files, &info)?)?
+            .map(|cache| Reuse::new(cache, layer_specs(&info)))
+    } else {
+        None
+    };
     let metrics = Arc::new(Metrics::new());
     let (handle, engine) = engine::start(
         model,
@@ -176,6 +198,7 @@ fn run(
             batch_invariant: args.batch_invariant,
         },
         metrics.clone(),
+        reuse,
     )?;
     let state = Arc::new(AppState {
         engine: handle.clone(),

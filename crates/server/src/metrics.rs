@@ -23,7 +23,7 @@ pub struct RequestLabels {
 /// A KV tier.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct TierLabels {
-    /// `device`, `host` or `disk`.
+    /// `device`, `host` or `disk` (the KV); `ram` or `disk` (the prefix cache).
     pub tier: String,
 }
 
@@ -56,6 +56,16 @@ pub struct Metrics {
     pub kv_bytes: Family<TierLabels, Gauge<u64, AtomicU64>>,
     /// Sequences holding a cache now.
     pub kv_sequences: Gauge,
+    /// Requests looked up in the prefix cache.
+    pub prefix_lookups: Counter,
+    /// Requests that restored at least one chunk.
+    pub prefix_hits: Counter,
+    /// Prompt tokens restored instead of prefilled.
+    pub prefix_restored_tokens: Counter,
+    /// Chunks the requests added to the cache.
+    pub prefix_stored_chunks: Counter,
+    /// Bytes the prefix cache holds, per tier (`ram`, `disk`).
+    pub prefix_bytes: Family<TierLabels, Gauge<u64, AtomicU64>>,
 }
 
 impl Metrics {
@@ -76,6 +86,11 @@ impl Metrics {
             queued: Gauge::default(),
             kv_bytes: Family::default(),
             kv_sequences: Gauge::default(),
+            prefix_lookups: Counter::default(),
+            prefix_hits: Counter::default(),
+            prefix_restored_tokens: Counter::default(),
+            prefix_stored_chunks: Counter::default(),
+            prefix_bytes: Family::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -143,6 +158,31 @@ impl Metrics {
             "Sequences holding a cache",
             m.kv_sequences.clone(),
         );
+        registry.register(
+            "prefix_cache_lookups",
+            "Requests looked up in the prefix cache",
+            m.prefix_lookups.clone(),
+        );
+        registry.register(
+            "prefix_cache_hits",
+            "Requests that restored at least one chunk from the prefix cache",
+            m.prefix_hits.clone(),
+        );
+        registry.register(
+            "prefix_cache_restored_tokens",
+            "Prompt tokens restored from the prefix cache instead of prefilled",
+            m.prefix_restored_tokens.clone(),
+        );
+        registry.register(
+            "prefix_cache_stored_chunks",
+            "Chunks the requests added to the prefix cache",
+            m.prefix_stored_chunks.clone(),
+        );
+        registry.register(
+            "prefix_cache_bytes",
+            "Bytes the prefix cache holds, per tier",
+            m.prefix_bytes.clone(),
+        );
         Self { registry, ..m }
     }
 
@@ -158,6 +198,15 @@ impl Metrics {
                 .set(bytes);
         }
         self.kv_sequences.set(s.sequences as i64);
+    }
+
+    /// The prefix cache's gauges from its counters.
+    pub fn set_prefix(&self, s: &kvpolicy::prefix::PrefixStats) {
+        for (tier, bytes) in [("ram", s.ram_bytes), ("disk", s.disk_bytes)] {
+            self.prefix_bytes
+                .get_or_create(&TierLabels { tier: tier.into() })
+                .set(bytes);
+        }
     }
 
     /// Counts an answer.

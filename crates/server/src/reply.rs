@@ -3,7 +3,7 @@
 //! `usage` and, when asked, `logprobs` in each endpoint's shape.
 use serde_json::{json, Value};
 
-use crate::engine::{Finish, TokenLogprob};
+use crate::events::{Finish, TokenLogprob};
 
 /// Which endpoint answers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -22,8 +22,9 @@ use serde_json::json;
 use tokio::sync::mpsc;
 
 use crate::api::{self, ChatBody, Common, CompletionBody, Params, Prompt};
-use crate::engine::{EngineHandle, Event, Job, Refused};
+use crate::engine::{EngineHandle, Refused};
 use crate::error::ApiError;
+use crate::events::{Event, Job};
 use crate::metrics::Metrics;
 use crate::reply::{self, Endpoint, Head, Usage};
 

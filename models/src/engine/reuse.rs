@@ -10,8 +10,8 @@ use std::time::Instant;
 
 use kvpolicy_core::{AttnSpec, KvPolicy};
 use kvpolicy_prefix::{
-    restore_kv, restore_prefix, store_new, Capture, ChunkKv, Fingerprint, LayerSpecs, PrefixCache,
-    Reuse, Session,
+    restore_kv, restore_prefix, store_new, Capture, ChunkKv, Fingerprint, LayerSpecs, Placement,
+    PrefixCache, Resume, Reuse, Session,
 };
 
 use crate::engine::generate::{
@@ -142,7 +142,12 @@ pub fn generate_reusing(
             // tokens it has (with the numbers of yet another pass).
             let n = s.kv_tokens()?.min(ids.len() - 1);
             let kv = s.kv.narrow(0, n)?;
-            restore_kv(policy, &kv, 0, &layers, piece)?;
+            let at = Placement {
+                seq: 0,
+                pos: 0,
+                piece,
+            };
+            restore_kv(policy, &kv, at, &layers)?;
             let reuse = Reuse {
                 tokens: n,
                 from_session: n,
@@ -153,7 +158,12 @@ pub fn generate_reusing(
         }
         (None, Some(c)) => {
             let usable = |from| resumable(model.info(), from, ids.len(), cfg.prefill_chunk);
-            let r = restore_prefix(c, policy, &ids, &layers, (&usable, piece))?;
+            let resume = Resume {
+                usable: &usable,
+                piece,
+                seq: 0,
+            };
+            let r = restore_prefix(c, policy, &ids, &layers, resume)?;
             (r.reuse, r.chunks)
         }
         (None, None) => (Reuse::default(), Vec::new()),

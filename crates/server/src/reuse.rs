@@ -1,0 +1,88 @@
+//! The prefix cache behind the server (`--prefix-cache DIR`, `--prefix-cache-ram SIZE`; the
+//! README's "Reusing K/V across requests"): a request admitted to slot `seq` first gets the
+//! longest cached run of its prompt's chunks restored into that slot's cache
+//! (`restore_prefix`), so its prefill starts after them; the prompt K/V its prefill
+//! computes are recorded (`Capture` over `Recordings`, per slot) and stored as new chunks
+//! when it finishes, for the requests after it.
+use kvpolicy::models::engine::reuse::resumable;
+use kvpolicy::models::ModelInfo;
+use kvpolicy::prefix::{
+    restore_prefix, store_new, Capture, ChunkKv, LayerSpecs, PrefixCache, PrefixStats, Recordings,
+    Resume,
+};
+use kvpolicy::KvPolicy;
+
+/// The cache and what the running requests' prefills computed.
+pub struct Reuse {
+    cache: PrefixCache,
+    layers: LayerSpecs,
+    rec: Recordings,
+}
+
+impl Reuse {
+    /// Serves `cache` for a model whose layers are `layers`.
+    pub fn new(cache: PrefixCache, layers: LayerSpecs) -> Self {
+        Self {
+            cache,
+            layers,
+            rec: Recordings::default(),
+        }
+    }
+
+    /// Restores the longest cached prefix of `prompt` into slot `seq` of `policy` (in
+    /// pieces of `piece` tokens, ending where a prefill in such pieces can resume) and
+    /// records the slot's K/V from there on. Returns the tokens restored.
+    pub fn restore(
+        &mut self,
+        policy: &mut dyn KvPolicy,
+        info: &ModelInfo,
+        seq: usize,
+        prompt: &[u32],
+        piece: usize,
+    ) -> anyhow::Result<usize> {
+        let usable = |from| resumable(info, from, prompt.len(), piece);
+        let resume = Resume {
+            usable: &usable,
+            piece,
+            seq,
+        };
+        let restored = restore_prefix(&mut self.cache, policy, prompt, &self.layers, resume)?;
+        let tokens = restored.reuse.tokens;
+        self.rec.watch(seq, tokens);
+        Ok(tokens)
+    }
+
+    /// Runs `step` on `policy` with the watched slots' K/V recorded.
+    pub fn recording<R>(
+        &mut self,
+        policy: &mut dyn KvPolicy,
+        step: impl FnOnce(&mut dyn KvPolicy) -> R,
+    ) -> R {
+        let mut capture = Capture::over(policy, std::mem::take(&mut self.rec));
+        let out = step(&mut capture);
+        self.rec = capture.into_recordings();
+        out
+    }
+
+    /// What slot `seq` recorded, its recording ended.
+    pub fn take(&mut self, seq: usize) -> anyhow::Result<Option<ChunkKv>> {
+        let kv = self.rec.kv(seq)?;
+        self.rec.forget(seq);
+        Ok(kv)
+    }
+
+    /// Ends slot `seq`'s recording, keeping nothing.
+    pub fn forget(&mut self, seq: usize) {
+        self.rec.forget(seq);
+    }
+
+    /// Stores the whole chunks of `kv`, the K/V of `prompt[from..]`. Returns how many.
+    pub fn store(&mut self, prompt: &[u32], from: usize, kv: &ChunkKv) -> anyhow::Result<usize> {
+        Ok(store_new(&mut self.cache, prompt, from, kv)?)
+    }
+
+    /// The cache's counters.
+    pub fn stats(&self) -> PrefixStats {
+        self.cache.stats()
+    }
+}
