@@ -197,7 +197,9 @@ def main():
         port = 18000 + os.getpid() % 1000
         proc, url = start([sys.executable, "-m", "llama_cpp.server", "--model", a.gguf,
                            "--port", str(port), "--host", "127.0.0.1", "--n_ctx", "8192",
-                           "--n_threads", str(a.threads), "--n_threads_batch", str(a.threads)],
+                           "--n_threads", str(a.threads), "--n_threads_batch", str(a.threads),
+                           # Its default cancels a running stream when a new request arrives.
+                           "--interrupt_requests", "False"],
                           lambda lines: f"http://127.0.0.1:{port}", env)
         try:
             results, wall = load(url, prompts, a.clients, a.requests, a.seed, a.timeout)

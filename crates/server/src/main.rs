@@ -18,6 +18,7 @@ mod engine;
 mod error;
 mod events;
 mod metrics;
+mod passes;
 mod reply;
 mod reuse;
 mod routes;

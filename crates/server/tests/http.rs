@@ -434,3 +434,72 @@ fn every_policy_serves_a_batch() -> Result<()> {
     }
     Ok(())
 }
+
+#[test]
+fn a_full_queue_answers_429_and_sigterm_removes_the_disk_tier() -> Result<()> {
+    let disk = tempfile::tempdir()?;
+    let d = disk.path().to_string_lossy().into_owned();
+    let mut server = Server::start(&[
+        "--policy",
+        "layer",
+        "--disk-dir",
+        &d,
+        "--max-batch",
+        "1",
+        "--max-queue",
+        "1",
+        "--shutdown-timeout",
+        "1",
+    ])?;
+    let url = server.url("/v1/completions");
+    let long =
+        json!({"prompt": "Once upon a time", "max_tokens": 3000, "stream": true}).to_string();
+    // One decoding (its stream begun), one waiting.
+    let running = start_stream(&server.base)?;
+    let waiting = {
+        let url = url.clone();
+        let body = long.clone();
+        std::thread::spawn(move || post(&agent(), &url, body.as_bytes()))
+    };
+    let start = Instant::now();
+    loop {
+        let (_, m) = get(&agent(), &server.url("/metrics"))?;
+        if metric(&m, "kvpolicy_requests_queued") == Some(1.0) {
+            break;
+        }
+        ensure!(
+            start.elapsed() < Duration::from_secs(60),
+            "nothing queued:\n{m}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut r = agent()
+        .post(&url)
+        .header("content-type", "application/json")
+        .send(long.as_bytes())?;
+    let status = r.status().as_u16();
+    let retry = r
+        .headers()
+        .get("retry-after")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let text = r.body_mut().read_to_string()?;
+    ensure!(status == 429, "{status} {text}");
+    ensure!(retry.as_deref() == Some("1"), "Retry-After {retry:?}");
+    ensure!(text.contains("rate_limit_error"), "{text}");
+    // The running request's layers are on the disk tier (in files without names from the
+    // start, so no kill leaves one behind) until the server stops.
+    let (_, m) = get(&agent(), &server.url("/metrics"))?;
+    let on_disk = metric(&m, r#"kvpolicy_kv_bytes{tier="disk"}"#);
+    ensure!(
+        on_disk.is_some_and(|b| b > 0.0),
+        "nothing on the disk tier:\n{m}"
+    );
+    let status = server.terminate(Duration::from_secs(30))?;
+    ensure!(status.success(), "exit status {status}");
+    drop(running);
+    let _ = waiting.join();
+    let left: Vec<_> = std::fs::read_dir(disk.path())?.collect();
+    ensure!(left.is_empty(), "disk-tier files left behind: {left:?}");
+    Ok(())
+}
