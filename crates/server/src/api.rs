@@ -1,7 +1,7 @@
 //! The requests of OpenAI's API this server takes — `POST /v1/completions` and
 //! `POST /v1/chat/completions` (OpenAI API reference, "Completions" and "Chat") — parsed
-//! and checked into one [`Request`]: the prompt's token ids and how to generate. Every
-//! refusal is a 400 naming the field at fault (`serde_path_to_error` gives its path).
+//! and checked: the prompt, and how to generate ([`Params`]). Every refusal is a 400
+//! naming the field at fault (`serde_path_to_error` gives its path).
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
 

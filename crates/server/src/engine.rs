@@ -8,7 +8,7 @@
 //! while fewer than `max_batch` run; (2) every running request past its prompt decodes one
 //! token; (3) the prompts still being prefilled, oldest first, fill a budget of
 //! `prefill_chunk` prompt tokens (the oldest always gets at least one); (4) one ragged
-//! forward pass runs all of it ([`batch_step`]: each request attends only its own cache);
+//! forward pass runs all of it (`batch_step`, [`crate::passes`]: each request attends only its own cache);
 //! (5) a request that finished, or whose client went away, leaves and its cache is freed
 //! ([`Batched::release`](kvpolicy::core::Batched::release)) before the next step.
 use std::collections::VecDeque;
@@ -46,6 +46,10 @@ pub struct EngineConfig {
 pub struct EngineHandle {
     tx: mpsc::Sender<Job>,
     waiting: Arc<AtomicUsize>,
+    /// Free slots as of the last step.
+    free: Arc<AtomicUsize>,
+    /// Whether the engine thread still runs.
+    alive: Arc<AtomicBool>,
     cancel: Arc<AtomicBool>,
     max_queue: usize,
 }
@@ -62,7 +66,9 @@ pub enum Refused {
 impl EngineHandle {
     /// Queues `job`, unless `max_queue` requests already wait.
     pub fn submit(&self, job: Job) -> Result<(), Refused> {
-        if self.waiting.fetch_add(1, Ordering::SeqCst) >= self.max_queue {
+        // Free slots take requests at the next step boundary: they do not count as queue.
+        let room = self.max_queue + self.free.load(Ordering::SeqCst);
+        if self.waiting.fetch_add(1, Ordering::SeqCst) >= room {
             self.waiting.fetch_sub(1, Ordering::SeqCst);
             return Err(Refused::Full);
         }
@@ -70,6 +76,11 @@ impl EngineHandle {
             self.waiting.fetch_sub(1, Ordering::SeqCst);
             Refused::Stopped
         })
+    }
+
+    /// Whether the engine thread still runs (`/health`).
+    pub fn alive(&self) -> bool {
+        self.alive.load(Ordering::SeqCst)
     }
 
     /// Ends every request now (each hears `Failed`) and stops the engine once the server
@@ -104,6 +115,8 @@ struct Engine {
     queued: Arc<AtomicUsize>,
     cancel: Arc<AtomicBool>,
     slots: Vec<Option<Active>>,
+    free: Arc<AtomicUsize>,
+    alive: Arc<AtomicBool>,
     metrics: Arc<Metrics>,
     /// The prefix cache, when one is served.
     reuse: Option<Reuse>,
@@ -122,8 +135,12 @@ pub fn start(
     let (tx, rx) = mpsc::channel();
     let waiting = Arc::new(AtomicUsize::new(0));
     let cancel = Arc::new(AtomicBool::new(false));
+    let free = Arc::new(AtomicUsize::new(cfg.max_batch));
+    let alive = Arc::new(AtomicBool::new(true));
     let handle = EngineHandle {
         tx,
+        free: free.clone(),
+        alive: alive.clone(),
         waiting: waiting.clone(),
         cancel: cancel.clone(),
         max_queue: cfg.max_queue,
@@ -133,6 +150,8 @@ pub fn start(
         tok,
         policy,
         slots: (0..cfg.max_batch).map(|_| None).collect(),
+        free,
+        alive,
         cfg,
         rx,
         waiting: VecDeque::new(),
@@ -149,6 +168,14 @@ pub fn start(
 
 impl Engine {
     fn run(mut self) {
+        // Down however the thread ends (a panic included): `/health` then says so.
+        struct Down(Arc<AtomicBool>);
+        impl Drop for Down {
+            fn drop(&mut self) {
+                self.0.store(false, Ordering::SeqCst);
+            }
+        }
+        let _down = Down(self.alive.clone());
         loop {
             let idle = self.waiting.is_empty() && self.slots.iter().all(Option::is_none);
             if idle {
@@ -164,6 +191,7 @@ impl Engine {
                 self.cancel_everything();
                 continue;
             }
+            self.drop_waiting_departed();
             self.admit();
             self.drop_departed();
             self.step();
@@ -247,6 +275,17 @@ impl Engine {
             self.metrics.prefix_restored_tokens.inc_by(n as u64);
         }
         Ok(n)
+    }
+
+    /// Forgets waiting requests whose client has gone (they hold no queue place).
+    fn drop_waiting_departed(&mut self) {
+        let before = self.waiting.len();
+        self.waiting.retain(|j| !j.events.is_closed());
+        let gone = before - self.waiting.len();
+        if gone > 0 {
+            self.queued.fetch_sub(gone, Ordering::SeqCst);
+            self.metrics.cancelled.inc_by(gone as u64);
+        }
     }
 
     /// Frees the cache of every request whose client has gone.
@@ -414,7 +453,8 @@ impl Engine {
         a.generated.push(tok);
         self.metrics.completion_tokens.inc();
         let finish = if eos.contains(&tok) {
-            Some((Finish::Stop, String::new()))
+            // What the detokenizer held back (a partial stop sequence, half a character).
+            Some((Finish::Stop, a.detok.finish(&self.tok)?))
         } else {
             let logprob = match a.job.params.logprobs {
                 Some(top) => Some(logprobs(&self.tok, &row, tok, top)?),
@@ -435,6 +475,8 @@ impl Engine {
         };
         if let Some((finish, text)) = finish {
             let a = self.slots[chunk.seq].take();
+            self.release(chunk.seq);
+            self.metrics.finished.inc();
             if let Some(a) = a {
                 let _ = a.job.events.send(Event::Done {
                     finish,
@@ -442,14 +484,19 @@ impl Engine {
                     prompt_tokens: a.job.prompt.len(),
                     completion_tokens: a.generated.len(),
                 });
-                // After the answer: the client does not wait for the cache's writes.
+                // After the answer (the client does not wait for the writes) and after the
+                // slot is free: a chunk that cannot be stored costs only its reuse.
                 if let (Some(r), Some(kv)) = (self.reuse.as_mut(), &a.computed) {
-                    let stored = r.store(&a.job.prompt, a.restored, kv)?;
-                    self.metrics.prefix_stored_chunks.inc_by(stored as u64);
+                    match r.store(&a.job.prompt, a.restored, kv) {
+                        Ok(n) => {
+                            self.metrics.prefix_stored_chunks.inc_by(n as u64);
+                        }
+                        Err(e) => {
+                            eprintln!("prefix cache: a request's chunks were not stored: {e:#}")
+                        }
+                    }
                 }
             }
-            self.release(chunk.seq);
-            self.metrics.finished.inc();
         }
         Ok(())
     }
@@ -457,6 +504,8 @@ impl Engine {
     /// Running and queued requests, and the KV the policy holds per tier.
     fn publish(&mut self) {
         let running = self.slots.iter().filter(|s| s.is_some()).count();
+        self.free
+            .store(self.slots.len() - running, Ordering::SeqCst);
         self.metrics.running.set(running as i64);
         // Submitted and not admitted yet: in the channel or in `waiting`.
         self.metrics

@@ -12,7 +12,7 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::{header, StatusCode};
 use axum::middleware::{self, Next};
-use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -56,9 +56,10 @@ pub fn router(state: Arc<AppState>, max_body: usize) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat))
         .route("/v1/models", get(models))
-        .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(not_found)
+        .method_not_allowed_fallback(wrong_method)
         .layer(DefaultBodyLimit::max(max_body))
         .layer(middleware::from_fn_with_state(state.clone(), guard))
         .with_state(state)
@@ -105,6 +106,31 @@ async fn not_found(req: Request) -> ApiError {
             req.uri().path()
         ),
     )
+}
+
+async fn wrong_method(req: Request) -> ApiError {
+    ApiError::status(
+        StatusCode::METHOD_NOT_ALLOWED,
+        format!(
+            "{} {}: this route takes {}",
+            req.method(),
+            req.uri().path(),
+            if req.uri().path().starts_with("/v1/") && req.uri().path() != "/v1/models" {
+                "POST"
+            } else {
+                "GET"
+            }
+        ),
+    )
+}
+
+/// 200 while the engine runs; 503 once it has stopped.
+async fn health(State(s): State<Arc<AppState>>) -> Response {
+    if s.engine.alive() {
+        Json(json!({"status": "ok"})).into_response()
+    } else {
+        ApiError::status(StatusCode::SERVICE_UNAVAILABLE, "the engine has stopped").into_response()
+    }
 }
 
 async fn models(State(s): State<Arc<AppState>>) -> Json<serde_json::Value> {
@@ -420,5 +446,6 @@ fn streamed(
             }
         }
     });
-    Sse::new(events)
+    // Comments while a request waits in the queue, so clients and proxies keep the stream.
+    Sse::new(events).keep_alive(KeepAlive::default())
 }
