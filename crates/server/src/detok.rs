@@ -87,3 +87,67 @@ impl Detok {
         Ok(piece)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvpolicy::models::{load, resolve, ModelSpec};
+
+    fn tokenizer() -> anyhow::Result<TextTokenizer> {
+        let files = resolve(&ModelSpec::Default)?;
+        let loaded = load(
+            &files,
+            &candle_core::Device::Cpu,
+            candle_core::DType::F32,
+            None,
+        )?;
+        loaded
+            .tokenizer
+            .ok_or_else(|| anyhow::anyhow!("the default model has a tokenizer"))
+    }
+
+    /// Every token of `text` pushed, then the end: the pieces released and how it ended.
+    fn run(tok: &TextTokenizer, text: &str, stop: &[&str]) -> anyhow::Result<(Vec<String>, bool)> {
+        let mut d = Detok::new(stop.iter().map(|s| s.to_string()).collect());
+        let mut pieces = Vec::new();
+        for id in tok.encode_raw(text)? {
+            match d.push(tok, id)? {
+                Release::Text(t) => pieces.push(t),
+                Release::Stopped(t) => {
+                    pieces.push(t);
+                    return Ok((pieces, true));
+                }
+            }
+        }
+        pieces.push(d.finish(tok)?);
+        Ok((pieces, false))
+    }
+
+    #[test]
+    fn stop_sequences_across_tokens_end_the_text_before_them() -> anyhow::Result<()> {
+        let tok = tokenizer()?;
+        let (pieces, stopped) = run(&tok, " Paris is nice. Rome is too.", &["is n", "xyz"])?;
+        assert!(stopped);
+        assert_eq!(pieces.concat(), " Paris ");
+        // A partial match held back, then released when the text goes another way.
+        let (pieces, stopped) = run(&tok, " Paris is old", &["is n"])?;
+        assert!(!stopped);
+        assert_eq!(pieces.concat(), " Paris is old");
+        // Held back until the end, then sent.
+        let (pieces, stopped) = run(&tok, " Paris is", &["Paris is here"])?;
+        assert!(!stopped);
+        assert_eq!(pieces.concat(), " Paris is");
+        assert_eq!(pieces.last().map(String::as_str), Some("Paris is"));
+        Ok(())
+    }
+
+    #[test]
+    fn no_piece_carries_half_a_character() -> anyhow::Result<()> {
+        let tok = tokenizer()?;
+        let text = "café naïve 日本語 🙂 done";
+        let (pieces, _) = run(&tok, text, &[])?;
+        assert!(pieces.iter().all(|p| !p.contains('\u{FFFD}')), "{pieces:?}");
+        assert_eq!(pieces.concat(), tok.decode(&tok.encode_raw(text)?)?);
+        Ok(())
+    }
+}
