@@ -77,6 +77,10 @@ struct ServerArgs {
     /// Prompt plus generated tokens per request at most (default: the model's positions).
     #[arg(long, value_name = "N")]
     ctx_size: Option<usize>,
+    /// Prompt tokens per request at most, below the context (413 past it; default: no
+    /// limit but the context, past which a prompt is a 400).
+    #[arg(long, value_name = "N")]
+    max_prompt_tokens: Option<usize>,
     /// Require `Authorization: Bearer KEY` on the /v1/ routes (401 without it).
     #[arg(long, value_name = "KEY")]
     api_key: Option<String>,
@@ -210,6 +214,7 @@ fn run(
             .unwrap_or_else(|| info.source.clone()),
         vocab: info.vocab_size,
         context,
+        max_prompt: args.max_prompt_tokens,
         metrics,
         api_key: args.api_key.clone(),
         created: std::time::SystemTime::now()

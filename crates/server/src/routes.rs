@@ -40,6 +40,8 @@ pub struct AppState {
     pub vocab: usize,
     /// Prompt plus generated tokens at most.
     pub context: usize,
+    /// Prompt tokens at most (413 past it).
+    pub max_prompt: Option<usize>,
     /// The metrics.
     pub metrics: Arc<Metrics>,
     /// Requests to `/v1/…` must carry `Authorization: Bearer KEY`.
@@ -255,6 +257,20 @@ async fn serve(
                 s.context
             ),
         )
+        .into_response();
+    }
+    // Past the model: 400 (above); past the server's own limit: 413.
+    if let Some(most) = s.max_prompt.filter(|&m| prompt.len() > m) {
+        return ApiError {
+            param: Some(field.to_string()),
+            ..ApiError::status(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!(
+                    "the prompt holds {} tokens; this server takes at most {most} (--max-prompt-tokens)",
+                    prompt.len()
+                ),
+            )
+        }
         .into_response();
     }
     let max_tokens = match (params.max_tokens, endpoint) {

@@ -43,15 +43,30 @@ impl<'a> Case<'a> {
 
 #[test]
 fn bad_requests_get_4xx_and_the_server_keeps_serving() -> Result<()> {
-    let server = Server::start(&["--max-body", "256KiB", "--ctx-size", "512"])?;
+    let server = Server::start(&[
+        "--max-body",
+        "256KiB",
+        "--ctx-size",
+        "512",
+        "--max-prompt-tokens",
+        "300",
+    ])?;
     let a = agent();
     let completions = server.url("/v1/completions");
     let chat = server.url("/v1/chat/completions");
     let embeddings = server.url("/v1/embeddings");
     let many_stops: Vec<String> = (0..10_000).map(|i| format!("s{i}")).collect();
     let long_prompt: Vec<u32> = vec![42; 600];
+    let over_limit: Vec<u32> = vec![42; 350];
     let cases: Vec<Case> = vec![
         Case::new("oversized", &completions, vec![b'a'; 300_000], 413, None),
+        Case::new(
+            "past --max-prompt-tokens",
+            &completions,
+            serde_json::to_vec(&json!({"prompt": over_limit}))?,
+            413,
+            Some("prompt"),
+        ),
         Case::new(
             "truncated",
             &completions,
