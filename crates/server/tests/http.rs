@@ -7,10 +7,10 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
-use common::{agent, get, metric, post, Server};
+use common::{agent, completion_text, get, metric, post, wait_for_metrics, Server};
 use serde_json::{json, Value};
 
 /// A hostile request and the answer it must get.
@@ -340,22 +340,12 @@ fn start_stream(base: &str) -> Result<TcpStream> {
     Ok(conn)
 }
 
-/// Polls `/metrics` until nothing runs or waits, then returns it.
-fn settled(a: &ureq::Agent, server: &Server) -> Result<String> {
-    let start = Instant::now();
-    loop {
-        let (_, m) = get(a, &server.url("/metrics"))?;
-        let running = metric(&m, "kvpolicy_requests_running");
-        let queued = metric(&m, "kvpolicy_requests_queued");
-        if running == Some(0.0) && queued == Some(0.0) {
-            return Ok(m);
-        }
-        ensure!(
-            start.elapsed() < Duration::from_secs(120),
-            "still busy:\n{m}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+/// `/metrics` once nothing runs or waits.
+fn settled(server: &Server) -> Result<String> {
+    wait_for_metrics(server, Duration::from_secs(120), "an idle server", |m| {
+        metric(m, "kvpolicy_requests_running") == Some(0.0)
+            && metric(m, "kvpolicy_requests_queued") == Some(0.0)
+    })
 }
 
 #[test]
@@ -370,7 +360,7 @@ fn clients_that_disconnect_mid_stream_leave_no_kv() -> Result<()> {
             .with_context(|| format!("round {round}"))?;
         drop(conns);
     }
-    let m = settled(&a, &server)?;
+    let m = settled(&server)?;
     for tier in ["device", "host", "disk"] {
         let line = format!(r#"kvpolicy_kv_bytes{{tier="{tier}"}}"#);
         ensure!(metric(&m, &line) == Some(0.0), "{line}:\n{m}");
@@ -404,22 +394,15 @@ fn sigterm_during_load_exits_cleanly() -> Result<()> {
         })
         .collect();
     // Two decoding, two waiting.
-    let start = Instant::now();
-    loop {
-        let (_, m) = get(&agent(), &server.url("/metrics"))?;
-        let busy = (
-            metric(&m, "kvpolicy_requests_running"),
-            metric(&m, "kvpolicy_requests_queued"),
-        );
-        if busy == (Some(2.0), Some(2.0)) {
-            break;
-        }
-        ensure!(
-            start.elapsed() < Duration::from_secs(60),
-            "not loaded:\n{m}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_for_metrics(
+        &server,
+        Duration::from_secs(60),
+        "2 running, 2 queued",
+        |m| {
+            metric(m, "kvpolicy_requests_running") == Some(2.0)
+                && metric(m, "kvpolicy_requests_queued") == Some(2.0)
+        },
+    )?;
     let status = server.terminate(Duration::from_secs(30))?;
     ensure!(status.success(), "exit status {status}");
     for c in clients {
@@ -454,15 +437,9 @@ fn every_policy_serves_a_batch() -> Result<()> {
             let handles: Vec<_> = (0..3)
                 .map(|_| {
                     let url = url.clone();
-                    s.spawn(move || -> Result<String> {
-                        let body = br#"{"prompt": "The capital of France is", "max_tokens": 6}"#;
-                        let (status, text) = post(&agent(), &url, body)?;
-                        ensure!(status == 200, "{text}");
-                        let v: Value = serde_json::from_str(&text)?;
-                        Ok(v["choices"][0]["text"]
-                            .as_str()
-                            .context("text")?
-                            .to_string())
+                    s.spawn(move || {
+                        let body = json!({"prompt": "The capital of France is", "max_tokens": 6});
+                        completion_text(&agent(), &url, &body)
                     })
                 })
                 .collect();
@@ -509,18 +486,9 @@ fn a_full_queue_answers_429_and_sigterm_removes_the_disk_tier() -> Result<()> {
         let body = long.clone();
         std::thread::spawn(move || post(&agent(), &url, body.as_bytes()))
     };
-    let start = Instant::now();
-    loop {
-        let (_, m) = get(&agent(), &server.url("/metrics"))?;
-        if metric(&m, "kvpolicy_requests_queued") == Some(1.0) {
-            break;
-        }
-        ensure!(
-            start.elapsed() < Duration::from_secs(60),
-            "nothing queued:\n{m}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_for_metrics(&server, Duration::from_secs(60), "1 queued", |m| {
+        metric(m, "kvpolicy_requests_queued") == Some(1.0)
+    })?;
     let mut r = agent()
         .post(&url)
         .header("content-type", "application/json")

@@ -4,9 +4,12 @@
 //! (`/metrics` counts the lookups, hits, restored tokens and stored chunks).
 mod common;
 
-use anyhow::{ensure, Context, Result};
-use common::{agent, get, metric, post, Server};
-use serde_json::{json, Value};
+use std::time::Duration;
+
+use anyhow::{ensure, Result};
+
+use common::{agent, completion_text, metric, wait_for_metrics, Server};
+use serde_json::json;
 
 fn ids(n: usize, salt: usize) -> Vec<usize> {
     (0..n).map(|k| 100 + (k * 53 + salt * 7) % 3000).collect()
@@ -14,35 +17,19 @@ fn ids(n: usize, salt: usize) -> Vec<usize> {
 
 fn greedy(a: &ureq::Agent, server: &Server, prompt: &[usize]) -> Result<String> {
     let body = json!({"prompt": prompt, "max_tokens": 8, "temperature": 0});
-    let (status, text) = post(
-        a,
-        &server.url("/v1/completions"),
-        &serde_json::to_vec(&body)?,
-    )?;
-    ensure!(status == 200, "{text}");
-    let v: Value = serde_json::from_str(&text)?;
-    Ok(v["choices"][0]["text"]
-        .as_str()
-        .context("text")?
-        .to_string())
+    completion_text(a, &server.url("/v1/completions"), &body)
 }
 
 /// The counter `name` once it reads `want` (the engine stores a request's chunks just
 /// after its answer, so the counters may trail the answer briefly).
-fn counter(a: &ureq::Agent, server: &Server, name: &str, want: f64) -> Result<()> {
-    let start = std::time::Instant::now();
-    loop {
-        let (_, m) = get(a, &server.url("/metrics"))?;
-        let got = metric(&m, name).with_context(|| format!("no {name} in\n{m}"))?;
-        if got == want {
-            return Ok(());
-        }
-        ensure!(
-            start.elapsed() < std::time::Duration::from_secs(10),
-            "{name} = {got}, not {want}"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
+fn counter(server: &Server, name: &str, want: f64) -> Result<()> {
+    wait_for_metrics(
+        server,
+        Duration::from_secs(10),
+        &format!("{name} = {want}"),
+        |m| metric(m, name) == Some(want),
+    )?;
+    Ok(())
 }
 
 #[test]
@@ -64,19 +51,13 @@ fn prompts_restore_earlier_chunks_from_ram_and_files_and_answer_alike() -> Resul
     let (fresh_doc, fresh_other) = {
         let server = Server::start(&flags)?;
         let first = greedy(&a, &server, &doc)?;
-        counter(&a, &server, "kvpolicy_prefix_cache_hits_total", 0.0)?;
+        counter(&server, "kvpolicy_prefix_cache_hits_total", 0.0)?;
         // 299 tokens before the last: 4 whole chunks of 64.
-        counter(
-            &a,
-            &server,
-            "kvpolicy_prefix_cache_stored_chunks_total",
-            4.0,
-        )?;
+        counter(&server, "kvpolicy_prefix_cache_stored_chunks_total", 4.0)?;
         // Again, from RAM: the 4 chunks restored, the same answer.
         ensure!(greedy(&a, &server, &doc)? == first);
-        counter(&a, &server, "kvpolicy_prefix_cache_hits_total", 1.0)?;
+        counter(&server, "kvpolicy_prefix_cache_hits_total", 1.0)?;
         counter(
-            &a,
             &server,
             "kvpolicy_prefix_cache_restored_tokens_total",
             256.0,
@@ -84,7 +65,6 @@ fn prompts_restore_earlier_chunks_from_ram_and_files_and_answer_alike() -> Resul
         // A prompt sharing the first 200 tokens restores 3 chunks.
         let shared = greedy(&a, &server, &other)?;
         counter(
-            &a,
             &server,
             "kvpolicy_prefix_cache_restored_tokens_total",
             448.0,
@@ -96,7 +76,6 @@ fn prompts_restore_earlier_chunks_from_ram_and_files_and_answer_alike() -> Resul
     ensure!(greedy(&a, &server, &doc)? == fresh_doc);
     ensure!(greedy(&a, &server, &other)? == fresh_other);
     counter(
-        &a,
         &server,
         "kvpolicy_prefix_cache_restored_tokens_total",
         256.0 + 192.0,

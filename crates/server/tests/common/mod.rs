@@ -109,3 +109,37 @@ pub fn metric(text: &str, name: &str) -> Option<f64> {
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse().ok())
 }
+
+/// Polls `/metrics` until `ready` holds for its text (returned), for at most `within`.
+pub fn wait_for_metrics(
+    server: &Server,
+    within: Duration,
+    what: &str,
+    ready: impl Fn(&str) -> bool,
+) -> Result<String> {
+    let a = agent();
+    let start = Instant::now();
+    loop {
+        let (_, m) = get(&a, &server.url("/metrics"))?;
+        if ready(&m) {
+            return Ok(m);
+        }
+        if start.elapsed() > within {
+            bail!("{what} not reached within {within:?}:\n{m}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// POSTs the completion request `body` to `url`: the first choice's text (a 200 required).
+pub fn completion_text(agent: &ureq::Agent, url: &str, body: &serde_json::Value) -> Result<String> {
+    let (status, text) = post(agent, url, &serde_json::to_vec(body)?)?;
+    if status != 200 {
+        bail!("{status}: {text}");
+    }
+    let v: serde_json::Value = serde_json::from_str(&text)?;
+    Ok(v["choices"][0]["text"]
+        .as_str()
+        .context("text")?
+        .to_string())
+}
