@@ -340,6 +340,7 @@ fn parse_size_or_zero(s: &str) -> std::result::Result<u64, String> {
     parse_budget(s)
 }
 
-pub(crate) fn parse_budget(s: &str) -> std::result::Result<u64, String> {
+/// A byte size as the flags spell it (`64MiB`, `2GB`).
+pub fn parse_budget(s: &str) -> std::result::Result<u64, String> {
     kvpolicy::parse_bytes(s).map_err(|e| e.to_string())
 }

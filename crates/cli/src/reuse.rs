@@ -46,13 +46,19 @@ pub fn check_flags(args: &Args) -> Result<()> {
 
 /// Refuses a policy that takes no K/V without attention, when K/V are to be restored.
 pub fn check_policy(args: &Args, policy: &mut dyn KvPolicy) -> Result<()> {
-    if let Some(flag) = restoring_flag(args) {
-        if policy.as_restore().is_none() {
-            bail!(
-                "`{}` cannot take restored K/V ({flag}): only full, layer, headwise and auto store K/V without attention; pick one of them",
-                policy.name()
-            );
-        }
+    match restoring_flag(args) {
+        Some(flag) => refuse_unrestorable(policy, flag),
+        None => Ok(()),
+    }
+}
+
+/// Refuses `policy` when it takes no K/V without attention; `flag` asked for a restore.
+pub fn refuse_unrestorable(policy: &mut dyn KvPolicy, flag: &str) -> Result<()> {
+    if policy.as_restore().is_none() {
+        bail!(
+            "`{}` cannot take restored K/V ({flag}): only full, layer, headwise and auto store K/V without attention; pick one of them",
+            policy.name()
+        );
     }
     Ok(())
 }

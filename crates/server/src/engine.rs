@@ -422,7 +422,6 @@ impl Engine {
 
     /// One request's share of the step: past its prompt, sample and send a token; finish.
     fn advance(&mut self, chunk: &SeqChunk, rows: &Tensor) -> anyhow::Result<()> {
-        let eos = self.model.info().eos.clone();
         let Some(a) = self.slots[chunk.seq].as_mut() else {
             return Ok(());
         };
@@ -452,7 +451,7 @@ impl Engine {
         a.last_token_at = Some(now);
         a.generated.push(tok);
         self.metrics.completion_tokens.inc();
-        let finish = if eos.contains(&tok) {
+        let finish = if self.model.info().eos.contains(&tok) {
             // What the detokenizer held back (a partial stop sequence, half a character).
             Some((Finish::Stop, a.detok.finish(&self.tok)?))
         } else {

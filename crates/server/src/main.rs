@@ -34,7 +34,8 @@ use anyhow::{Context, Result};
 use clap::{CommandFactory, FromArgMatches, Parser};
 use kvpolicy::models::engine::generate::kv_shape;
 use kvpolicy::models::{fingerprint, layer_specs, load, resolve, CausalLm, ModelSpec};
-use kvpolicy_cli::args::{ModelArgs, PolicyArgs, PrefixArgs};
+use kvpolicy_cli::args::{parse_budget, ModelArgs, PolicyArgs, PrefixArgs};
+use kvpolicy_cli::reuse::refuse_unrestorable;
 use kvpolicy_cli::{errors, flags, threads};
 
 use crate::engine::EngineConfig;
@@ -72,7 +73,7 @@ struct ServerArgs {
     #[arg(long, default_value_t = 256)]
     prefill_chunk: usize,
     /// Largest request body, e.g. 4MiB (413 past it).
-    #[arg(long, default_value = "4MiB", value_parser = parse_size)]
+    #[arg(long, default_value = "4MiB", value_parser = parse_budget)]
     max_body: u64,
     /// Prompt plus generated tokens per request at most (default: the model's positions).
     #[arg(long, value_name = "N")]
@@ -100,10 +101,6 @@ struct ServerArgs {
     /// Seed of --random-weights.
     #[arg(long, default_value_t = 299_792_458)]
     seed: u64,
-}
-
-fn parse_size(s: &str) -> std::result::Result<u64, String> {
-    kvpolicy::parse_bytes(s).map_err(|e| e.to_string())
 }
 
 fn main() -> ExitCode {
@@ -151,12 +148,8 @@ fn run(
     // A bad policy fails before the model loads.
     let mut policy = reg.build_batched_spec(&spec, &opts)?;
     if let Some(flag) = args.prefix.flag() {
-        if reg.build_spec(&spec, &opts)?.as_restore().is_none() {
-            anyhow::bail!(
-                "`{}` cannot take restored K/V ({flag}): only full, layer, headwise and auto store K/V without attention; pick one of them",
-                policy.name()
-            );
-        }
+        // The batched wrapper takes any restore; one request's policy says whether it can.
+        refuse_unrestorable(reg.build_spec(&spec, &opts)?.as_mut(), flag)?;
     }
     let files = resolve(&args.model.spec(ModelSpec::Default, args.seed)?)?;
     let loaded = load(&files, &device, dtype, args.model.tokenizer.as_deref())?;
@@ -217,9 +210,7 @@ fn run(
         max_prompt: args.max_prompt_tokens,
         metrics,
         api_key: args.api_key.clone(),
-        created: std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs()),
+        created: routes::unix_now(),
         next_id: AtomicU64::new(1),
     });
     let app = routes::router(state, usize::try_from(args.max_body).unwrap_or(usize::MAX));

@@ -341,7 +341,8 @@ async fn serve(
     }
 }
 
-fn unix_now() -> u64 {
+/// Seconds since the Unix epoch (0 on a clock before it).
+pub fn unix_now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
