@@ -1,0 +1,43 @@
+//! Start-up: flags the server refuses (one line naming the flag, a non-zero exit, nothing
+//! served), and `--served-model-name` in `/v1/models` and responses.
+mod common;
+
+use std::process::Command;
+
+use anyhow::{ensure, Result};
+use common::{agent, completion_text, get, Server};
+use serde_json::{json, Value};
+
+#[test]
+fn bad_flags_are_refused_naming_the_flag() -> Result<()> {
+    for (flags, want) in [
+        (&["--max-batch", "0"][..], "--max-batch 0"),
+        (&["--prefill-chunk", "0"][..], "--prefill-chunk 0"),
+        (&["--shutdown-timeout=-1"][..], "--shutdown-timeout -1"),
+        (&["--ctx-size", "99999999"][..], "--ctx-size 99999999"),
+        (&["--policy", "nonesuch"][..], "nonesuch"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_kvpolicy-server"))
+            .args(["--cpu", "--port", "0"])
+            .args(flags)
+            .output()?;
+        let err = String::from_utf8_lossy(&out.stderr);
+        ensure!(!out.status.success(), "{flags:?} started: {err}");
+        ensure!(err.contains(want), "{flags:?}: {err}");
+        ensure!(out.stdout.is_empty(), "{flags:?} printed an address");
+    }
+    Ok(())
+}
+
+#[test]
+fn the_served_model_name_is_what_clients_see() -> Result<()> {
+    let server = Server::start(&["--served-model-name", "smol"])?;
+    let a = agent();
+    let (status, text) = get(&a, &server.url("/v1/models"))?;
+    ensure!(status == 200, "{text}");
+    let v: Value = serde_json::from_str(&text)?;
+    ensure!(v["data"][0]["id"] == "smol", "{text}");
+    let body = json!({"prompt": "Hi", "max_tokens": 1});
+    completion_text(&a, &server.url("/v1/completions"), &body)?;
+    Ok(())
+}
