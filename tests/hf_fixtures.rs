@@ -111,3 +111,74 @@ fn fixtures_are_sensitive_to_position() -> Result<()> {
     let _ = Tensor::zeros(1, candle_core::DType::F32, &candle_core::Device::Cpu)?;
     Ok(())
 }
+
+/// Growth steps small enough that every sliding-window layer of the fixtures (windows of
+/// 8 tokens) drops its front many times over a fixture's prompt and decode.
+const SMALL_GROW: usize = 2;
+
+#[test]
+fn windowed_layers_keep_their_window_and_still_match_hf() -> Result<()> {
+    // Each lossless policy on buffers that drop what no later query sees (the device
+    // buffers of `full` and `auto`, the host tier of `layer`, `headwise` and `auto`'s
+    // streamed units): logits equal HF's, and every sliding-window layer holds at most its
+    // window and a step.
+    let windowed: Vec<String> = common::hf_fixtures()
+        .into_iter()
+        .filter(|n| {
+            common::load_fixture(n)
+                .is_ok_and(|l| l.model.info().windows.iter().any(Option::is_some))
+        })
+        .collect();
+    assert!(
+        windowed.len() >= 3,
+        "windowed fixtures missing: {windowed:?}"
+    );
+    let opts = PolicyOptions {
+        grow_tokens: SMALL_GROW,
+        ..PolicyOptions::default()
+    };
+    for name in &windowed {
+        let loaded = common::load_fixture(name)?;
+        let info = loaded.model.info().clone();
+        let (prompt, decode) = common::fixture_ids(name)?;
+        let want = common::fixture_logits(name)?;
+        let total = prompt.len() + decode.len();
+        for policy in ["full", "layer", "headwise:group=1", "auto"] {
+            for chunk in [1, 5] {
+                let mut p = build_policy(policy, &opts)?;
+                let got = common::teacher_forced_logits(
+                    loaded.model.as_ref(),
+                    p.as_mut(),
+                    &prompt,
+                    &decode,
+                    chunk,
+                )?;
+                let d = common::max_abs_diff(&got, &want)?;
+                assert!(
+                    d <= TOL,
+                    "{name} {policy} chunk {chunk}: max |Δlogit| = {d}"
+                );
+                // `full` on the device; `layer` and `headwise` on the host tier, which grows
+                // by 8 growth steps at a time.
+                let (held, grow) = match policy {
+                    "full" => (p.stats().device_kv_bytes, SMALL_GROW),
+                    "auto" => continue,
+                    _ => (p.stats().host_kv_bytes, 8 * SMALL_GROW),
+                };
+                let row = (2 * info.n_kv_heads * info.head_dim * 4) as u64;
+                let bound: u64 = info
+                    .windows
+                    .iter()
+                    .map(|w| kvpolicy::core::window_capacity(*w, total, chunk, grow) as u64 * row)
+                    .sum();
+                // Without dropping: every layer's buffer holds the whole run.
+                let whole = info.n_layers as u64 * (total.div_ceil(grow) * grow) as u64 * row;
+                assert!(
+                    held <= bound && bound < whole,
+                    "{name} {policy} chunk {chunk}: holds {held} B, bound {bound} B, whole {whole} B"
+                );
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,6 +1,6 @@
 //! llama.cpp in the same run: `scripts/llamacpp_bench.py` (llama-cpp-python 0.3.36) timed
 //! on the same GGUF, prompt ids, decode ids, threads, prefill chunk, steps and repeats as
-//! the policies' rows (its KV cache in f32, like ours on the CPU), so the `full ÷ llama.cpp`
+//! the policies' rows (its KV cache in f32 like ours on the CPU, or f16 with `--kv-dtype f16`), so the `full ÷ llama.cpp`
 //! ratios are measured side by side rather than copied from another day.
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -31,6 +31,8 @@ pub struct LlamaCpp {
     pub threads: usize,
     /// Prefill batch.
     pub chunk: usize,
+    /// Its default f16 KV cache instead of f32 (kvbench's `--kv-dtype f16`).
+    pub f16_kv: bool,
 }
 
 impl LlamaCpp {
@@ -52,6 +54,7 @@ impl LlamaCpp {
                 "--chunk",
                 &self.chunk.to_string(),
             ])
+            .args(self.f16_kv.then_some("--f16-kv"))
             .output()
             .with_context(|| {
                 format!(

@@ -98,6 +98,9 @@ struct Args {
     /// Cost profile for `recompute` (JSON); default: measured at the first step.
     #[arg(long)]
     profile: Option<PathBuf>,
+    /// LOSSY unless f32: store K/V as f16 or bf16 on every tier (full, layer, headwise, auto; q8_0 on the host tier only), as the runner's --kv-dtype; the llama.cpp row then uses its f16 cache.
+    #[arg(long, value_name = "f32|f16|bf16|q8_0", value_parser = kvpolicy_cli::args::parse_kv_dtype)]
+    kv_dtype: Option<kvpolicy::core::KvCodec>,
     /// Host-memory byte budget for KV (layer, headwise, auto): layers past it go to files under --disk-dir.
     #[arg(long, value_parser = parse_size, requires = "disk_dir")]
     host_kv_budget: Option<u64>,
@@ -179,6 +182,7 @@ fn run(mut args: Args) -> Result<()> {
         host_kv_budget: args.host_kv_budget,
         disk_dir: args.disk_dir.clone(),
         disk_io: args.disk_io,
+        kv_dtype: args.kv_dtype.unwrap_or_default(),
         ..PolicyOptions::default()
     };
     let variants: Vec<Variant> = sweep::join_specs(&args.policies)?
@@ -260,6 +264,9 @@ fn run(mut args: Args) -> Result<()> {
             gguf: gguf.clone(),
             threads: candle_core::utils::get_num_threads(),
             chunk: args.prefill_chunk,
+            f16_kv: args
+                .kv_dtype
+                .is_some_and(|c| c == kvpolicy::core::KvCodec::Float(candle_core::DType::F16)),
         }),
         (Some(_), _) => anyhow::bail!("--llamacpp needs a GGUF model (--gguf, or the default)"),
         (None, _) => None,

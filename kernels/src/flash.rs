@@ -96,9 +96,12 @@ impl CustomOp3 for FlashAttn {
             (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) => compute(g, p, q, k, v, m),
             (CpuStorage::F16(q), CpuStorage::F16(k), CpuStorage::F16(v)) => compute(g, p, q, k, v, m),
             (CpuStorage::BF16(q), CpuStorage::BF16(k), CpuStorage::BF16(v)) => compute(g, p, q, k, v, m),
+            // f32 queries over a cache stored smaller (`--kv-dtype`), widened tile by tile.
+            (CpuStorage::F32(q), CpuStorage::F16(k), CpuStorage::F16(v)) => compute(g, p, q, k, v, m),
+            (CpuStorage::F32(q), CpuStorage::BF16(k), CpuStorage::BF16(v)) => compute(g, p, q, k, v, m),
             _ => {
                 return Err(candle_core::Error::Msg(format!(
-                    "flash_attn: queries, keys and values must share one of f32, f16, bf16 (got {:?}, {:?}, {:?})",
+                    "flash_attn: keys and values must share a dtype, and queries be in it or f32 (got {:?}, {:?}, {:?})",
                     q.dtype(),
                     k.dtype(),
                     v.dtype()

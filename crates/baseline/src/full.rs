@@ -1,14 +1,20 @@
 //! `full`: all K/V of all layers on the device tier — the reference policy.
 //!
-//! Each layer owns a [`KvBuffer`] that grows by whole chunks, so a decode step writes its
-//! new entries in place and attends over a strided view of the buffer. With a device
-//! budget the policy fails before allocating past it and points to the offload policies.
+//! Each layer owns a [`WindowKv`] that grows by whole chunks, so a decode step writes its
+//! new entries in place and attends over a strided view of the buffer. A sliding-window
+//! layer (Mistral, Gemma 2/3) keeps only its window and a step: the tokens no later query
+//! sees are dropped before its buffer would grow (Gemma 3 holds 3 histories and 15
+//! windows, not 18 histories). With `kv_dtype` f16 or bf16 (LOSSY, opt-in) the buffers
+//! hold that type: a step's K/V are converted as they are stored and the attention kernel
+//! reads the stored form in place, accumulating in f32 — llama.cpp's `--cache-type-k f16`.
+//! With a device budget the policy fails before allocating past it and points to the
+//! offload policies.
 use candle_core::{Device, Tensor};
 use kvpolicy_core::{
-    attend_partial, round_up, Advice, AttnInputs, AttnStep, DeviceMeter, Knob, KvBuffer, KvError,
-    KvPolicy, KvShape, KvStats, PolicyOption, PolicyOptions, Result,
+    attend_partial, window_capacity, Advice, AttnInputs, AttnStep, DeviceMeter, Knob, KvError,
+    KvPolicy, KvShape, KvStats, PolicyOption, PolicyOptions, Result, WindowKv,
 };
-use kvpolicy_core::{KvRestore, Need};
+use kvpolicy_core::{KvCodec, KvRestore, Need};
 
 /// Why `full` cannot shrink to a device budget.
 const NOTE: &str = "`full` keeps every layer's KV on the device";
@@ -26,25 +32,35 @@ fn advice() -> Vec<Advice> {
 /// Everything on the device: the reference policy.
 #[derive(Debug)]
 pub struct FullPolicy {
-    layers: Vec<KvBuffer>,
+    layers: Vec<WindowKv>,
     grow_tokens: usize,
     meter: DeviceMeter,
     device: Device,
     shape: Option<KvShape>,
+    /// The form K/V are stored in (`kv_dtype`).
+    codec: KvCodec,
     stats: KvStats,
 }
 
 impl FullPolicy {
-    /// A `full` policy with the options' growth chunk and device budget.
-    pub fn new(opts: &PolicyOptions) -> Self {
-        Self {
+    /// A `full` policy with the options' growth chunk, device budget and KV dtype; an
+    /// error for a `kv_dtype` its buffers cannot hold (q8_0: the host tier's form).
+    pub fn new(opts: &PolicyOptions) -> Result<Self> {
+        if opts.kv_dtype == KvCodec::Q8_0 {
+            return Err(KvError::Unsupported(
+                "`full` stores `kv_dtype` f32, f16 or bf16 on the device; q8_0 is stored on the host tier only (layer, headwise, auto)"
+                    .into(),
+            ));
+        }
+        Ok(Self {
             layers: Vec::new(),
             grow_tokens: opts.grow_tokens,
             meter: DeviceMeter::new(opts.device_kv_budget),
             device: opts.device.clone(),
             shape: None,
+            codec: opts.kv_dtype,
             stats: KvStats::default(),
-        }
+        })
     }
 }
 
@@ -55,11 +71,23 @@ impl KvPolicy for FullPolicy {
 
     fn prepare(&mut self, shape: &KvShape) -> Result<()> {
         self.shape = Some(shape.clone());
+        self.stats.lossy = self.codec.lossy(shape.dtype);
+        // Bytes as stored.
+        let shape = &KvShape {
+            dtype: self.codec.stored(shape.dtype, shape.head_dim).0,
+            ..shape.clone()
+        };
         if let Some(budget) = self.meter.budget() {
-            let cap = round_up(shape.max_tokens, self.grow_tokens);
             let scratch =
                 shape.step_scratch_bytes(shape.n_kv_heads, shape.max_tokens, &self.device);
-            let need = shape.n_layers as u64 * shape.kv_bytes(shape.n_kv_heads, cap) + scratch;
+            let step = shape.largest_step();
+            let window = |l: usize| shape.windows.get(l).copied().flatten();
+            let need = (0..shape.n_layers)
+                .map(|l| {
+                    let cap = window_capacity(window(l), shape.max_tokens, step, self.grow_tokens);
+                    shape.kv_bytes(shape.n_kv_heads, cap)
+                })
+                .fold(scratch, u64::saturating_add);
             if need > budget {
                 return Err(self.meter.exceeded(
                     format!(
@@ -79,15 +107,16 @@ impl KvPolicy for FullPolicy {
 
     fn attend(&mut self, step: &AttnStep<'_>) -> Result<Tensor> {
         self.append_kv(step)?;
+        let start = step.spec.window_start(step.pos);
         let buf = &self.layers[step.layer];
-        let (k, v) = buf.view(0, buf.len())?;
+        let (k, v) = buf.view(start, buf.end())?;
         let out = attend_partial(
             AttnInputs {
                 q: step.q,
                 k: &k,
                 v: &v,
                 q_pos: step.pos,
-                k_pos: 0,
+                k_pos: start,
             },
             step.spec,
         )?;
@@ -98,7 +127,7 @@ impl KvPolicy for FullPolicy {
     }
 
     fn seq_len(&self) -> usize {
-        self.layers.first().map(KvBuffer::len).unwrap_or(0)
+        self.layers.first().map(WindowKv::end).unwrap_or(0)
     }
 
     fn reset(&mut self) {
@@ -124,30 +153,37 @@ impl KvPolicy for FullPolicy {
 impl KvRestore for FullPolicy {
     fn append_kv(&mut self, step: &AttnStep<'_>) -> Result<()> {
         while self.layers.len() <= step.layer {
-            self.layers.push(KvBuffer::new(self.grow_tokens));
+            self.layers.push(WindowKv::new(self.grow_tokens));
         }
         let buf = &mut self.layers[step.layer];
-        if step.pos != buf.len() {
+        if step.pos != buf.end() {
             return Err(KvError::OutOfOrder {
                 seq: step.seq,
                 layer: step.layer,
-                held: buf.len(),
+                held: buf.end(),
                 pos: step.pos,
             });
         }
-        let grow = buf.growth_bytes(step.k)?;
+        let t = step.k.dim(2)?;
+        buf.make_room(step.spec.window_start(step.pos), t)?;
+        // Converted as they are stored (nothing to do in the model's dtype).
+        let (k, v) = (self.codec.encode(step.k)?, self.codec.encode(step.v)?);
+        if self.codec.lossy(step.k.dtype()) {
+            self.stats.lossy = true;
+        }
+        let grow = buf.growth_bytes(&k)?;
         if grow > 0 && !self.meter.fits(grow) {
             return Err(self.meter.exceeded(
                 format!(
                     "growing layer {} to {} tokens",
                     step.layer,
-                    buf.capacity_for(buf.len() + step.k.dim(2)?)
+                    buf.buffer().capacity_for(buf.buffer().len() + t)
                 ),
                 Need::More(grow),
                 NOTE,
                 advice(),
             ));
         }
-        buf.append_metered(step.k, step.v, &mut self.meter)
+        buf.append_metered(&k, &v, &mut self.meter)
     }
 }

@@ -20,7 +20,7 @@ pub fn register(reg: &mut PolicyRegistry) {
     reg.register(
         "full",
         "every layer's K/V on the device (the reference)",
-        &[PolicyOption::DeviceKvBudget],
-        |o, _: NoSettings| Ok(Box::new(FullPolicy::new(o))),
+        &[PolicyOption::DeviceKvBudget, PolicyOption::KvDtype],
+        |o, _: NoSettings| Ok(Box::new(FullPolicy::new(o)?)),
     );
 }

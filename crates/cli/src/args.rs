@@ -133,6 +133,9 @@ pub struct PolicyArgs {
     /// LOSSY, opt-in: store the host tier's (and disk tier's) K/V as f16, bf16 (half the bytes of f32) or q8_0 (0.27×) and expand them before attention (layer, headwise, auto); logits differ from full (README "Beyond host memory" gives the measured deviation).
     #[arg(long, value_name = "f16|bf16|q8_0", value_parser = parse_host_dtype)]
     pub host_kv_dtype: Option<KvCodec>,
+    /// LOSSY unless f32, opt-in: store K/V as f16 or bf16 on every tier — the device's buffers (read in place by attention, f32 accumulation) and the host and disk tiers unless --host-kv-dtype says otherwise (full, layer, headwise, auto); q8_0 on the host tier only (layer, headwise, auto). Like llama.cpp's --cache-type-k/v; README "CPU speed against llama.cpp" gives the measured deviation.
+    #[arg(long, value_name = "f32|f16|bf16|q8_0", value_parser = parse_kv_dtype)]
+    pub kv_dtype: Option<KvCodec>,
     /// Directory for the disk tier's files (one per layer; removed at the end, on error and on Ctrl-C); without --host-kv-budget every layer's KV is on disk.
     #[arg(long, value_name = "DIR")]
     pub disk_dir: Option<PathBuf>,
@@ -317,8 +320,24 @@ impl PolicyArgs {
             disk_dir: self.disk_dir.clone(),
             disk_io: self.disk_io,
             host_kv_dtype: self.host_kv_dtype.unwrap_or_default(),
+            kv_dtype: self.kv_dtype.unwrap_or_default(),
             ..PolicyOptions::default()
         })
+    }
+
+    /// The flag that stores K/V in a smaller form, for a LOSSY label: `--kv-dtype` or
+    /// `--host-kv-dtype` when given (`None`: neither).
+    pub fn smaller_storage(&self) -> Option<&'static str> {
+        match (self.kv_dtype, self.host_kv_dtype) {
+            (Some(_), _) => Some("--kv-dtype"),
+            (None, Some(_)) => Some("--host-kv-dtype"),
+            (None, None) => None,
+        }
+    }
+
+    /// How the host tier stores K/V: `--host-kv-dtype`, else `--kv-dtype`, else the model's.
+    pub fn host_codec(&self) -> KvCodec {
+        self.host_kv_dtype.or(self.kv_dtype).unwrap_or_default()
     }
 }
 
@@ -329,6 +348,16 @@ fn parse_host_dtype(s: &str) -> std::result::Result<KvCodec, String> {
         "bf16" => Ok(KvCodec::Float(DType::BF16)),
         "q8_0" => Ok(KvCodec::Q8_0),
         other => Err(format!("`{other}`: use f16, bf16 or q8_0")),
+    }
+}
+
+/// `--kv-dtype`: the forms K/V can be stored in (f32 is the model's own on the CPU).
+pub fn parse_kv_dtype(s: &str) -> std::result::Result<KvCodec, String> {
+    match s {
+        "f32" => Ok(KvCodec::Float(DType::F32)),
+        other => {
+            parse_host_dtype(other).map_err(|_| format!("`{other}`: use f32, f16, bf16 or q8_0"))
+        }
     }
 }
 

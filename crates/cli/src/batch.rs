@@ -225,10 +225,9 @@ fn write_outputs(
         let _ = writeln!(
             std::io::stderr(),
             "LOSSY: logits differ from full ({})",
-            if args.kv.host_kv_dtype.is_some() {
-                "K/V stored in the smaller --host-kv-dtype"
-            } else {
-                "an approximate policy"
+            match args.kv.smaller_storage() {
+                Some(flag) => format!("K/V stored in the smaller {flag}"),
+                None => "an approximate policy".into(),
             }
         );
     }

@@ -18,6 +18,7 @@ fn option_id(option: PolicyOption) -> &'static str {
         PolicyOption::HostKvBudget => "host_kv_budget",
         PolicyOption::DiskDir => "disk_dir",
         PolicyOption::HostKvDtype => "host_kv_dtype",
+        PolicyOption::KvDtype => "kv_dtype",
     }
 }
 
@@ -30,6 +31,7 @@ pub fn option_flag(option: PolicyOption) -> &'static str {
         PolicyOption::HostKvBudget => "--host-kv-budget",
         PolicyOption::DiskDir => "--disk-dir",
         PolicyOption::HostKvDtype => "--host-kv-dtype",
+        PolicyOption::KvDtype => "--kv-dtype",
     }
 }
 

@@ -63,11 +63,7 @@ fn final_len(args: &Args, info: &ModelInfo, prompt: usize) -> usize {
 /// Each layer's K/V bytes at `t` tokens in the form the host tier stores (windowed layers
 /// at their window).
 fn layer_bytes(args: &Args, info: &ModelInfo, t: usize) -> Vec<u64> {
-    let row = args
-        .kv
-        .host_kv_dtype
-        .unwrap_or_default()
-        .row_bytes(info.dtype, info.head_dim);
+    let row = args.kv.host_codec().row_bytes(info.dtype, info.head_dim);
     let per_token = 2u64
         .saturating_mul(info.n_kv_heads as u64)
         .saturating_mul(row);

@@ -243,7 +243,7 @@ fn run(
 
     let info = model.info();
     let stats = policy.stats();
-    summary::print(&gen, &stats, policy.name(), args.kv.host_kv_dtype.is_some());
+    summary::print(&gen, &stats, policy.name(), args.kv.smaller_storage());
     let cache_stats = reusing.as_ref().and_then(reuse::Reusing::cache_stats);
     let (prefix_out, session) = match reused {
         Some((req, session)) => {

@@ -18,9 +18,9 @@ pub fn metrics_text(stats: &KvStats) -> String {
     items.join(", ")
 }
 
-/// Prints the summary of `gen` under `policy` with its final `stats`; `compressed`: the
-/// host tier stores K/V in a smaller dtype (`--host-kv-dtype`).
-pub fn print(gen: &Generation, stats: &KvStats, policy: &str, compressed: bool) {
+/// Prints the summary of `gen` under `policy` with its final `stats`; `smaller`: the flag
+/// that stores K/V in a smaller dtype (`--kv-dtype`, `--host-kv-dtype`), if given.
+pub fn print(gen: &Generation, stats: &KvStats, policy: &str, smaller: Option<&str>) {
     let _ = writeln!(
         std::io::stderr(),
         "{} prompt tokens in {:.2}s ({:.1} tok/s); {} decode steps in {:.2}s ({:.1} tok/s); policy {}; device KV peak {}; step scratch peak {}; recomputed {} tokens",
@@ -68,10 +68,11 @@ pub fn print(gen: &Generation, stats: &KvStats, policy: &str, compressed: bool) 
         moved += &format!("; {policy}: {}", metrics_text(stats));
     }
     if stats.lossy {
-        moved += if compressed {
-            "; LOSSY: K/V stored in the smaller --host-kv-dtype, logits differ from full"
-        } else {
-            "; LOSSY: an approximate policy, logits differ from full"
+        moved += &match smaller {
+            Some(flag) => {
+                format!("; LOSSY: K/V stored in the smaller {flag}, logits differ from full")
+            }
+            None => "; LOSSY: an approximate policy, logits differ from full".into(),
         };
     }
     let _ = writeln!(std::io::stderr(), "{moved}");

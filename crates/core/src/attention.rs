@@ -23,7 +23,7 @@
 //!   window and returns no log-sum-exp, both of which the policies need.
 //! * [`eager`] keeps the whole-call eager attention (every score at once) as the reference
 //!   the tests compare against.
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 pub use kvpolicy_kernels::CallShape;
 use kvpolicy_kernels::{flash_attn, FlashParams};
 
@@ -99,8 +99,18 @@ pub fn attend_partial(x: AttnInputs<'_>, spec: &AttnSpec) -> Result<Partial> {
             tiled::Tiles::default(),
         );
     }
+    // The kernel reads K/V of q's dtype, or f16/bf16 under f32 queries (a cache stored
+    // smaller, `kv_dtype`) in place; anything else is converted to q's dtype first.
     let dt = q.dtype();
-    let (k, v) = (k.to_dtype(dt)?, v.to_dtype(dt)?);
+    let in_place = k.dtype() == dt
+        || (dt == DType::F32
+            && matches!(k.dtype(), DType::F16 | DType::BF16)
+            && v.dtype() == k.dtype());
+    let (k, v) = if in_place {
+        (k.clone(), v.clone())
+    } else {
+        (k.to_dtype(dt)?, v.to_dtype(dt)?)
+    };
     let f = flash_attn(
         q,
         &k,

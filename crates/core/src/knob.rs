@@ -19,17 +19,20 @@ pub enum PolicyOption {
     DiskDir,
     /// `host_kv_dtype`.
     HostKvDtype,
+    /// `kv_dtype`.
+    KvDtype,
 }
 
 impl PolicyOption {
     /// Every option.
-    pub const ALL: [Self; 6] = [
+    pub const ALL: [Self; 7] = [
         Self::DeviceKvBudget,
         Self::Profile,
         Self::LinkBandwidth,
         Self::HostKvBudget,
         Self::DiskDir,
         Self::HostKvDtype,
+        Self::KvDtype,
     ];
 
     /// Its field in [`PolicyOptions`](crate::PolicyOptions), e.g. `device_kv_budget` (how
@@ -42,6 +45,7 @@ impl PolicyOption {
             Self::HostKvBudget => "host_kv_budget",
             Self::DiskDir => "disk_dir",
             Self::HostKvDtype => "host_kv_dtype",
+            Self::KvDtype => "kv_dtype",
         }
     }
 }

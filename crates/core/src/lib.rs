@@ -44,6 +44,7 @@ pub mod stats;
 pub mod step;
 pub mod storage;
 pub mod userfile;
+pub mod window;
 
 pub use attention::{attend, attend_partial, merge_partials, AttnInputs, AttnSpec, Partial};
 pub use batch::{PerSequence, PolicyFactory};
@@ -64,3 +65,4 @@ pub use size::{format_bytes, parse_bytes};
 pub use stats::{DeviceMeter, KvStats, MetricKind, Need, PolicyMetric};
 pub use step::{AttnStep, KvShape};
 pub use storage::{DiskIo, KvCodec};
+pub use window::{window_capacity, WindowKv};

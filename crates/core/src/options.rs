@@ -31,6 +31,22 @@ pub struct PolicyOptions {
     /// the streaming buffers), decoded to the model's dtype before attention — f16, bf16
     /// or q8_0; `Model` (the default) = the model's own dtype, lossless.
     pub host_kv_dtype: crate::storage::KvCodec,
+    /// LOSSY unless `Model` (or wider than the model's dtype), opt-in: the form K/V are
+    /// stored in on every tier — the device's buffers (read in place by the attention
+    /// kernel, f32 accumulation) and the host and disk tiers unless `host_kv_dtype` says
+    /// otherwise. A step's K/V are computed exactly and converted when stored; attention
+    /// reads what is stored. `Model` (the default) = the model's own dtype.
+    pub kv_dtype: crate::storage::KvCodec,
+}
+
+impl PolicyOptions {
+    /// How the host and disk tiers store K/V: `host_kv_dtype` when set, else `kv_dtype`.
+    pub fn host_codec(&self) -> crate::storage::KvCodec {
+        match self.host_kv_dtype {
+            crate::storage::KvCodec::Model => self.kv_dtype,
+            c => c,
+        }
+    }
 }
 
 impl Default for PolicyOptions {
@@ -45,6 +61,7 @@ impl Default for PolicyOptions {
             disk_dir: None,
             disk_io: crate::storage::DiskIo::Direct,
             host_kv_dtype: crate::storage::KvCodec::Model,
+            kv_dtype: crate::storage::KvCodec::Model,
         }
     }
 }

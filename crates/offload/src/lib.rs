@@ -103,6 +103,7 @@ const READS: &[PolicyOption] = &[
     PolicyOption::HostKvBudget,
     PolicyOption::DiskDir,
     PolicyOption::HostKvDtype,
+    PolicyOption::KvDtype,
 ];
 
 /// Builds the `layer` policy: all KV on the host, two buffers of one layer each on the

@@ -15,31 +15,8 @@ use std::collections::HashMap;
 use candle_core::Tensor;
 use kvpolicy_core::Result;
 use kvpolicy_core::{
-    attend_partial, round_up, AttnInputs, AttnStep, DeviceMeter, KvBuffer, KvShape, Partial,
+    attend_partial, round_up, AttnInputs, AttnStep, DeviceMeter, KvShape, Partial, WindowKv,
 };
-
-/// One resident unit's device K/V: tokens `base..base + buf.len()`.
-#[derive(Debug)]
-pub(crate) struct ResidentKv {
-    buf: KvBuffer,
-    base: usize,
-}
-
-impl ResidentKv {
-    /// Its K and V with the position of their first token; `None` when it holds none
-    /// (tokens before that position were dropped from a window: no query reads them again).
-    pub(crate) fn history(&self) -> Result<Option<((Tensor, Tensor), usize)>> {
-        if self.buf.is_empty() {
-            return Ok(None);
-        }
-        Ok(Some((self.buf.view(0, self.buf.len())?, self.base)))
-    }
-
-    /// Device bytes its buffer holds.
-    pub(crate) fn allocated_bytes(&self) -> u64 {
-        self.buf.allocated_bytes()
-    }
-}
 
 /// What became of a unit attended in place ([`Residency::attend`]).
 pub(crate) enum InPlace {
@@ -67,7 +44,7 @@ pub(crate) enum Placed {
 pub(crate) struct Residency {
     /// Per unit (`layer · groups + group`), in first-run order: its device buffer while
     /// resident, `None` for a streamed (or demoted) unit.
-    units: Vec<Option<ResidentKv>>,
+    units: Vec<Option<WindowKv>>,
     /// Whether the run's first step has planned.
     planned: bool,
     /// Bytes left for units not decided yet (`None`: no budget, every unit resident).
@@ -103,18 +80,13 @@ impl Residency {
         let Some(res) = self.units.get_mut(unit).and_then(Option::as_mut) else {
             return Ok(Placed::Streams);
         };
-        let start = step.spec.window_start(step.pos);
-        if res.buf.len() + t > res.buf.capacity() && start > res.base {
-            // No later query sees the tokens before the window: drop them, not grow.
-            res.buf.drop_front(start - res.base)?;
-            res.base = start;
-        }
-        let buf = &mut res.buf;
-        let grow = buf.growth_bytes(kn)?;
+        // No later query sees the tokens before the window: drop them, not grow.
+        res.make_room(step.spec.window_start(step.pos), t)?;
+        let grow = res.growth_bytes(kn)?;
         if grow > 0 && !meter.fits(grow + reserve) {
             return Ok(Placed::Demote);
         }
-        buf.append_metered(kn, vn, meter)?;
+        res.append_metered(kn, vn, meter)?;
         Ok(Placed::Appended)
     }
 
@@ -138,7 +110,7 @@ impl Residency {
         };
         let (pos, t) = (step.pos, kn.dim(2)?);
         let start = step.spec.window_start(pos);
-        let (k, v) = res.buf.view(start - res.base, pos + t - start)?;
+        let (k, v) = res.view(start, pos + t)?;
         Ok(InPlace::Attended(attend_partial(
             AttnInputs {
                 q,
@@ -220,10 +192,7 @@ impl Residency {
                     .take_room(u, self.unit_bytes)
                     .then_some(self.plan_cap.max(grow_tokens)),
             };
-            self.units.push(tokens.map(|t| ResidentKv {
-                buf: KvBuffer::new(t),
-                base: 0,
-            }));
+            self.units.push(tokens.map(WindowKv::new));
         }
     }
 
@@ -236,7 +205,7 @@ impl Residency {
     }
 
     /// Takes `unit` off the device for good, returning its buffer (counted as a demotion).
-    pub(crate) fn demote(&mut self, unit: usize) -> Option<ResidentKv> {
+    pub(crate) fn demote(&mut self, unit: usize) -> Option<WindowKv> {
         let buf = self.units.get_mut(unit).and_then(Option::take);
         if buf.is_some() {
             self.demotions += 1;

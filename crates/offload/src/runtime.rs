@@ -19,11 +19,11 @@
 //! what they share — the link, the host tier, the device meter, the stats — and lends it to
 //! their methods.
 use candle_core::Tensor;
-use kvpolicy_core::KvRestore;
 use kvpolicy_core::{
     attend_partial, AttnInputs, AttnStep, DeviceMeter, KvPolicy, KvShape, KvStats, PolicyMetric,
     PolicyOptions, Result, TokenRange,
 };
+use kvpolicy_core::{KvCodec, KvRestore};
 use kvpolicy_tiered::{report_device, DiskTier, HostLayers, Link, TransferEngine, WriteAt};
 
 use crate::plan::{Grouping, Plan};
@@ -40,6 +40,9 @@ pub struct OffloadPolicy {
     /// `auto`'s resident units (`None` for `layer` and `headwise`).
     residency: Option<Residency>,
     meter: DeviceMeter,
+    /// How the device holds K/V (`kv_dtype` when a float type, else the model's dtype):
+    /// `auto`'s resident units, and the streaming buffers when they hold that type too.
+    device_codec: KvCodec,
     stats: KvStats,
 }
 
@@ -60,10 +63,15 @@ impl OffloadPolicy {
             plan: Plan::new(name, grouping, opts.device.clone(), opts.grow_tokens),
             link: Link::for_device(&opts.device, opts.link_bandwidth)?,
             host: HostLayers::new(opts.grow_tokens, DiskTier::from_options(opts, name)?)
-                .with_codec(opts.host_kv_dtype),
+                .with_codec(opts.host_codec())
+                .dropping_windows(),
             stream: Streaming::default(),
             residency: (grouping == Grouping::Resident).then(Residency::default),
             meter: DeviceMeter::new(opts.device_kv_budget),
+            device_codec: match opts.kv_dtype {
+                KvCodec::Float(dt) => KvCodec::Float(dt),
+                _ => KvCodec::Model,
+            },
             stats: KvStats::default(),
         })
     }
@@ -164,7 +172,8 @@ impl OffloadPolicy {
             return Ok(None);
         };
         r.decide(unit, self.plan.grow_tokens());
-        match r.attend(unit, (q, kn, vn), step, reserve, &mut self.meter)? {
+        let (kd, vd) = (self.device_codec.encode(kn)?, self.device_codec.encode(vn)?);
+        match r.attend(unit, (q, &kd, &vd), step, reserve, &mut self.meter)? {
             InPlace::Streams => Ok(None),
             InPlace::Demote => {
                 let gs = kn.dim(1)?;
@@ -292,9 +301,12 @@ impl KvPolicy for OffloadPolicy {
                 TokenRange::new(start, hist),
                 at,
             )?;
-            let (k, v, expanded) = if kb.dtype() == kn.dtype() {
-                kb.slice_set(&kn, 2, offset + hist)?;
-                vb.slice_set(&vn, 2, offset + hist)?;
+            // The buffers hold the model's dtype, or `kv_dtype`'s (the step's K/V are
+            // converted as they are stored and everything is read in place).
+            let stored = self.device_codec.stored(kn.dtype(), shape.head_dim).0;
+            let (k, v, expanded) = if kb.dtype() == kn.dtype() || kb.dtype() == stored {
+                kb.slice_set(&self.device_codec.encode(&kn)?, 2, offset + hist)?;
+                vb.slice_set(&self.device_codec.encode(&vn)?, 2, offset + hist)?;
                 (
                     kb.narrow(2, offset, hist + t)?,
                     vb.narrow(2, offset, hist + t)?,
@@ -414,7 +426,11 @@ impl KvRestore for OffloadPolicy {
             let unit = layer * groups + g;
             if let Some(r) = self.residency.as_mut() {
                 r.decide(unit, self.plan.grow_tokens());
-                match r.append(unit, (&kn, &vn), step, reserve, &mut self.meter)? {
+                let (kd, vd) = (
+                    self.device_codec.encode(&kn)?,
+                    self.device_codec.encode(&vn)?,
+                );
+                match r.append(unit, (&kd, &vd), step, reserve, &mut self.meter)? {
                     Placed::Appended => continue,
                     Placed::Streams => {}
                     Placed::Demote => self.demote(unit, layer, g, gs)?,

@@ -16,6 +16,13 @@ pub(super) trait Elem: Copy + Send + Sync + 'static {
         let _ = s;
         None
     }
+    /// `src` widened into `dst` (same length): element by element unless the type has a
+    /// vectorised conversion.
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        for (x, y) in dst.iter_mut().zip(src) {
+            *x = y.f();
+        }
+    }
 }
 
 impl Elem for f32 {
@@ -31,11 +38,19 @@ impl Elem for half::f16 {
     fn f(self) -> f32 {
         self.to_f32()
     }
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        use half::slice::HalfFloatSliceExt;
+        src.convert_to_f32_slice(dst);
+    }
 }
 
 impl Elem for half::bf16 {
     fn f(self) -> f32 {
         self.to_f32()
+    }
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        use half::slice::HalfFloatSliceExt;
+        src.convert_to_f32_slice(dst);
     }
 }
 
@@ -67,15 +82,17 @@ struct Task {
     slot: Option<usize>,
 }
 
-struct Kernel<'a, T> {
+/// Queries of type `Q`, keys and values of type `T` (f32 queries over a cache stored in
+/// f16/bf16: `--kv-dtype`).
+struct Kernel<'a, Q, T> {
     g: Geometry,
     p: FlashParams,
-    q: &'a [T],
+    q: &'a [Q],
     k: &'a [T],
     v: &'a [T],
 }
 
-impl<T: Elem> Kernel<'_, T> {
+impl<Q: Elem, T: Elem> Kernel<'_, Q, T> {
     /// Key indices `lo..hi` the rows of `item` can see at all.
     fn key_range(&self, item: &Item) -> (usize, usize) {
         let (qa, qb) = (self.p.q_pos + item.i0, self.p.q_pos + item.i1 - 1);
@@ -129,8 +146,13 @@ impl<T: Elem> Kernel<'_, T> {
                 let d = self.g.d;
                 for j in 0..n {
                     let row = base + j * st[2];
-                    for c in 0..d {
-                        conv.buf[j * d + c] = src[row + c * st[3]].f();
+                    let dst = &mut conv.buf[j * d..(j + 1) * d];
+                    if st[3] == 1 {
+                        T::widen(&src[row..row + d], dst);
+                    } else {
+                        for (c, x) in dst.iter_mut().enumerate() {
+                            *x = src[row + c * st[3]].f();
+                        }
                     }
                 }
                 Tile {
@@ -320,10 +342,10 @@ fn finish_row(o: &[f32], m: f32, l: f32, row: &mut [f32]) {
     }
 }
 
-pub(super) fn compute<T: Elem>(
+pub(super) fn compute<Q: Elem, T: Elem>(
     g: Geometry,
     p: FlashParams,
-    q: &[T],
+    q: &[Q],
     k: &[T],
     v: &[T],
     meter: &Meter,

@@ -41,7 +41,14 @@ pub struct HostLayers {
     /// which hold the layers' files open, before the layers go).
     traffic: DiskTraffic,
     layers: Vec<Option<Box<dyn LayerStore>>>,
+    /// Per layer, positions seen (the next position written).
     lens: Vec<usize>,
+    /// Per layer, the first position its store holds (RAM stores of sliding-window layers
+    /// drop what no later query sees, when asked to: [`Self::dropping_windows`]); reads and
+    /// writes address the store at `position − base`.
+    bases: Vec<usize>,
+    /// Whether RAM stores of sliding-window layers keep only their window.
+    drop_windows: bool,
     specs: Vec<Option<AttnSpec>>,
     disk: Option<DiskTier>,
     /// How K/V are stored (the model's dtype, or LOSSY smaller forms).
@@ -64,6 +71,8 @@ impl HostLayers {
             traffic: DiskTraffic::default(),
             layers: Vec::new(),
             lens: Vec::new(),
+            bases: Vec::new(),
+            drop_windows: false,
             specs: Vec::new(),
             disk,
             codec: KvCodec::Model,
@@ -74,6 +83,16 @@ impl HostLayers {
     /// encoded, and reads return the stored form ([`KvCodec::decode`] expands it).
     pub fn with_codec(mut self, codec: KvCodec) -> Self {
         self.codec = codec;
+        self
+    }
+
+    /// Keeps only the window (and a step) of each sliding-window layer held in RAM: before
+    /// such a layer's buffers would grow, the tokens no later query sees are dropped, as
+    /// [`kvpolicy_core::WindowKv`] does on the device. For callers that read the host tier
+    /// only through [`Self::history`] and [`Self::write`] (positions are translated); a
+    /// layer on the disk tier keeps every token.
+    pub fn dropping_windows(mut self) -> Self {
+        self.drop_windows = true;
         self
     }
 
@@ -113,7 +132,11 @@ impl HostLayers {
     /// the layer's sequence, and records its attention spec.
     pub fn begin(&mut self, link: &mut Link, step: &AttnStep<'_>, shape: &KvShape) -> Result<()> {
         let (layer, pos) = (step.layer, step.pos);
-        self.ensure(link, layer, shape, pos + step.k.dim(2)?)?;
+        let t = step.k.dim(2)?;
+        if self.drop_windows && self.lens.get(layer) == Some(&pos) {
+            self.drop_before(link, layer, step.spec.window_start(pos), t)?;
+        }
+        self.ensure(link, layer, shape, pos + t)?;
         if self.lens[layer] != pos {
             return Err(KvError::OutOfOrder {
                 seq: step.seq,
@@ -123,6 +146,30 @@ impl HostLayers {
             });
         }
         self.specs[layer] = Some(step.spec.clone());
+        Ok(())
+    }
+
+    /// Drops `layer`'s tokens before `keep_from` from its RAM store when `t` more would
+    /// make it grow (queued copies land first: they may read or write the moved rows).
+    fn drop_before(
+        &mut self,
+        link: &mut Link,
+        layer: usize,
+        keep_from: usize,
+        t: usize,
+    ) -> Result<()> {
+        let (base, len) = (self.bases[layer], self.lens[layer]);
+        let Some(store) = self.layers[layer].as_mut() else {
+            return Ok(());
+        };
+        if keep_from <= base || len - base + t <= store.capacity() {
+            return Ok(());
+        }
+        link.wait_all()?;
+        let n = keep_from.min(len) - base;
+        if store.drop_front(n, len - base)? {
+            self.bases[layer] = base + n;
+        }
         Ok(())
     }
 
@@ -149,8 +196,10 @@ impl HostLayers {
         while self.layers.len() <= layer {
             self.layers.push(None);
             self.lens.push(0);
+            self.bases.push(0);
             self.specs.push(None);
         }
+        let tokens = tokens.saturating_sub(self.bases[layer]);
         let own = self.layers[layer].as_ref().map_or(0, |s| s.ram_bytes());
         let others = self.ram_bytes() - own;
         let budget = self.disk.as_ref().map(|t| HostBudget {
@@ -202,7 +251,7 @@ impl HostLayers {
         let name = format!("layer{layer}");
         let mut d = DiskKv::create(&tier.dir, &name, dims, dt, self.chunk, tier.io)?;
         d.ensure(tokens)?;
-        let n = self.lens[layer];
+        let n = self.lens[layer] - self.bases[layer];
         if let Some(old) = self.layers[layer].as_ref().filter(|_| n > 0) {
             let all = HeadRange::new(0, shape.n_kv_heads);
             let span = ReadSpan::new(layer, all, TokenRange::new(0, n));
@@ -225,7 +274,7 @@ impl HostLayers {
         heads: HeadRange,
         tokens: TokenRange,
     ) -> Result<(Tensor, Tensor)> {
-        let span = ReadSpan::new(layer, heads, tokens);
+        let span = ReadSpan::new(layer, heads, self.held(layer, tokens)?);
         match self.layers.get(layer).and_then(Option::as_ref) {
             Some(store) => store.history(span, &mut self.traffic),
             None => Err(no_storage(layer)),
@@ -237,7 +286,7 @@ impl HostLayers {
     /// are in flight already). Calls come in the order the reads will be asked for. The
     /// tokens must be written already: a read-ahead never races a write of its blocks.
     pub fn read_ahead(&mut self, layer: usize, heads: HeadRange, tokens: TokenRange) -> Result<()> {
-        let span = ReadSpan::new(layer, heads, tokens);
+        let span = ReadSpan::new(layer, heads, self.held(layer, tokens)?);
         match self.layers.get(layer).and_then(Option::as_ref) {
             Some(store) => store.read_ahead(span, &mut self.traffic),
             None => Ok(()),
@@ -250,13 +299,37 @@ impl HostLayers {
     pub fn write(&mut self, link: &mut Link, at: WriteAt, k: &Tensor, v: &Tensor) -> Result<()> {
         // A smaller stored form is encoded on the device, before anything moves.
         let (k, v) = (&self.codec.encode(k)?, &self.codec.encode(v)?);
+        let base = self.bases.get(at.layer).copied().unwrap_or(0);
+        let at = WriteAt {
+            offset: at.offset.checked_sub(base).ok_or_else(|| {
+                KvError::invariant(format!(
+                    "layer {}: a write at {} before its first held position {base}",
+                    at.layer, at.offset
+                ))
+            })?,
+            ..at
+        };
         match self.layers.get_mut(at.layer).and_then(Option::as_mut) {
             Some(store) => store.write(link, &mut self.traffic, at, k, v),
             None => Err(no_storage(at.layer)),
         }
     }
 
-    /// `layer`'s RAM buffers, if it is in RAM.
+    /// `tokens` of `layer` as its store addresses them (from its first held position).
+    fn held(&self, layer: usize, tokens: TokenRange) -> Result<TokenRange> {
+        let base = self.bases.get(layer).copied().unwrap_or(0);
+        if tokens.start < base {
+            return Err(KvError::invariant(format!(
+                "layer {layer}: tokens from {} asked for, but those before {base} were \
+                 dropped (outside its window)",
+                tokens.start
+            )));
+        }
+        Ok(TokenRange::new(tokens.start - base, tokens.len))
+    }
+
+    /// `layer`'s RAM buffers, if it is in RAM (indexed by position: only for callers that
+    /// do not ask for [`Self::dropping_windows`]).
     pub fn ram(&self, layer: usize) -> Option<&HostKv> {
         let store = self.layers.get(layer)?.as_ref()?;
         store.as_any().downcast_ref::<HostKv>()
@@ -318,6 +391,7 @@ impl HostLayers {
             store.release(link.engine());
         }
         self.lens.clear();
+        self.bases.clear();
         self.specs.clear();
         if let Some(s) = &mut self.shape {
             s.n_layers = 0;

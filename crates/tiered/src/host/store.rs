@@ -142,6 +142,16 @@ pub(crate) trait LayerStore: Debug + Send {
         v: &Tensor,
     ) -> Result<()>;
 
+    /// Tokens it holds room for without growing (the disk tier's file: unbounded).
+    fn capacity(&self) -> usize {
+        usize::MAX
+    }
+    /// Drops its first `n` of `held` tokens, moving the rest to the front: `true` when it
+    /// did (a RAM store), `false` when it keeps every token (the default: a disk file).
+    fn drop_front(&mut self, n: usize, held: usize) -> Result<bool> {
+        let _ = (n, held);
+        Ok(false)
+    }
     /// Bytes of host memory it holds.
     fn ram_bytes(&self) -> u64 {
         0
