@@ -38,6 +38,7 @@ def main():
     ap.add_argument("--threads", type=int, required=True, help="threads for prefill and decode")
     ap.add_argument("--chunk", type=int, default=256, help="prefill batch (tokens per pass)")
     ap.add_argument("--f16-kv", action="store_true", help="llama.cpp's default f16 KV cache instead of f32")
+    ap.add_argument("--flash-attn", action="store_true", help="llama.cpp's flash attention on (off unless given)")
     ap.add_argument("--any-version", action="store_true", help="allow another llama-cpp-python version")
     a = ap.parse_args()
     if llama_cpp.__version__ != PINNED and not a.any_version:
@@ -45,7 +46,7 @@ def main():
     kv = {} if a.f16_kv else {"type_k": 0, "type_v": 0}
     llm = llama_cpp.Llama(model_path=a.gguf, n_ctx=a.context + a.steps + 1, n_batch=max(a.chunk, 1),
                           n_ubatch=max(a.chunk, 1), n_threads=a.threads, n_threads_batch=a.threads,
-                          verbose=False, **kv)
+                          verbose=False, flash_attn=a.flash_attn, **kv)
     vocab = llm.n_vocab()
     prompt, steps = ids(a.context, 0, vocab), ids(a.steps, a.context, vocab)
     pre, dec = [], []

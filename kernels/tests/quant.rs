@@ -130,6 +130,28 @@ fn simd_and_portable_dots_agree() -> Result<()> {
                 (a - b).abs() <= 1e-5 * a.abs().max(1.0),
                 "{fmt:?} row {r}: {a} vs {b}"
             );
+            // Each SIMD path this CPU has, not only the one `dot` picks (AVX-VNNI's
+            // `vpdpbusd` where present, AVX2's `maddubs` + `madd`).
+            #[cfg(target_arch = "x86_64")]
+            {
+                use kvpolicy_kernels::quant::avx2;
+                if avx2::available() {
+                    // SAFETY: `available` checked AVX2, FMA and F16C.
+                    let c = unsafe { avx2::dot(f, row, &xq) };
+                    assert!(
+                        (a - c).abs() <= 1e-5 * a.abs().max(1.0),
+                        "{fmt:?} AVX2: {a} vs {c}"
+                    );
+                }
+                if avx2::vnni() {
+                    // SAFETY: `vnni` checked AVX2, FMA, F16C and AVX-VNNI.
+                    let c = unsafe { avx2::dot_vnni(f, row, &xq) };
+                    assert!(
+                        (a - c).abs() <= 1e-5 * a.abs().max(1.0),
+                        "{fmt:?} VNNI: {a} vs {c}"
+                    );
+                }
+            }
             // And the dequantized row agrees with candle's dequantization.
             let mut deq = vec![0f32; 8 * QK];
             blocks::dequantize_row(f, row, &mut deq);

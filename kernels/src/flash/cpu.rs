@@ -6,10 +6,13 @@
 use std::sync::Mutex;
 
 use super::plan::{splits_for, threads, FlashParams, Geometry, Meter, TILE_KEYS};
+use super::small;
 use super::workspace::{Pool, Scratch, Sink, Workspace};
 
 /// Element types read by the kernel, widened to f32.
 pub(super) trait Elem: Copy + Send + Sync + 'static {
+    /// Its lane kind for the small path ([`super::small::F32`], `F16`, `BF16`).
+    const LANE: u8;
     fn f(self) -> f32;
     /// The slice itself when it already holds f32 (read in place, no tile copy).
     fn as_f32(s: &[Self]) -> Option<&[f32]> {
@@ -26,6 +29,7 @@ pub(super) trait Elem: Copy + Send + Sync + 'static {
 }
 
 impl Elem for f32 {
+    const LANE: u8 = small::F32;
     fn f(self) -> f32 {
         self
     }
@@ -35,6 +39,7 @@ impl Elem for f32 {
 }
 
 impl Elem for half::f16 {
+    const LANE: u8 = small::F16;
     fn f(self) -> f32 {
         self.to_f32()
     }
@@ -45,6 +50,7 @@ impl Elem for half::f16 {
 }
 
 impl Elem for half::bf16 {
+    const LANE: u8 = small::BF16;
     fn f(self) -> f32 {
         self.to_f32()
     }
@@ -54,12 +60,13 @@ impl Elem for half::bf16 {
     }
 }
 
-/// A key or value tile as gemm reads it: element (key j, value c) at
-/// `ptr + j·rs + c·cs`.
+/// A key or value tile: element (key j, value c) at element `ptr + j·rs + c·cs`, of lane
+/// kind `lane` — f32 as gemm reads it, or f16/bf16 read in place by the small path.
 struct Tile {
-    ptr: *const f32,
+    ptr: *const u8,
     rs: isize,
     cs: isize,
+    lane: u8,
 }
 
 /// One work item: the rows of query positions `i0..i1` of the query heads of KV head
@@ -123,24 +130,33 @@ impl<Q: Elem, T: Elem> Kernel<'_, Q, T> {
         }
     }
 
-    /// Keys (or values) `j0..j0+n` of `item`'s KV head as gemm reads them: in place for f32
-    /// inputs, else widened into `conv` (`n × d`).
+    /// Keys (or values) `j0..j0+n` of `item`'s KV head: in place for f32 inputs, or for
+    /// f16/bf16 ones when `raw` (the small path widens them in registers), else widened
+    /// into `conv` (`n × d`) for gemm.
     fn kv_tile(
         &self,
         src: &[T],
         view: (usize, [usize; 4]),
-        item: &Item,
-        j0: usize,
-        n: usize,
+        (item, j0, n): (&Item, usize, usize),
+        raw: bool,
         conv: Option<&mut Scratch<'_>>,
     ) -> Tile {
         let (off, st) = view;
         let base = off + item.bi * st[0] + item.kvh * st[1] + j0 * st[2];
+        if raw && st[3] == 1 {
+            return Tile {
+                ptr: src[base..].as_ptr() as *const u8,
+                rs: st[2] as isize,
+                cs: 1,
+                lane: T::LANE,
+            };
+        }
         match (T::as_f32(src), conv) {
             (Some(f), _) => Tile {
-                ptr: f[base..].as_ptr(),
+                ptr: f[base..].as_ptr() as *const u8,
                 rs: st[2] as isize,
                 cs: st[3] as isize,
+                lane: small::F32,
             },
             (None, Some(conv)) => {
                 let d = self.g.d;
@@ -156,15 +172,17 @@ impl<Q: Elem, T: Elem> Kernel<'_, Q, T> {
                     }
                 }
                 Tile {
-                    ptr: conv.buf.as_ptr(),
+                    ptr: conv.buf.as_ptr() as *const u8,
                     rs: d as isize,
                     cs: 1,
+                    lane: small::F32,
                 }
             }
             (None, None) => Tile {
                 ptr: std::ptr::null(),
                 rs: 0,
                 cs: 0,
+                lane: small::F32,
             },
         }
     }
@@ -178,22 +196,32 @@ impl<Q: Elem, T: Elem> Kernel<'_, Q, T> {
         ws.m.buf[..rows].fill(f32::NEG_INFINITY);
         ws.l.buf[..rows].fill(0.0);
         let (qa, qb) = (self.p.q_pos + item.i0, self.p.q_pos + item.i1 - 1);
+        // Half K/V whose rows are contiguous are read in place by the small path.
+        let raw = small::applies(rows, d) && self.g.k.1[3] == 1 && self.g.v.1[3] == 1;
         let mut j0 = lo;
         while j0 < hi {
             let nk = TILE_KEYS.min(hi - j0);
             let (ka, kb) = (self.p.k_pos + j0, self.p.k_pos + j0 + nk - 1);
-            let kt = self.kv_tile(self.k, self.g.k, item, j0, nk, ws.kt.as_mut());
-            let vt = self.kv_tile(self.v, self.g.v, item, j0, nk, ws.vt.as_mut());
+            let kt = self.kv_tile(self.k, self.g.k, (item, j0, nk), raw, ws.kt.as_mut());
+            let vt = self.kv_tile(self.v, self.g.v, (item, j0, nk), raw, ws.vt.as_mut());
             let s = &mut ws.sc.buf[..rows * nk];
             // S (rows × nk) = Qs (rows × d) · K^T (d × nk): K^T's element (c, j) is key j's
             // value c.
-            let small = super::small::applies(rows, d) && kt.cs == 1 && vt.cs == 1;
+            let small = small::applies(rows, d) && kt.cs == 1 && vt.cs == 1;
             if small {
-                // SAFETY: `applies` checked the CPU and sizes; the tile addresses nk rows of
-                // d contiguous values (cs = 1) as for gemm below; `s` holds rows·nk.
+                // SAFETY: `applies` checked the CPU (AVX2, FMA, F16C) and sizes; the tile
+                // addresses nk rows of d contiguous values (cs = 1) of its lane kind; `s`
+                // holds rows·nk.
                 #[cfg(target_arch = "x86_64")]
                 unsafe {
-                    super::small::scores(&ws.qs.buf, rows, d, kt.ptr, kt.rs, nk, s)
+                    let (q, p) = (&ws.qs.buf, kt.ptr);
+                    match kt.lane {
+                        small::F16 => small::scores::<{ small::F16 }>(q, rows, d, p, kt.rs, nk, s),
+                        small::BF16 => {
+                            small::scores::<{ small::BF16 }>(q, rows, d, p, kt.rs, nk, s)
+                        }
+                        _ => small::scores::<{ small::F32 }>(q, rows, d, p, kt.rs, nk, s),
+                    }
                 };
             } else {
                 // SAFETY: `s` holds rows·nk, `qs` rows·d; the key tile addresses nk rows of d
@@ -211,7 +239,7 @@ impl<Q: Elem, T: Elem> Kernel<'_, Q, T> {
                         ws.qs.buf.as_ptr(),
                         1,
                         d as isize,
-                        kt.ptr,
+                        kt.ptr as *const f32,
                         kt.rs,
                         kt.cs,
                         0.0,
@@ -272,7 +300,16 @@ impl<Q: Elem, T: Elem> Kernel<'_, Q, T> {
                 // SAFETY: as for the scores; `o` holds rows·d.
                 #[cfg(target_arch = "x86_64")]
                 unsafe {
-                    super::small::accumulate(s, rows, nk, vt.ptr, vt.rs, d, &mut ws.o.buf)
+                    let (o, p) = (&mut ws.o.buf, vt.ptr);
+                    match vt.lane {
+                        small::F16 => {
+                            small::accumulate::<{ small::F16 }>(s, rows, nk, p, vt.rs, d, o)
+                        }
+                        small::BF16 => {
+                            small::accumulate::<{ small::BF16 }>(s, rows, nk, p, vt.rs, d, o)
+                        }
+                        _ => small::accumulate::<{ small::F32 }>(s, rows, nk, p, vt.rs, d, o),
+                    }
                 };
             } else {
                 // SAFETY: `o` holds rows·d, `s` rows·nk; the value tile addresses nk rows of d
@@ -289,7 +326,7 @@ impl<Q: Elem, T: Elem> Kernel<'_, Q, T> {
                         s.as_ptr(),
                         1,
                         nk as isize,
-                        vt.ptr,
+                        vt.ptr as *const f32,
                         vt.cs,
                         vt.rs,
                         1.0,

@@ -9,6 +9,14 @@ use std::arch::x86_64::*;
 
 use super::blocks::{ActBlock, WeightFormat};
 
+/// Whether this CPU has AVX-VNNI (`vpdpbusd` on 256-bit registers: the u8 × i8 products of
+/// a block summed into i32 lanes in one instruction, where AVX2 takes `maddubs` + `madd`).
+/// Checked once.
+pub fn vnni() -> bool {
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| available() && is_x86_feature_detected!("avxvnni"))
+}
+
 /// Whether this CPU runs the AVX2 path (checked once).
 pub fn available() -> bool {
     static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -47,15 +55,21 @@ unsafe fn unpack(qs: *const u8, qh: Option<u32>) -> __m256i {
 }
 
 /// Σ over the block of w·x as eight f32 lanes: `w` unsigned bytes (or signed when
-/// `signed`), `x` signed bytes.
+/// `signed`), `x` signed bytes; one `vpdpbusd` with `V` (AVX-VNNI), else `maddubs` +
+/// `madd`. The same exact integer sums either way (no product pair reaches i16's limit:
+/// |w| ≤ 128, |x| ≤ 127).
 #[inline(always)]
-unsafe fn block_sum(w: __m256i, x: __m256i, signed: bool) -> __m256 {
-    let pairs = if signed {
-        // maddubs wants its first operand unsigned: move w's sign onto x.
-        _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w))
+unsafe fn block_sum<const V: bool>(w: __m256i, x: __m256i, signed: bool) -> __m256 {
+    // The unsigned operand comes first: move a signed w's sign onto x.
+    let (w, x) = if signed {
+        (_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w))
     } else {
-        _mm256_maddubs_epi16(w, x)
+        (w, x)
     };
+    if V {
+        return _mm256_cvtepi32_ps(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x));
+    }
+    let pairs = _mm256_maddubs_epi16(w, x);
     _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
 }
 
@@ -89,12 +103,16 @@ const Q8_0: u8 = 4;
 /// One block's contribution: `d_w·d_x·Σ q_w q_x` as eight lanes added into `acc`, and
 /// `m_w·s_x` returned. `F` is the format, `b` the block's bytes.
 #[inline(always)]
-unsafe fn block<const F: u8>(b: *const u8, xb: &ActBlock, acc: __m256) -> (__m256, f32) {
+unsafe fn block<const F: u8, const V: bool>(
+    b: *const u8,
+    xb: &ActBlock,
+    acc: __m256,
+) -> (__m256, f32) {
     let xv = _mm256_load_si256(xb.qs.as_ptr() as *const __m256i);
     let d = f16_at(b);
     let (sum, m) = match F {
         Q4_0 => (
-            block_sum(
+            block_sum::<V>(
                 _mm256_sub_epi8(unpack(b.add(2), None), _mm256_set1_epi8(8)),
                 xv,
                 true,
@@ -102,15 +120,15 @@ unsafe fn block<const F: u8>(b: *const u8, xb: &ActBlock, acc: __m256) -> (__m25
             0.0,
         ),
         Q8_0 => (
-            block_sum(_mm256_loadu_si256(b.add(2) as *const __m256i), xv, true),
+            block_sum::<V>(_mm256_loadu_si256(b.add(2) as *const __m256i), xv, true),
             0.0,
         ),
         Q4_1 => (
-            block_sum(unpack(b.add(4), None), xv, false),
+            block_sum::<V>(unpack(b.add(4), None), xv, false),
             f16_at(b.add(2)),
         ),
         Q5_0 => (
-            block_sum(
+            block_sum::<V>(
                 _mm256_sub_epi8(
                     unpack(b.add(6), Some(u32_at(b.add(2)))),
                     _mm256_set1_epi8(16),
@@ -121,7 +139,7 @@ unsafe fn block<const F: u8>(b: *const u8, xb: &ActBlock, acc: __m256) -> (__m25
             0.0,
         ),
         _ => (
-            block_sum(unpack(b.add(8), Some(u32_at(b.add(4)))), xv, false),
+            block_sum::<V>(unpack(b.add(8), Some(u32_at(b.add(4)))), xv, false),
             f16_at(b.add(2)),
         ),
     };
@@ -134,23 +152,23 @@ unsafe fn block<const F: u8>(b: *const u8, xb: &ActBlock, acc: __m256) -> (__m25
 /// The dot product for format `F`: two blocks per iteration into two accumulators (the
 /// FMA latency is not on one chain).
 #[inline(always)]
-unsafe fn dot_fmt<const F: u8>(bytes: usize, row: &[u8], x: &[ActBlock]) -> f32 {
+unsafe fn dot_fmt<const F: u8, const V: bool>(bytes: usize, row: &[u8], x: &[ActBlock]) -> f32 {
     let n = x.len().min(row.len() / bytes);
     let p = row.as_ptr();
     let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
     let (mut o0, mut o1) = (0f32, 0f32);
     let mut i = 0;
     while i + 1 < n {
-        let (acc, off) = block::<F>(p.add(i * bytes), &x[i], a0);
+        let (acc, off) = block::<F, V>(p.add(i * bytes), &x[i], a0);
         a0 = acc;
         o0 += off;
-        let (acc, off) = block::<F>(p.add((i + 1) * bytes), &x[i + 1], a1);
+        let (acc, off) = block::<F, V>(p.add((i + 1) * bytes), &x[i + 1], a1);
         a1 = acc;
         o1 += off;
         i += 2;
     }
     if i < n {
-        let (acc, off) = block::<F>(p.add(i * bytes), &x[i], a0);
+        let (acc, off) = block::<F, V>(p.add(i * bytes), &x[i], a0);
         a0 = acc;
         o0 += off;
     }
@@ -167,10 +185,27 @@ pub unsafe fn dot(fmt: WeightFormat, row: &[u8], x: &[ActBlock]) -> f32 {
     debug_assert_eq!(x.len() * fmt.block_bytes(), row.len());
     let bytes = fmt.block_bytes();
     match fmt {
-        WeightFormat::Q4_0 => dot_fmt::<Q4_0>(bytes, row, x),
-        WeightFormat::Q4_1 => dot_fmt::<Q4_1>(bytes, row, x),
-        WeightFormat::Q5_0 => dot_fmt::<Q5_0>(bytes, row, x),
-        WeightFormat::Q5_1 => dot_fmt::<Q5_1>(bytes, row, x),
-        WeightFormat::Q8_0 => dot_fmt::<Q8_0>(bytes, row, x),
+        WeightFormat::Q4_0 => dot_fmt::<Q4_0, false>(bytes, row, x),
+        WeightFormat::Q4_1 => dot_fmt::<Q4_1, false>(bytes, row, x),
+        WeightFormat::Q5_0 => dot_fmt::<Q5_0, false>(bytes, row, x),
+        WeightFormat::Q5_1 => dot_fmt::<Q5_1, false>(bytes, row, x),
+        WeightFormat::Q8_0 => dot_fmt::<Q8_0, false>(bytes, row, x),
+    }
+}
+
+/// [`dot`] with AVX-VNNI's `vpdpbusd` for each block's integer sum (the same sums).
+///
+/// # Safety
+/// The CPU must support AVX2, FMA, F16C and AVX-VNNI ([`vnni`]).
+#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+pub unsafe fn dot_vnni(fmt: WeightFormat, row: &[u8], x: &[ActBlock]) -> f32 {
+    debug_assert_eq!(x.len() * fmt.block_bytes(), row.len());
+    let bytes = fmt.block_bytes();
+    match fmt {
+        WeightFormat::Q4_0 => dot_fmt::<Q4_0, true>(bytes, row, x),
+        WeightFormat::Q4_1 => dot_fmt::<Q4_1, true>(bytes, row, x),
+        WeightFormat::Q5_0 => dot_fmt::<Q5_0, true>(bytes, row, x),
+        WeightFormat::Q5_1 => dot_fmt::<Q5_1, true>(bytes, row, x),
+        WeightFormat::Q8_0 => dot_fmt::<Q8_0, true>(bytes, row, x),
     }
 }

@@ -58,6 +58,11 @@ pub fn format_of(dtype: GgmlDType) -> Option<WeightFormat> {
 #[inline]
 pub fn dot(fmt: WeightFormat, row: &[u8], x: &[ActBlock]) -> f32 {
     #[cfg(target_arch = "x86_64")]
+    if avx2::vnni() {
+        // SAFETY: `vnni` checked AVX2, FMA, F16C and AVX-VNNI.
+        return unsafe { avx2::dot_vnni(fmt, row, x) };
+    }
+    #[cfg(target_arch = "x86_64")]
     if avx2::available() {
         // SAFETY: `available` checked AVX2, FMA and F16C.
         return unsafe { avx2::dot(fmt, row, x) };
