@@ -53,7 +53,7 @@ impl KvCodec {
 
     /// Checks that heads of width `d` can be stored this way.
     pub fn check(&self, d: usize) -> Result<()> {
-        if *self == Self::Q8_0 && d % Q8_BLOCK.0 != 0 {
+        if *self == Self::Q8_0 && !d.is_multiple_of(Q8_BLOCK.0) {
             return Err(KvError::Unsupported(format!(
                 "storing the host tier's K/V as q8_0 needs a head width that is a multiple of 32, not {d}; store them as f16 or bf16"
             )));

@@ -28,7 +28,7 @@ pub enum Grouping {
 }
 
 fn divisors_desc(n: usize) -> Vec<usize> {
-    (1..=n).rev().filter(|d| n % d == 0).collect()
+    (1..=n).rev().filter(|d| n.is_multiple_of(*d)).collect()
 }
 
 /// An offload policy's fixed layout choices (module docs).
@@ -150,7 +150,7 @@ impl Plan {
         let group = match self.grouping {
             Grouping::Layer => nkv,
             Grouping::Heads(HeadGroup::Fixed(n)) => {
-                if n > nkv || nkv % n != 0 {
+                if n > nkv || !nkv.is_multiple_of(n) {
                     let ok: Vec<String> = divisors_desc(nkv)
                         .iter()
                         .rev()

@@ -54,7 +54,7 @@ fn child(dir: &Path, me: usize) -> Result<()> {
     for round in 0..ROUNDS {
         for j in 0..KEYS {
             let i = (j * (me + 1) + round) % KEYS;
-            if (round + me) % 2 == 0 {
+            if (round + me).is_multiple_of(2) {
                 disk.put(&fp, &keys[i], &chunk(i)?)?;
             }
             match disk.get(&fp, &keys[i])? {

@@ -123,7 +123,7 @@ impl Selector for FlexiCache {
         self.steps[view.layer] += 1;
         // The first decode step re-ranks (as the authors' code does), then every `rerank`.
         let step = self.steps[view.layer];
-        let rerank = step == 1 || step % self.rerank == 0;
+        let rerank = step == 1 || step.is_multiple_of(self.rerank);
         let needs_scores = rerank || self.heads[view.layer].iter().any(|h| !h.stable);
         let scores: Vec<Vec<f32>> = if needs_scores {
             view.scores()?.to_vec()

@@ -49,7 +49,7 @@ impl PageSummaries {
         let k = k.to_dtype(DType::F32)?;
         let mut at = 0;
         // A partly filled first page merges with what it holds.
-        if pos % page != 0 {
+        if !pos.is_multiple_of(page) {
             let n = (page - pos % page).min(t);
             self.merge_row(&k.narrow(2, 0, n)?, pos / page, true)?;
             at = n;

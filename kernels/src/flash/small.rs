@@ -46,7 +46,7 @@ pub const MAX_ROWS: usize = 16;
 pub fn applies(rows: usize, d: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        rows <= MAX_ROWS && d % 8 == 0 && crate::quant::avx2::available()
+        rows <= MAX_ROWS && d.is_multiple_of(8) && crate::quant::avx2::available()
     }
     #[cfg(not(target_arch = "x86_64"))]
     {

@@ -252,13 +252,13 @@ impl LlamaConfig {
             ));
         }
         let kv = self.n_kv_heads();
-        if kv == 0 || h % kv != 0 {
+        if kv == 0 || !h.is_multiple_of(kv) {
             return Err(ModelError::config(
                 "num_key_value_heads",
                 format!("{kv} does not divide num_attention_heads = {h}"),
             ));
         }
-        if self.head_dim.is_none() && self.hidden_size % h != 0 {
+        if self.head_dim.is_none() && !self.hidden_size.is_multiple_of(h) {
             return Err(ModelError::config(
                 "hidden_size",
                 format!(
@@ -267,7 +267,7 @@ impl LlamaConfig {
                 ),
             ));
         }
-        if self.head_dim() % 2 != 0 {
+        if !self.head_dim().is_multiple_of(2) {
             return Err(ModelError::config(
                 "head_dim",
                 "RoPE needs an even head width",
@@ -363,7 +363,9 @@ impl OptConfig {
                 "false is not supported",
             ));
         }
-        if self.num_attention_heads == 0 || self.hidden_size % self.num_attention_heads != 0 {
+        if self.num_attention_heads == 0
+            || !self.hidden_size.is_multiple_of(self.num_attention_heads)
+        {
             return Err(ModelError::config(
                 "num_attention_heads",
                 format!(

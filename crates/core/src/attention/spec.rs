@@ -70,7 +70,10 @@ impl AttnSpec {
 
     /// Checks that the spec is self-consistent.
     pub fn validate(&self) -> Result<()> {
-        if self.n_kv_heads == 0 || self.n_heads == 0 || self.n_heads % self.n_kv_heads != 0 {
+        if self.n_kv_heads == 0
+            || self.n_heads == 0
+            || !self.n_heads.is_multiple_of(self.n_kv_heads)
+        {
             return Err(KvError::Shape(format!(
                 "{} query heads cannot be grouped over {} KV heads",
                 self.n_heads, self.n_kv_heads
