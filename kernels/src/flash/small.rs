@@ -56,7 +56,9 @@ pub fn applies(rows: usize, d: usize) -> bool {
 }
 
 /// `s[r·nk + j] = Σ_c q[r·d + c] · k(j)[c]` for `rows` query rows and `nk` keys, key `j`'s
-/// `d` values (of kind `L`) contiguous at element `k + j·rs`.
+/// `d` values (of kind `L`) contiguous at element `k + j·rs`. Eight keys at a time per
+/// row: eight independent FMA chains (one chain per key would wait on each FMA's latency),
+/// their sums reduced together by `hadd`.
 ///
 /// # Safety
 /// [`applies`] holds (with F16C for f16); `q` holds `rows·d`, `s` `rows·nk`; elements
@@ -75,20 +77,41 @@ pub unsafe fn scores<const L: u8>(
     use std::arch::x86_64::*;
     debug_assert!(q.len() >= rows * d && s.len() >= rows * nk);
     let size = elem_bytes(L);
-    let mut acc = [_mm256_setzero_ps(); MAX_ROWS];
-    for j in 0..nk {
-        let kj = k.offset(j as isize * rs * size as isize);
-        for a in acc.iter_mut().take(rows) {
-            *a = _mm256_setzero_ps();
-        }
-        for c in (0..d).step_by(8) {
-            let kv = load8::<L>(kj.add(c * size));
-            for (r, a) in acc.iter_mut().enumerate().take(rows) {
-                *a = _mm256_fmadd_ps(_mm256_loadu_ps(q.as_ptr().add(r * d + c)), kv, *a);
+    let key = |j: usize| k.offset(j as isize * rs * size as isize);
+    let mut j = 0;
+    while j + 8 <= nk {
+        let ks: [*const u8; 8] = std::array::from_fn(|i| key(j + i));
+        for r in 0..rows {
+            let qr = q.as_ptr().add(r * d);
+            let mut a = [_mm256_setzero_ps(); 8];
+            for c in (0..d).step_by(8) {
+                let qv = _mm256_loadu_ps(qr.add(c));
+                for (ai, kp) in a.iter_mut().zip(&ks) {
+                    *ai = _mm256_fmadd_ps(qv, load8::<L>(kp.add(c * size)), *ai);
+                }
             }
+            // Eight sums at once: pairs, quads, then the two 128-bit halves.
+            let t0 = _mm256_hadd_ps(a[0], a[1]);
+            let t1 = _mm256_hadd_ps(a[2], a[3]);
+            let t2 = _mm256_hadd_ps(a[4], a[5]);
+            let t3 = _mm256_hadd_ps(a[6], a[7]);
+            let u0 = _mm256_hadd_ps(t0, t1);
+            let u1 = _mm256_hadd_ps(t2, t3);
+            let lo = _mm256_permute2f128_ps(u0, u1, 0x20);
+            let hi = _mm256_permute2f128_ps(u0, u1, 0x31);
+            _mm256_storeu_ps(s.as_mut_ptr().add(r * nk + j), _mm256_add_ps(lo, hi));
         }
-        for (r, a) in acc.iter().enumerate().take(rows) {
-            let h = _mm_add_ps(_mm256_castps256_ps128(*a), _mm256_extractf128_ps(*a, 1));
+        j += 8;
+    }
+    for j in j..nk {
+        let kj = key(j);
+        for r in 0..rows {
+            let qr = q.as_ptr().add(r * d);
+            let mut a = _mm256_setzero_ps();
+            for c in (0..d).step_by(8) {
+                a = _mm256_fmadd_ps(_mm256_loadu_ps(qr.add(c)), load8::<L>(kj.add(c * size)), a);
+            }
+            let h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
             let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
             let h = _mm_add_ss(h, _mm_movehdup_ps(h));
             s[r * nk + j] = _mm_cvtss_f32(h);
@@ -97,7 +120,9 @@ pub unsafe fn scores<const L: u8>(
 }
 
 /// `o[r·d + c] += Σ_j p[r·nk + j] · v(j)[c]`, value `j`'s `d` values (of kind `L`)
-/// contiguous at element `v + j·rs`.
+/// contiguous at element `v + j·rs`. The output is held in registers across the keys, a
+/// block of `8·CB` channels of `R` rows at a time (`R·CB` independent FMA chains), for up
+/// to 8 rows; more rows go through memory.
 ///
 /// # Safety
 /// As [`scores`], with `o` holding `rows·d` and `p` `rows·nk`.
@@ -112,8 +137,77 @@ pub unsafe fn accumulate<const L: u8>(
     d: usize,
     o: &mut [f32],
 ) {
-    use std::arch::x86_64::*;
     debug_assert!(p.len() >= rows * nk && o.len() >= rows * d);
+    let x = (p, nk, v, rs, d);
+    match rows {
+        1 => accumulate_rows::<L, 1, 4>(x, o),
+        2 => accumulate_rows::<L, 2, 4>(x, o),
+        3 => accumulate_rows::<L, 3, 4>(x, o),
+        4 => accumulate_rows::<L, 4, 2>(x, o),
+        5 => accumulate_rows::<L, 5, 2>(x, o),
+        6 => accumulate_rows::<L, 6, 2>(x, o),
+        7 => accumulate_rows::<L, 7, 1>(x, o),
+        8 => accumulate_rows::<L, 8, 1>(x, o),
+        _ => accumulate_any::<L>(x, rows, o),
+    }
+}
+
+/// The inputs of [`accumulate`]: probabilities, keys, values, their row stride, width.
+type AccIn<'a> = (&'a [f32], usize, *const u8, isize, usize);
+
+/// [`accumulate`] for `R` rows, `8·CB` channels per pass (then 8 for what is left).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn accumulate_rows<const L: u8, const R: usize, const CB: usize>(
+    (p, nk, v, rs, d): AccIn<'_>,
+    o: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    let size = elem_bytes(L);
+    let op = o.as_mut_ptr();
+    let mut c = 0;
+    let pass = |c: usize, cb: usize| {
+        // `cb` ≤ CB blocks of 8 channels from `c`.
+        let mut acc = [[_mm256_setzero_ps(); CB]; R];
+        for (r, a) in acc.iter_mut().enumerate() {
+            for (b, x) in a.iter_mut().enumerate().take(cb) {
+                *x = _mm256_loadu_ps(op.add(r * d + c + 8 * b));
+            }
+        }
+        for j in 0..nk {
+            let vj = v.offset(j as isize * rs * size as isize).add(c * size);
+            let mut vv = [_mm256_setzero_ps(); CB];
+            for (b, x) in vv.iter_mut().enumerate().take(cb) {
+                *x = load8::<L>(vj.add(8 * b * size));
+            }
+            for (r, a) in acc.iter_mut().enumerate() {
+                let w = _mm256_set1_ps(*p.get_unchecked(r * nk + j));
+                for (x, y) in a.iter_mut().zip(&vv).take(cb) {
+                    *x = _mm256_fmadd_ps(w, *y, *x);
+                }
+            }
+        }
+        for (r, a) in acc.iter().enumerate() {
+            for (b, x) in a.iter().enumerate().take(cb) {
+                _mm256_storeu_ps(op.add(r * d + c + 8 * b), *x);
+            }
+        }
+    };
+    while c + 8 * CB <= d {
+        pass(c, CB);
+        c += 8 * CB;
+    }
+    while c < d {
+        pass(c, 1);
+        c += 8;
+    }
+}
+
+/// [`accumulate`] for any number of rows, the output read and written per key.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn accumulate_any<const L: u8>((p, nk, v, rs, d): AccIn<'_>, rows: usize, o: &mut [f32]) {
+    use std::arch::x86_64::*;
     let size = elem_bytes(L);
     let op = o.as_mut_ptr();
     for j in 0..nk {
