@@ -119,9 +119,9 @@ const SMALL_GROW: usize = 2;
 #[test]
 fn windowed_layers_keep_their_window_and_still_match_hf() -> Result<()> {
     // Each lossless policy on buffers that drop what no later query sees (the device
-    // buffers of `full` and `auto`, the host tier of `layer`, `headwise` and `auto`'s
-    // streamed units): logits equal HF's, and every sliding-window layer holds at most its
-    // window and a step.
+    // buffers of `full` and `auto`, the host tier of `layer`, `headwise`, `auto`'s streamed
+    // units and `recompute`, whose stored inputs drop theirs too): logits equal HF's, and
+    // every sliding-window layer holds at most its window and a step.
     let windowed: Vec<String> = common::hf_fixtures()
         .into_iter()
         .filter(|n| {
@@ -143,7 +143,14 @@ fn windowed_layers_keep_their_window_and_still_match_hf() -> Result<()> {
         let (prompt, decode) = common::fixture_ids(name)?;
         let want = common::fixture_logits(name)?;
         let total = prompt.len() + decode.len();
-        for policy in ["full", "layer", "headwise:group=1", "auto"] {
+        for policy in [
+            "full",
+            "layer",
+            "headwise:group=1",
+            "auto",
+            "recompute",
+            "recompute:split=4",
+        ] {
             for chunk in [1, 5] {
                 let mut p = build_policy(policy, &opts)?;
                 let got = common::teacher_forced_logits(
@@ -158,14 +165,21 @@ fn windowed_layers_keep_their_window_and_still_match_hf() -> Result<()> {
                     d <= TOL,
                     "{name} {policy} chunk {chunk}: max |Δlogit| = {d}"
                 );
-                // `full` on the device; `layer` and `headwise` on the host tier, which grows
-                // by 8 growth steps at a time.
+                // `full` on the device; `layer`, `headwise` and `recompute` on the host tier,
+                // which grows by 8 growth steps at a time (`recompute` also holds each
+                // layer's inputs X, `hidden` values a token: bounded by the whole run's for
+                // a global layer).
                 let (held, grow) = match policy {
                     "full" => (p.stats().device_kv_bytes, SMALL_GROW),
                     "auto" => continue,
                     _ => (p.stats().host_kv_bytes, 8 * SMALL_GROW),
                 };
-                let row = (2 * info.n_kv_heads * info.head_dim * 4) as u64;
+                let x = if policy.starts_with("recompute") {
+                    info.hidden * 4
+                } else {
+                    0
+                };
+                let row = (2 * info.n_kv_heads * info.head_dim * 4 + x) as u64;
                 let bound: u64 = info
                     .windows
                     .iter()

@@ -19,7 +19,8 @@
 //!   below the `split` setting. Each token's K/V is still needed in the steps before the
 //!   split (≈ a fixed fraction of the context) overtakes it, and the host tier is not the
 //!   scarce one; like the paper, the prefix has both. For grouped-query models no X is
-//!   kept at all (see below). With a sliding window X is kept for every token.
+//!   kept at all (see below). With a sliding window X is kept for every token of the
+//!   window: the host tier drops K/V and X before the window as it would grow.
 //! * **Regeneration** goes through the layer's [`KvRegen`](kvpolicy_core::KvRegen)
 //!   handle: the model's own K/V projections (float or quantized, biases included) and RoPE
 //!   at the tokens' original positions.

@@ -32,6 +32,8 @@ const PROBE_TOKENS: usize = 64;
 struct HostX {
     x: Tensor,
     cap: usize,
+    /// The position of row 0 (a sliding-window layer drops what no later query sees).
+    base: usize,
 }
 
 /// One of the two device buffer sets.
@@ -107,7 +109,7 @@ impl RecomputePolicy {
             link_bandwidth: opts.link_bandwidth,
             prepared_max: None,
             plan: None,
-            host: HostLayers::new(opts.grow_tokens, None),
+            host: HostLayers::new(opts.grow_tokens, None).dropping_windows(),
             xs: Vec::new(),
             pingpong: PingPong::default(),
             buf_xcap: 0,
@@ -190,16 +192,42 @@ impl RecomputePolicy {
     }
 
     /// Grows `layer`'s stored inputs to hold `x_tokens` (queued copies land first).
-    fn ensure_x(&mut self, layer: usize, shape: &KvShape, x_tokens: usize) -> Result<()> {
+    /// Positions before `keep_from` (the window's start) are dropped first when keeping
+    /// them would make the buffer grow; `held` positions are stored so far.
+    fn ensure_x(
+        &mut self,
+        layer: usize,
+        shape: &KvShape,
+        (x_tokens, held, keep_from): (usize, usize, usize),
+    ) -> Result<()> {
         while self.xs.len() <= layer {
             self.xs.push(None);
         }
-        let have = self.xs[layer].as_ref().map_or(0, |h| h.cap);
-        if x_tokens <= have {
+        let (have, base) = self.xs[layer].as_ref().map_or((0, 0), |h| (h.cap, h.base));
+        if x_tokens.saturating_sub(base) <= have {
             return Ok(());
         }
         self.link.wait_all()?;
-        let cap = round_up(x_tokens, self.host.chunk());
+        if let Some(hx) = self.xs[layer].as_mut().filter(|_| keep_from > base) {
+            // No later query sees them: move the rest to the front instead of growing.
+            let n = keep_from.min(held) - base;
+            let keep = held.saturating_sub(keep_from.min(held));
+            if keep > 0 {
+                let rest = hx.x.narrow(1, n, keep)?;
+                let rest = if rest.is_contiguous() {
+                    rest.copy()?
+                } else {
+                    rest.contiguous()?
+                };
+                hx.x.slice_set(&rest, 1, 0)?;
+            }
+            hx.base = base + n;
+            if x_tokens - hx.base <= hx.cap {
+                return Ok(());
+            }
+        }
+        let base = self.xs[layer].as_ref().map_or(0, |h| h.base);
+        let cap = round_up(x_tokens - base, self.host.chunk());
         let old = self.xs[layer].take();
         let x = grown_host(
             self.link.engine(),
@@ -208,7 +236,7 @@ impl RecomputePolicy {
             1,
             shape.dtype,
         )?;
-        self.xs[layer] = Some(HostX { x, cap });
+        self.xs[layer] = Some(HostX { x, cap, base });
         Ok(())
     }
 
@@ -274,16 +302,17 @@ impl RecomputePolicy {
         Ok(())
     }
 
-    /// `layer`'s host K/V (this policy keeps its host tier in RAM).
-    fn ram(&self, layer: usize) -> Result<&HostKv> {
+    /// `layer`'s host K/V (this policy keeps its host tier in RAM) and the position of their
+    /// first row.
+    fn ram(&self, layer: usize) -> Result<(&HostKv, usize)> {
         self.host
-            .ram(layer)
+            .ram_from(layer)
             .ok_or_else(|| KvError::invariant(format!("layer {layer} has no host storage")))
     }
 
     /// Queues X[start, start+l) and then K/V[start+l, start+hist) of `layer` into `buf`.
     fn load(&mut self, layer: usize, buf: usize, split: Split) -> Result<Loaded<LayerKey>> {
-        let host = self.ram(layer)?;
+        let (host, kv_base) = self.ram(layer)?;
         let dev = self.pingpong.buf(buf)?;
         let Split { start, hist, l } = split;
         let mut x_jobs = Vec::new();
@@ -295,7 +324,7 @@ impl RecomputePolicy {
                 )));
             };
             x_jobs.push(CopyJob {
-                src: hx.x.narrow(1, start, l)?,
+                src: hx.x.narrow(1, start - hx.base, l)?,
                 dst: dx.clone(),
                 dim: 1,
                 offset: 0,
@@ -305,7 +334,7 @@ impl RecomputePolicy {
         if hist > l {
             for (src, dst) in [(&host.k, &dev.k), (&host.v, &dev.v)] {
                 kv_jobs.push(CopyJob {
-                    src: src.narrow(2, start + l, hist - l)?,
+                    src: src.narrow(2, start + l - kv_base, hist - l)?,
                     dst: dst.clone(),
                     dim: 2,
                     offset: l,
@@ -383,7 +412,8 @@ impl KvPolicy for RecomputePolicy {
         let hidden = step.x.dim(2)?;
         let x_end = plan.x_limit.map_or(pos + t, |lim| lim.min(pos + t));
         self.host.begin(&mut self.link, step, &shape)?;
-        self.ensure_x(layer, &shape, x_end)?;
+        let keep_from = step.spec.window_start(pos);
+        self.ensure_x(layer, &shape, (x_end, pos, keep_from))?;
         let split = self.split_for(&plan, step.spec, pos);
         self.ensure_buffers(&shape, hidden, split.hist + t, split.l)?;
         let loaded = self.take(layer, split)?;
@@ -426,14 +456,14 @@ impl KvPolicy for RecomputePolicy {
             .note_scratch(part.scratch_bytes, shape.activation_bytes(t));
         let out = part.out.to_dtype(step.q.dtype())?;
         // New K/V (and X where it is kept) go back to the host tier behind the compute.
-        let host = self.ram(layer)?;
+        let (host, kv_base) = self.ram(layer)?;
         let mut jobs = Vec::with_capacity(3);
         for (src, dst) in [(&k_new, &host.k), (&v_new, &host.v)] {
             jobs.push(CopyJob {
                 src: src.clone(),
                 dst: dst.clone(),
                 dim: 2,
-                offset: pos,
+                offset: pos - kv_base,
             });
         }
         if let (Some(Some(hx)), true) = (self.xs.get(layer), x_end > pos) {
@@ -441,7 +471,7 @@ impl KvPolicy for RecomputePolicy {
                 src: step.x.narrow(1, 0, x_end - pos)?.contiguous()?,
                 dst: hx.x.clone(),
                 dim: 1,
-                offset: pos,
+                offset: pos - hx.base,
             });
         }
         self.link.submit(jobs, Direction::D2h)?;

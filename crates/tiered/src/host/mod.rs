@@ -88,9 +88,9 @@ impl HostLayers {
 
     /// Keeps only the window (and a step) of each sliding-window layer held in RAM: before
     /// such a layer's buffers would grow, the tokens no later query sees are dropped, as
-    /// [`kvpolicy_core::WindowKv`] does on the device. For callers that read the host tier
-    /// only through [`Self::history`] and [`Self::write`] (positions are translated); a
-    /// layer on the disk tier keeps every token.
+    /// [`kvpolicy_core::WindowKv`] does on the device. [`Self::history`] and [`Self::write`]
+    /// translate positions; a caller of the RAM buffers themselves reads their first
+    /// position from [`Self::ram_from`]. A layer on the disk tier keeps every token.
     pub fn dropping_windows(mut self) -> Self {
         self.drop_windows = true;
         self
@@ -328,8 +328,17 @@ impl HostLayers {
         Ok(TokenRange::new(tokens.start - base, tokens.len))
     }
 
-    /// `layer`'s RAM buffers, if it is in RAM (indexed by position: only for callers that
-    /// do not ask for [`Self::dropping_windows`]).
+    /// `layer`'s RAM buffers with the position their first row holds, if it is in RAM
+    /// (row `i` holds position `base + i`; `base` > 0 once a window dropped its front).
+    pub fn ram_from(&self, layer: usize) -> Option<(&HostKv, usize)> {
+        Some((
+            self.ram(layer)?,
+            self.bases.get(layer).copied().unwrap_or(0),
+        ))
+    }
+
+    /// `layer`'s RAM buffers, if it is in RAM (row `i` holds position `i` only without
+    /// [`Self::dropping_windows`]; else see [`Self::ram_from`]).
     pub fn ram(&self, layer: usize) -> Option<&HostKv> {
         let store = self.layers.get(layer)?.as_ref()?;
         store.as_any().downcast_ref::<HostKv>()
