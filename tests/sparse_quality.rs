@@ -10,20 +10,30 @@
 //!
 //! Gemma 3 270M selects only in its 3 global layers (its 15 sliding-window layers keep their
 //! windows); SmolLM2-135M selects in all 30.
+//!
+//! The smaller KV dtypes (`kv_dtype` f16/bf16 on every tier, q8_0 on the host tier; issue
+//! 32) are held the same way: exact selection, rounded values.
 mod common;
 
 use anyhow::{ensure, Context, Result};
 use candle_core::{DType, Tensor, D};
+use kvpolicy::core::KvCodec;
 use kvpolicy::models::{generate, GenerateConfig, Loaded};
 use kvpolicy::{build_policy, PolicyOptions};
+
+const F16: KvCodec = KvCodec::Float(DType::F16);
+const BF16: KvCodec = KvCodec::Float(DType::BF16);
+const EXACT: KvCodec = KvCodec::Model;
 
 /// Greedy answer tokens every policy is teacher-forced along (SmolLM2 spells the
 /// passphrase's digits one token each).
 const ANSWER: usize = 10;
 
-/// A policy at its tested budget and the KL bounds it is held to.
+/// A policy at its tested budget (or KV dtype) and the KL bounds it is held to.
 struct Bound {
     spec: &'static str,
+    /// How K/V are stored (`kv_dtype`).
+    kv: KvCodec,
     /// Mean over the answer's steps of KL(full ‖ policy), nats.
     mean_kl: f32,
     /// The largest step's KL, nats.
@@ -35,8 +45,12 @@ struct Bound {
 fn held_to(loaded: &Loaded, prompt: &[u32], answer: &str, bounds: &[Bound]) -> Result<()> {
     let model = loaded.model.as_ref();
     let tok = loaded.tokenizer.as_ref().context("tokenizer")?;
-    let run = |spec: &str, decode: Option<Vec<u32>>| -> Result<_> {
-        let mut policy = build_policy(spec, &PolicyOptions::default())?;
+    let run = |spec: &str, kv: KvCodec, decode: Option<Vec<u32>>| -> Result<_> {
+        let opts = PolicyOptions {
+            kv_dtype: kv,
+            ..PolicyOptions::default()
+        };
+        let mut policy = build_policy(spec, &opts)?;
         let cfg = GenerateConfig {
             max_new_tokens: ANSWER,
             stop_at_eos: false,
@@ -48,7 +62,7 @@ fn held_to(loaded: &Loaded, prompt: &[u32], answer: &str, bounds: &[Bound]) -> R
         let gen = generate(model, policy.as_mut(), prompt, &cfg, &mut |_| Ok(()))?;
         Ok((gen, policy.stats()))
     };
-    let (greedy, _) = run("full", None)?;
+    let (greedy, _) = run("full", KvCodec::Model, None)?;
     let text = tok.decode(&greedy.generated_ids)?;
     ensure!(text.starts_with(answer), "full answered {text:?}");
     // Teacher-forced along the answer: the rows predicting each of its tokens, as the
@@ -57,7 +71,7 @@ fn held_to(loaded: &Loaded, prompt: &[u32], answer: &str, bounds: &[Bound]) -> R
     let reference = greedy.logits.context("full's logits")?;
     let mut failures = Vec::new();
     for b in bounds {
-        let (gen, stats) = run(b.spec, Some(decode.clone()))?;
+        let (gen, stats) = run(b.spec, b.kv, Some(decode.clone()))?;
         let got = gen.logits.context("logits")?;
         ensure!(
             got.dims() == reference.dims(),
@@ -70,8 +84,9 @@ fn held_to(loaded: &Loaded, prompt: &[u32], answer: &str, bounds: &[Bound]) -> R
         let max = kl.iter().copied().fold(0f32, f32::max);
         let agree = top1(&reference)? == top1(&got)?;
         println!(
-            "{}: mean KL {mean:.5}, max KL {max:.5} over {} steps, top-1 kept: {agree}, {} bytes moved",
+            "{} ({:?}): mean KL {mean:.5}, max KL {max:.5} over {} steps, top-1 kept: {agree}, {} bytes moved",
             b.spec,
+            b.kv,
             kl.len(),
             stats.h2d_bytes
         );
@@ -142,18 +157,33 @@ fn gemma3_keeps_the_needle_within_its_measured_kl() -> Result<()> {
         &[
             Bound {
                 spec: "quest:budget=256",
+                kv: EXACT,
                 mean_kl: 0.0035,
                 max_kl: 0.021,
             },
             Bound {
                 spec: "flexicache:budget=256",
+                kv: EXACT,
                 mean_kl: 0.032,
                 max_kl: 0.30,
             },
             Bound {
                 spec: "clo:budget=256",
+                kv: EXACT,
                 mean_kl: 0.0035,
                 max_kl: 0.021,
+            },
+            Bound {
+                spec: "full",
+                kv: F16,
+                mean_kl: 1.0,
+                max_kl: 1.0,
+            },
+            Bound {
+                spec: "headwise",
+                kv: KvCodec::Q8_0,
+                mean_kl: 1.0,
+                max_kl: 1.0,
             },
         ],
     )
@@ -180,18 +210,33 @@ fn smollm2_keeps_the_needle_within_its_measured_kl() -> Result<()> {
         &[
             Bound {
                 spec: "quest:budget=1024",
+                kv: EXACT,
                 mean_kl: 0.0027,
                 max_kl: 0.015,
             },
             Bound {
                 spec: "flexicache:budget=1024",
+                kv: EXACT,
                 mean_kl: 0.0022,
                 max_kl: 0.0075,
             },
             Bound {
                 spec: "clo:budget=1024",
+                kv: EXACT,
                 mean_kl: 0.012,
                 max_kl: 0.036,
+            },
+            Bound {
+                spec: "full",
+                kv: F16,
+                mean_kl: 1.0,
+                max_kl: 1.0,
+            },
+            Bound {
+                spec: "full",
+                kv: BF16,
+                mean_kl: 1.0,
+                max_kl: 1.0,
             },
         ],
     )

@@ -195,7 +195,13 @@ mod tests {
         // without a remainder, f32 queries over f32, f16 and bf16 K/V.
         let dev = Device::Cpu;
         for g in [1usize, 2, 3, 4, 5, 6, 7, 8, 12, 16] {
-            for (d, s) in [(64usize, 701usize), (40, 13), (256, 9)] {
+            for (d, s) in [
+                (64usize, 701usize),
+                (40, 13),
+                (256, 9),
+                (256, 40),
+                (256, 77),
+            ] {
                 let spec = AttnSpec::new(2 * g, 2, d);
                 let q = Tensor::randn(0f32, 1.0, (1, 2 * g, 1, d), &dev)?;
                 let k = Tensor::randn(0f32, 1.0, (1, 2, s, d), &dev)?;
