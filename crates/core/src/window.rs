@@ -29,9 +29,9 @@ pub fn window_capacity(
     step: usize,
     grow: usize,
 ) -> usize {
-    let all = crate::round_up(max_tokens, grow);
+    let all = crate::buffer::round_up(max_tokens, grow);
     match window {
-        Some(w) => crate::round_up(w.saturating_sub(1) + step.max(1), grow).min(all),
+        Some(w) => crate::buffer::round_up(w.saturating_sub(1) + step.max(1), grow).min(all),
         None => all,
     }
 }

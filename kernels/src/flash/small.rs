@@ -244,7 +244,7 @@ unsafe fn accumulate_any<const L: u8>((p, nk, v, rs, d): AccIn<'_>, rows: usize,
 
 #[cfg(all(test, target_arch = "x86_64"))]
 mod tests {
-    use super::*;
+    use crate::flash::small::{applies, scores, F32};
 
     /// Keys scored eight at a time get the same bits as each scored alone (the reduction
     /// order is the one-key path's): a model's logits do not depend on how the keys fell
