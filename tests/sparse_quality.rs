@@ -149,7 +149,8 @@ fn gemma3_keeps_the_needle_within_its_measured_kl() -> Result<()> {
     )?;
     let (_, prompt) = needle()?;
     // Measured: quest 0.00171 / 0.01022, flexicache 0.01571 / 0.14688, clo 0.00171 /
-    // 0.01022 (mean / max KL over 10 steps).
+    // 0.01022 (mean / max KL over 10 steps); K/V stored as f16 0.00023 / 0.00068, as q8_0
+    // on the host tier 0.00037 / 0.00083.
     held_to(
         &loaded,
         &prompt,
@@ -176,14 +177,14 @@ fn gemma3_keeps_the_needle_within_its_measured_kl() -> Result<()> {
             Bound {
                 spec: "full",
                 kv: F16,
-                mean_kl: 1.0,
-                max_kl: 1.0,
+                mean_kl: 0.00046,
+                max_kl: 0.0014,
             },
             Bound {
                 spec: "headwise",
                 kv: KvCodec::Q8_0,
-                mean_kl: 1.0,
-                max_kl: 1.0,
+                mean_kl: 0.00074,
+                max_kl: 0.0017,
             },
         ],
     )
@@ -202,7 +203,8 @@ fn smollm2_keeps_the_needle_within_its_measured_kl() -> Result<()> {
         .context("tokenizer")?
         .encode(&text)?;
     // Measured: quest 0.00132 / 0.00729, flexicache 0.00108 / 0.00362, clo 0.00570 /
-    // 0.01789 (mean / max KL over 10 steps).
+    // 0.01789 (mean / max KL over 10 steps); K/V stored as f16 0.00026 / 0.00156, as bf16
+    // 0.00041 / 0.00298.
     held_to(
         &loaded,
         &prompt,
@@ -229,14 +231,14 @@ fn smollm2_keeps_the_needle_within_its_measured_kl() -> Result<()> {
             Bound {
                 spec: "full",
                 kv: F16,
-                mean_kl: 1.0,
-                max_kl: 1.0,
+                mean_kl: 0.00052,
+                max_kl: 0.0031,
             },
             Bound {
                 spec: "full",
                 kv: BF16,
-                mean_kl: 1.0,
-                max_kl: 1.0,
+                mean_kl: 0.00082,
+                max_kl: 0.006,
             },
         ],
     )
