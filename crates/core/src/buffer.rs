@@ -33,6 +33,24 @@ pub fn grown(
     Ok(t)
 }
 
+/// Moves elements `from..from + len` of `t` along `dim` to its front, in place: how a
+/// buffer drops tokens no later query sees (sliding windows) without reallocating. The
+/// moved part passes through one temporary copy (`slice_set` takes neither a strided nor an
+/// aliased source).
+pub fn move_to_front(t: &Tensor, dim: usize, from: usize, len: usize) -> Result<()> {
+    if len == 0 || from == 0 {
+        return Ok(());
+    }
+    let rest = t.narrow(dim, from, len)?;
+    let rest = if rest.is_contiguous() {
+        rest.copy()?
+    } else {
+        rest.contiguous()?
+    };
+    t.slice_set(&rest, dim, 0)?;
+    Ok(())
+}
+
 /// Growable K/V storage with amortised in-place appends.
 #[derive(Debug, Clone)]
 pub struct KvBuffer {
@@ -200,16 +218,8 @@ impl KvBuffer {
             KvError::Shape(format!("cannot drop {n} of {} stored tokens", self.len))
         })?;
         if let (Some(k), Some(v)) = (&self.k, &self.v) {
-            for t in [k, v] {
-                // A fresh contiguous copy: slice_set takes neither a strided nor an aliased source.
-                let rest = t.narrow(2, n, keep)?;
-                let rest = if rest.is_contiguous() {
-                    rest.copy()?
-                } else {
-                    rest.contiguous()?
-                };
-                t.slice_set(&rest, 2, 0)?;
-            }
+            move_to_front(k, 2, n, keep)?;
+            move_to_front(v, 2, n, keep)?;
         }
         self.len = keep;
         Ok(())

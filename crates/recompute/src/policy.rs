@@ -212,15 +212,7 @@ impl RecomputePolicy {
             // No later query sees them: move the rest to the front instead of growing.
             let n = keep_from.min(held) - base;
             let keep = held.saturating_sub(keep_from.min(held));
-            if keep > 0 {
-                let rest = hx.x.narrow(1, n, keep)?;
-                let rest = if rest.is_contiguous() {
-                    rest.copy()?
-                } else {
-                    rest.contiguous()?
-                };
-                hx.x.slice_set(&rest, 1, 0)?;
-            }
+            kvpolicy_core::move_to_front(&hx.x, 1, n, keep)?;
             hx.base = base + n;
             if x_tokens - hx.base <= hx.cap {
                 return Ok(());

@@ -103,20 +103,10 @@ impl LayerStore for HostKv {
     fn capacity(&self) -> usize {
         self.cap
     }
-    /// The kept rows pass through one temporary copy (`slice_set` takes no aliased source).
     fn drop_front(&mut self, n: usize, held: usize) -> Result<bool> {
         let keep = held.saturating_sub(n);
-        for t in [&self.k, &self.v] {
-            if keep > 0 {
-                let rest = t.narrow(2, n, keep)?;
-                let rest = if rest.is_contiguous() {
-                    rest.copy()?
-                } else {
-                    rest.contiguous()?
-                };
-                t.slice_set(&rest, 2, 0)?;
-            }
-        }
+        kvpolicy_core::move_to_front(&self.k, 2, n, keep)?;
+        kvpolicy_core::move_to_front(&self.v, 2, n, keep)?;
         Ok(true)
     }
     fn ram_bytes(&self) -> u64 {
