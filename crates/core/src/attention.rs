@@ -87,11 +87,17 @@ pub fn attend_partial(x: AttnInputs<'_>, spec: &AttnSpec) -> Result<Partial> {
         return Partial::empty(b, nh, t, d, q.device());
     }
     if !q.device().is_cpu() {
+        // Candle's ops take one dtype: a cache stored smaller (`kv_dtype`) is widened here.
+        let (k, v) = if k.dtype() == q.dtype() {
+            (k.clone(), v.clone())
+        } else {
+            (k.to_dtype(q.dtype())?, v.to_dtype(q.dtype())?)
+        };
         return tiled::attend_partial_tiled(
             AttnInputs {
                 q,
-                k,
-                v,
+                k: &k,
+                v: &v,
                 q_pos,
                 k_pos,
             },
