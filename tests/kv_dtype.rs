@@ -70,6 +70,14 @@ fn half_caches_are_labeled_lossy_and_every_policy_agrees_under_them() -> Result<
                 let d = common::max_abs_diff(&got, &full)?;
                 assert!(d <= 1e-5, "{name} {policy} {dt:?}: {d} from full's");
                 assert!(st.lossy, "{name} {policy} {dt:?}: not labeled lossy");
+                // Streaming buffers and resident units in the stored dtype, read in place:
+                // half of f32's device bytes, nothing charged for an expanded copy.
+                let (_, f32_stats) = run(model, ids, policy, KvCodec::Model)?;
+                assert_eq!(
+                    2 * st.device_kv_peak_bytes,
+                    f32_stats.device_kv_peak_bytes,
+                    "{name} {policy} {dt:?}: device bytes"
+                );
             }
         }
     }

@@ -98,7 +98,7 @@ struct Args {
     /// Cost profile for `recompute` (JSON); default: measured at the first step.
     #[arg(long)]
     profile: Option<PathBuf>,
-    /// LOSSY unless f32: store K/V as f16 or bf16 on every tier (full, layer, headwise, auto; q8_0 on the host tier only), as the runner's --kv-dtype; the llama.cpp row then uses its f16 cache.
+    /// LOSSY unless f32: store K/V as f16 or bf16 on every tier (full, layer, headwise, auto; q8_0 on the host tier only), as the runner's --kv-dtype; with f16 the llama.cpp row uses its f16 cache (else f32).
     #[arg(long, value_name = "f32|f16|bf16|q8_0", value_parser = kvpolicy_cli::args::parse_kv_dtype)]
     kv_dtype: Option<kvpolicy::core::KvCodec>,
     /// Host-memory byte budget for KV (layer, headwise, auto): layers past it go to files under --disk-dir.

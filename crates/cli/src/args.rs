@@ -325,10 +325,19 @@ impl PolicyArgs {
         })
     }
 
-    /// The flag that stores K/V in a smaller form, for a LOSSY label: `--kv-dtype` or
-    /// `--host-kv-dtype` when given (`None`: neither).
+    /// The flag that stores K/V in a smaller form, for a LOSSY label: `--kv-dtype` (other
+    /// than f32) or `--host-kv-dtype` when given and read by the policy (`None`: neither).
     pub fn smaller_storage(&self) -> Option<&'static str> {
-        match (self.kv_dtype, self.host_kv_dtype) {
+        let reg = crate::registry::registry();
+        let reads = reg.reads(self.policy_name()).unwrap_or(&[]);
+        let kv = self
+            .kv_dtype
+            .filter(|c| *c != KvCodec::Float(DType::F32))
+            .filter(|_| reads.contains(&kvpolicy::PolicyOption::KvDtype));
+        let host = self
+            .host_kv_dtype
+            .filter(|_| reads.contains(&kvpolicy::PolicyOption::HostKvDtype));
+        match (kv, host) {
             (Some(_), _) => Some("--kv-dtype"),
             (None, Some(_)) => Some("--host-kv-dtype"),
             (None, None) => None,

@@ -48,7 +48,8 @@ impl KvCodec {
 
     /// Whether storing loses information for a model of dtype `model`.
     pub fn lossy(&self, model: DType) -> bool {
-        self.stored(model, Q8_BLOCK.0).0 != model
+        // f32 holds every f16/bf16 value exactly: widening is not lossy.
+        *self != Self::Float(DType::F32) && self.stored(model, Q8_BLOCK.0).0 != model
     }
 
     /// Checks that heads of width `d` can be stored this way.

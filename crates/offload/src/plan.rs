@@ -41,6 +41,9 @@ pub(crate) struct Plan {
     device: Device,
     /// Tokens by which device buffers grow.
     grow_tokens: usize,
+    /// The dtype attention reads the streaming buffers in place in when it differs from
+    /// the model's (`kv_dtype` f16/bf16): no expanded copy is made then.
+    read_in_place: Option<candle_core::DType>,
 }
 
 impl Plan {
@@ -57,7 +60,15 @@ impl Plan {
             grouping,
             device,
             grow_tokens: grow_tokens.max(1),
+            read_in_place: None,
         }
+    }
+
+    /// Attention reads the streaming buffers in place when they hold `dtype`
+    /// (`kv_dtype` f16/bf16): no expanded copy is charged for them.
+    pub(crate) fn reading_in_place(mut self, dtype: Option<candle_core::DType>) -> Self {
+        self.read_in_place = dtype;
+        self
     }
 
     /// The policy's registry name.
@@ -103,8 +114,11 @@ impl Plan {
         cap: usize,
     ) -> u64 {
         let model = shape.kv_bytes(group, cap);
-        if host.codec().lossy(shape.dtype) {
+        let in_place = self.read_in_place == Some(host.stored(shape).0);
+        if host.codec().lossy(shape.dtype) && !in_place {
             2 * host.stored_bytes(shape, group, cap) + 2 * model
+        } else if in_place {
+            2 * host.stored_bytes(shape, group, cap)
         } else {
             2 * model
         }

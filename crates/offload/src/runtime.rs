@@ -60,7 +60,11 @@ impl OffloadPolicy {
     /// An offload policy registered as `name`, host tier in CPU memory.
     pub fn new(name: &'static str, grouping: Grouping, opts: &PolicyOptions) -> Result<Self> {
         Ok(Self {
-            plan: Plan::new(name, grouping, opts.device.clone(), opts.grow_tokens),
+            plan: Plan::new(name, grouping, opts.device.clone(), opts.grow_tokens)
+                .reading_in_place(match opts.kv_dtype {
+                    KvCodec::Float(dt) => Some(dt),
+                    _ => None,
+                }),
             link: Link::for_device(&opts.device, opts.link_bandwidth)?,
             host: HostLayers::new(opts.grow_tokens, DiskTier::from_options(opts, name)?)
                 .with_codec(opts.host_codec())
@@ -103,8 +107,13 @@ impl OffloadPolicy {
             let avail = self
                 .plan
                 .resident_bytes(&self.host, &self.meter, shape, group, plan_cap);
+            // Resident units hold K/V as the device stores them (`kv_dtype`).
+            let stored = KvShape {
+                dtype: self.device_codec.stored(shape.dtype, shape.head_dim).0,
+                ..shape.clone()
+            };
             if let Some(r) = self.residency.as_mut() {
-                r.plan(shape, (group, self.plan.grow_tokens()), plan_cap, avail);
+                r.plan(&stored, (group, self.plan.grow_tokens()), plan_cap, avail);
             }
         }
         if self.residency.as_ref().is_some_and(Residency::unbounded) {
@@ -195,17 +204,27 @@ impl OffloadPolicy {
             return Ok(());
         };
         if let Some(((k, v), base)) = kv.history()? {
-            self.host.write(
-                &mut self.link,
-                WriteAt {
-                    layer,
-                    first_head: g * gs,
-                    offset: base,
-                },
-                &k,
-                &v,
-            )?;
-            self.link.wait_all()?;
+            // The host tier may have dropped the front of a windowed layer further than the
+            // unit did: those tokens no later query sees.
+            let from = self.host.first_held(layer).max(base);
+            let len = k.dim(2)?.saturating_sub(from - base);
+            if len > 0 {
+                let (k, v) = (
+                    k.narrow(2, from - base, len)?,
+                    v.narrow(2, from - base, len)?,
+                );
+                self.host.write(
+                    &mut self.link,
+                    WriteAt {
+                        layer,
+                        first_head: g * gs,
+                        offset: from,
+                    },
+                    &k,
+                    &v,
+                )?;
+                self.link.wait_all()?;
+            }
         }
         self.meter.free(kv.allocated_bytes());
         Ok(())
@@ -304,9 +323,14 @@ impl KvPolicy for OffloadPolicy {
             // The buffers hold the model's dtype, or `kv_dtype`'s (the step's K/V are
             // converted as they are stored and everything is read in place).
             let stored = self.device_codec.stored(kn.dtype(), shape.head_dim).0;
-            let (k, v, expanded) = if kb.dtype() == kn.dtype() || kb.dtype() == stored {
-                kb.slice_set(&self.device_codec.encode(&kn)?, 2, offset + hist)?;
-                vb.slice_set(&self.device_codec.encode(&vn)?, 2, offset + hist)?;
+            let (k, v, expanded) = if kb.dtype() == stored || kb.dtype() == kn.dtype() {
+                let codec = if kb.dtype() == stored {
+                    self.device_codec
+                } else {
+                    KvCodec::Model
+                };
+                kb.slice_set(&codec.encode(&kn)?, 2, offset + hist)?;
+                vb.slice_set(&codec.encode(&vn)?, 2, offset + hist)?;
                 (
                     kb.narrow(2, offset, hist + t)?,
                     vb.narrow(2, offset, hist + t)?,
@@ -391,8 +415,11 @@ impl KvPolicy for OffloadPolicy {
                 "units",
             ));
         }
-        self.link
-            .report(report_device(&self.meter, self.host.report(stats)))
+        let mut stats = self.host.report(stats);
+        if let Some(shape) = self.host.known_shape() {
+            stats.lossy |= self.device_codec.lossy(shape.dtype);
+        }
+        self.link.report(report_device(&self.meter, stats))
     }
 
     fn as_restore(&mut self) -> Option<&mut dyn KvRestore> {

@@ -315,6 +315,16 @@ impl HostLayers {
         }
     }
 
+    /// The first position `layer`'s store holds (0 until a window dropped its front).
+    pub fn first_held(&self, layer: usize) -> usize {
+        self.bases.get(layer).copied().unwrap_or(0)
+    }
+
+    /// The run's shape, once known (from `prepare` or a step).
+    pub fn known_shape(&self) -> Option<&KvShape> {
+        self.shape.as_ref()
+    }
+
     /// `tokens` of `layer` as its store addresses them (from its first held position).
     fn held(&self, layer: usize, tokens: TokenRange) -> Result<TokenRange> {
         let base = self.bases.get(layer).copied().unwrap_or(0);
