@@ -65,4 +65,4 @@ pub use size::{format_bytes, parse_bytes};
 pub use stats::{DeviceMeter, KvStats, MetricKind, Need, PolicyMetric};
 pub use step::{AttnStep, KvShape};
 pub use storage::{DiskIo, KvCodec};
-pub use window::{window_capacity, WindowKv};
+pub use window::{front_to_drop, window_capacity, WindowKv};

@@ -40,6 +40,15 @@ pub struct PolicyOptions {
 }
 
 impl PolicyOptions {
+    /// How device buffers store K/V: `kv_dtype` when a float type, else the model's dtype
+    /// (q8_0 is a host-tier form).
+    pub fn device_codec(&self) -> crate::storage::KvCodec {
+        match self.kv_dtype {
+            crate::storage::KvCodec::Float(dt) => crate::storage::KvCodec::Float(dt),
+            _ => crate::storage::KvCodec::Model,
+        }
+    }
+
     /// How the host and disk tiers store K/V: `host_kv_dtype` when set, else `kv_dtype`.
     pub fn host_codec(&self) -> crate::storage::KvCodec {
         match self.host_kv_dtype {

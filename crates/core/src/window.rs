@@ -36,6 +36,24 @@ pub fn window_capacity(
     }
 }
 
+/// How many tokens a buffer holding positions `held` (with room for `capacity` tokens
+/// from `held.start`) drops from its front before it holds positions up to `need_end`:
+/// those before `keep_from` (no later query sees them), and only when it would otherwise
+/// grow; 0 for a global layer (`keep_from` 0) or while the buffer has room. The one rule of
+/// every window-sized buffer: [`WindowKv`], the host tier's RAM stores, `recompute`'s
+/// stored inputs.
+pub fn front_to_drop(
+    held: std::ops::Range<usize>,
+    keep_from: usize,
+    need_end: usize,
+    capacity: usize,
+) -> usize {
+    if need_end.saturating_sub(held.start) <= capacity || keep_from <= held.start {
+        return 0;
+    }
+    keep_from.min(held.end) - held.start
+}
+
 impl WindowKv {
     /// An empty buffer growing by `grow_tokens` tokens at a time.
     pub fn new(grow_tokens: usize) -> Self {
@@ -69,8 +87,13 @@ impl WindowKv {
     /// tokens before `keep_from` (the first position a query of the coming step sees).
     /// Nothing for a global layer (`keep_from` 0) or while the buffer has room.
     pub fn make_room(&mut self, keep_from: usize, t: usize) -> Result<()> {
-        if self.buf.len() + t > self.buf.capacity() && keep_from > self.base {
-            let n = (keep_from - self.base).min(self.buf.len());
+        let n = front_to_drop(
+            self.base..self.end(),
+            keep_from,
+            self.end() + t,
+            self.buf.capacity(),
+        );
+        if n > 0 {
             self.buf.drop_front(n)?;
             self.base += n;
         }

@@ -5,8 +5,8 @@
 //! answers from them, the host tier's stored form and the device budget, returning values:
 //! it changes nothing.
 use candle_core::Device;
-use kvpolicy_core::Result;
 use kvpolicy_core::{round_up, Advice, DeviceMeter, Knob, KvError, KvShape, Need, PolicyOption};
+use kvpolicy_core::{KvCodec, Result};
 use kvpolicy_tiered::HostLayers;
 
 use crate::settings::HeadGroup;
@@ -41,9 +41,9 @@ pub(crate) struct Plan {
     device: Device,
     /// Tokens by which device buffers grow.
     grow_tokens: usize,
-    /// The dtype attention reads the streaming buffers in place in when it differs from
-    /// the model's (`kv_dtype` f16/bf16): no expanded copy is made then.
-    read_in_place: Option<candle_core::DType>,
+    /// How the device stores K/V (`kv_dtype` f16/bf16, else the model's dtype): attention
+    /// reads streaming buffers of that form in place, with no expanded copy.
+    device_codec: KvCodec,
 }
 
 impl Plan {
@@ -60,14 +60,15 @@ impl Plan {
             grouping,
             device,
             grow_tokens: grow_tokens.max(1),
-            read_in_place: None,
+            device_codec: KvCodec::Model,
         }
     }
 
-    /// Attention reads the streaming buffers in place when they hold `dtype`
-    /// (`kv_dtype` f16/bf16): no expanded copy is charged for them.
-    pub(crate) fn reading_in_place(mut self, dtype: Option<candle_core::DType>) -> Self {
-        self.read_in_place = dtype;
+    /// Attention reads streaming buffers stored as `codec` (the device's form,
+    /// [`PolicyOptions::device_codec`](kvpolicy_core::PolicyOptions::device_codec)) in
+    /// place: no expanded copy is charged for them.
+    pub(crate) fn reading_in_place(mut self, codec: KvCodec) -> Self {
+        self.device_codec = codec;
         self
     }
 
@@ -113,14 +114,12 @@ impl Plan {
         group: usize,
         cap: usize,
     ) -> u64 {
-        let model = shape.kv_bytes(group, cap);
-        let in_place = self.read_in_place == Some(host.stored(shape).0);
-        if host.codec().lossy(shape.dtype) && !in_place {
-            2 * host.stored_bytes(shape, group, cap) + 2 * model
-        } else if in_place {
-            2 * host.stored_bytes(shape, group, cap)
+        let stored = 2 * host.stored_bytes(shape, group, cap);
+        let in_place = host.stored(shape) == self.device_codec.stored(shape.dtype, shape.head_dim);
+        if in_place {
+            stored
         } else {
-            2 * model
+            stored + 2 * shape.kv_bytes(group, cap)
         }
     }
 

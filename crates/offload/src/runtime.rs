@@ -61,10 +61,7 @@ impl OffloadPolicy {
     pub fn new(name: &'static str, grouping: Grouping, opts: &PolicyOptions) -> Result<Self> {
         Ok(Self {
             plan: Plan::new(name, grouping, opts.device.clone(), opts.grow_tokens)
-                .reading_in_place(match opts.kv_dtype {
-                    KvCodec::Float(dt) => Some(dt),
-                    _ => None,
-                }),
+                .reading_in_place(opts.device_codec()),
             link: Link::for_device(&opts.device, opts.link_bandwidth)?,
             host: HostLayers::new(opts.grow_tokens, DiskTier::from_options(opts, name)?)
                 .with_codec(opts.host_codec())
@@ -72,10 +69,7 @@ impl OffloadPolicy {
             stream: Streaming::default(),
             residency: (grouping == Grouping::Resident).then(Residency::default),
             meter: DeviceMeter::new(opts.device_kv_budget),
-            device_codec: match opts.kv_dtype {
-                KvCodec::Float(dt) => KvCodec::Float(dt),
-                _ => KvCodec::Model,
-            },
+            device_codec: opts.device_codec(),
             stats: KvStats::default(),
         })
     }

@@ -12,8 +12,9 @@
 use crate::settings::RecomputeSettings;
 use candle_core::{Device, Tensor};
 use kvpolicy_core::{
-    attend_partial, round_up, Advice, AttnInputs, AttnSpec, AttnStep, DeviceMeter, Knob, KvError,
-    KvPolicy, KvShape, KvStats, PolicyMetric, PolicyOption, PolicyOptions, Profile, Result,
+    attend_partial, front_to_drop, round_up, Advice, AttnInputs, AttnSpec, AttnStep, DeviceMeter,
+    Knob, KvError, KvPolicy, KvShape, KvStats, PolicyMetric, PolicyOption, PolicyOptions, Profile,
+    Result,
 };
 use kvpolicy_core::{Need, Profiled};
 use kvpolicy_tiered::{
@@ -208,11 +209,10 @@ impl RecomputePolicy {
             return Ok(());
         }
         self.link.wait_all()?;
-        if let Some(hx) = self.xs[layer].as_mut().filter(|_| keep_from > base) {
+        let n = front_to_drop(base..held, keep_from, x_tokens, have);
+        if let Some(hx) = self.xs[layer].as_mut().filter(|_| n > 0) {
             // No later query sees them: move the rest to the front instead of growing.
-            let n = keep_from.min(held) - base;
-            let keep = held.saturating_sub(keep_from.min(held));
-            kvpolicy_core::move_to_front(&hx.x, 1, n, keep)?;
+            kvpolicy_core::move_to_front(&hx.x, 1, n, held - base - n)?;
             hx.base = base + n;
             if x_tokens - hx.base <= hx.cap {
                 return Ok(());

@@ -13,7 +13,7 @@
 use std::time::Instant;
 
 use candle_core::{DType, Tensor};
-use kvpolicy_core::{AttnSpec, AttnStep, KvCodec, KvShape};
+use kvpolicy_core::{front_to_drop, AttnSpec, AttnStep, KvCodec, KvShape};
 use kvpolicy_core::{HeadRange, KvError, KvStats, Result, TokenRange};
 
 use crate::disk::DiskKv;
@@ -162,11 +162,11 @@ impl HostLayers {
         let Some(store) = self.layers[layer].as_mut() else {
             return Ok(());
         };
-        if keep_from <= base || len - base + t <= store.capacity() {
+        let n = front_to_drop(base..len, keep_from, len + t, store.capacity());
+        if n == 0 {
             return Ok(());
         }
         link.wait_all()?;
-        let n = keep_from.min(len) - base;
         if store.drop_front(n, len - base)? {
             self.bases[layer] = base + n;
         }
@@ -299,7 +299,7 @@ impl HostLayers {
     pub fn write(&mut self, link: &mut Link, at: WriteAt, k: &Tensor, v: &Tensor) -> Result<()> {
         // A smaller stored form is encoded on the device, before anything moves.
         let (k, v) = (&self.codec.encode(k)?, &self.codec.encode(v)?);
-        let base = self.bases.get(at.layer).copied().unwrap_or(0);
+        let base = self.first_held(at.layer);
         let at = WriteAt {
             offset: at.offset.checked_sub(base).ok_or_else(|| {
                 KvError::invariant(format!(
@@ -327,7 +327,7 @@ impl HostLayers {
 
     /// `tokens` of `layer` as its store addresses them (from its first held position).
     fn held(&self, layer: usize, tokens: TokenRange) -> Result<TokenRange> {
-        let base = self.bases.get(layer).copied().unwrap_or(0);
+        let base = self.first_held(layer);
         if tokens.start < base {
             return Err(KvError::invariant(format!(
                 "layer {layer}: tokens from {} asked for, but those before {base} were \
@@ -341,10 +341,7 @@ impl HostLayers {
     /// `layer`'s RAM buffers with the position their first row holds, if it is in RAM
     /// (row `i` holds position `base + i`; `base` > 0 once a window dropped its front).
     pub fn ram_from(&self, layer: usize) -> Option<(&HostKv, usize)> {
-        Some((
-            self.ram(layer)?,
-            self.bases.get(layer).copied().unwrap_or(0),
-        ))
+        Some((self.ram(layer)?, self.first_held(layer)))
     }
 
     /// `layer`'s RAM buffers, if it is in RAM (row `i` holds position `i` only without
