@@ -133,3 +133,70 @@ fn the_kernel_reads_half_keys_as_their_f32_values() -> Result<()> {
     }
     Ok(())
 }
+
+#[test]
+fn the_runner_labels_kv_dtype_lossy_and_refuses_what_a_policy_cannot_store() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let fixture = common::fixture("llama_gqa").to_string_lossy().into_owned();
+    let llama = |extra: &[&str]| -> Result<std::process::Output> {
+        let mut a = vec![
+            "--model-dir",
+            fixture.as_str(),
+            "--prompt-ids",
+            "1,2,3,4,5",
+            "--max-new-tokens",
+            "3",
+        ];
+        a.extend(extra);
+        common::cli::llama(&a)
+    };
+    let stats = |name: &str| dir.path().join(name).to_string_lossy().into_owned();
+    let lossy = |path: &str| -> Result<bool> {
+        let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path)?)?;
+        v["lossy"]
+            .as_bool()
+            .ok_or_else(|| anyhow::anyhow!("no `lossy` in {v}"))
+    };
+    // f16 under full and headwise: the summary and --stats-out say LOSSY, naming the flag.
+    for policy in ["full", "headwise"] {
+        let out = stats(&format!("{policy}-f16.json"));
+        let o = llama(&["--policy", policy, "--kv-dtype", "f16", "--stats-out", &out])?;
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.success(), "{policy}: {err}");
+        assert!(
+            err.contains("LOSSY: K/V stored in the smaller --kv-dtype"),
+            "{policy}: {err}"
+        );
+        assert!(lossy(&out)?, "{policy}: --stats-out not lossy");
+    }
+    // f32 is the model's own: not lossy, no label.
+    let out = stats("full-f32.json");
+    let o = llama(&["--kv-dtype", "f32", "--stats-out", &out])?;
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && !err.contains("LOSSY"), "{err}");
+    assert!(!lossy(&out)?);
+    // q8_0 on the device: `full` refuses it, naming where it is stored.
+    let o = llama(&["--policy", "full", "--kv-dtype", "q8_0"])?;
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("host tier only"),
+        "{err}"
+    );
+    // An unknown form: the flag's values.
+    let o = llama(&["--kv-dtype", "f8"])?;
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("`f8`: use f32, f16, bf16 or q8_0"),
+        "{err}"
+    );
+    // A policy that does not read it: warned, ignored, not labeled lossy.
+    let o = llama(&["--policy", "recompute", "--kv-dtype", "f16"])?;
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        o.status.success()
+            && err.contains("--kv-dtype does not apply to the `recompute` policy")
+            && !err.contains("LOSSY"),
+        "{err}"
+    );
+    Ok(())
+}

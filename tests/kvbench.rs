@@ -100,6 +100,71 @@ fn sweep_writes_csv_and_charts() -> Result<()> {
 }
 
 #[test]
+fn kv_dtype_rows_are_lossy_in_the_csv() -> Result<()> {
+    // `--kv-dtype f16`: every policy that reads it stores half the bytes and its CSV row
+    // says lossy; with f32 nothing is.
+    let dir = tempfile::tempdir()?;
+    let cfg = dir.path().join("config.json");
+    std::fs::write(&cfg, TINY)?;
+    let mut lossy = Vec::new();
+    for kv in ["f32", "f16"] {
+        let csv = dir.path().join(format!("{kv}.csv"));
+        let o = kvbench(&[
+            "--random-weights",
+            "--config",
+            &cfg.to_string_lossy(),
+            "--cpu",
+            "--context",
+            "24",
+            "--steps",
+            "2",
+            "--repeats",
+            "1",
+            "--policies",
+            "full,headwise:1",
+            "--kv-dtype",
+            kv,
+            "--csv",
+            &csv.to_string_lossy(),
+        ])?;
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let text = std::fs::read_to_string(&csv)?;
+        let mut lines = text.lines();
+        let head: Vec<&str> = lines.next().unwrap_or_default().split(',').collect();
+        let at = |name: &str| head.iter().position(|h| *h == name);
+        let (Some(l), Some(dev)) = (at("lossy"), at("device_kv_peak_bytes")) else {
+            anyhow::bail!("columns missing: {head:?}");
+        };
+        for row in lines {
+            let cells: Vec<&str> = row.split(',').collect();
+            lossy.push((
+                kv,
+                cells[1].to_string(),
+                cells[l].to_string(),
+                cells[dev].to_string(),
+            ));
+        }
+    }
+    for (kv, policy, l, _) in &lossy {
+        assert_eq!(
+            l,
+            if *kv == "f16" { "true" } else { "false" },
+            "{kv} {policy}"
+        );
+    }
+    // `full`'s device bytes halve.
+    let full = |kv: &str| -> Result<u64> {
+        let row = lossy
+            .iter()
+            .find(|(k, p, _, _)| *k == kv && p == "full")
+            .ok_or_else(|| anyhow::anyhow!("no full row for {kv}"))?;
+        Ok(row.3.parse()?)
+    };
+    assert_eq!(2 * full("f16")?, full("f32")?);
+    Ok(())
+}
+
+#[test]
 fn quick_runs_two_short_contexts() -> Result<()> {
     let dir = tempfile::tempdir()?;
     let cfg = dir.path().join("config.json");
