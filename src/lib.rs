@@ -18,6 +18,7 @@
 
 pub use kvpolicy_baseline as baseline;
 pub use kvpolicy_core as core;
+pub use kvpolicy_helix as helix;
 pub use kvpolicy_hybrid as hybrid;
 pub use kvpolicy_models as models;
 pub use kvpolicy_offload as offload;
@@ -47,6 +48,8 @@ pub fn registry() -> PolicyRegistry {
     kvpolicy_recompute::register(&mut reg);
     kvpolicy_hybrid::register(&mut reg);
     kvpolicy_sparse::register(&mut reg);
+    // Last: its local policies are those registered before it.
+    kvpolicy_helix::register(&mut reg);
     reg
 }
 

@@ -9,12 +9,14 @@
 //! reads the stored form in place, accumulating in f32 — llama.cpp's `--cache-type-k f16`.
 //! With a device budget the policy fails before allocating past it and points to the
 //! offload policies.
+use std::ops::Range;
+
 use candle_core::{Device, Tensor};
 use kvpolicy_core::{
     attend_partial, window_capacity, Advice, AttnInputs, AttnStep, DeviceMeter, Knob, KvError,
     KvPolicy, KvShape, KvStats, PolicyOption, PolicyOptions, Result, WindowKv,
 };
-use kvpolicy_core::{KvCodec, KvRestore, Need};
+use kvpolicy_core::{KvCodec, KvRestore, Need, Partial, ShardLocal};
 
 /// Why `full` cannot shrink to a device budget.
 const NOTE: &str = "`full` keeps every layer's KV on the device";
@@ -148,26 +150,40 @@ impl KvPolicy for FullPolicy {
     fn as_restore(&mut self) -> Option<&mut dyn KvRestore> {
         Some(self)
     }
+
+    fn as_shard(&mut self) -> Option<&mut dyn ShardLocal> {
+        Some(self)
+    }
 }
 
-impl KvRestore for FullPolicy {
-    fn append_kv(&mut self, step: &AttnStep<'_>) -> Result<()> {
+impl FullPolicy {
+    /// Stores the step's K/V at the absolute positions `range` in its layer's buffer, after
+    /// dropping what no query from `keep_from` on sees (a sliding window).
+    fn store(&mut self, step: &AttnStep<'_>, range: Range<usize>, keep_from: usize) -> Result<()> {
+        let (pos, t) = (range.start, range.len());
+        let (k, v) = if t == step.k.dim(2)? {
+            (step.k.clone(), step.v.clone())
+        } else {
+            (
+                step.k.narrow(2, pos - step.pos, t)?,
+                step.v.narrow(2, pos - step.pos, t)?,
+            )
+        };
         while self.layers.len() <= step.layer {
             self.layers.push(WindowKv::new(self.grow_tokens));
         }
         let buf = &mut self.layers[step.layer];
-        if step.pos != buf.end() {
+        if pos != buf.end() {
             return Err(KvError::OutOfOrder {
                 seq: step.seq,
                 layer: step.layer,
                 held: buf.end(),
-                pos: step.pos,
+                pos,
             });
         }
-        let t = step.k.dim(2)?;
-        buf.make_room(step.spec.window_start(step.pos), t)?;
+        buf.make_room(keep_from, t)?;
         // Converted as they are stored (nothing to do in the model's dtype).
-        let (k, v) = (self.codec.encode(step.k)?, self.codec.encode(step.v)?);
+        let (k, v) = (self.codec.encode(&k)?, self.codec.encode(&v)?);
         if self.codec.lossy(step.k.dtype()) {
             self.stats.lossy = true;
         }
@@ -185,5 +201,58 @@ impl KvRestore for FullPolicy {
             ));
         }
         buf.append_metered(&k, &v, &mut self.meter)
+    }
+}
+
+impl KvRestore for FullPolicy {
+    fn append_kv(&mut self, step: &AttnStep<'_>) -> Result<()> {
+        let t = step.k.dim(2)?;
+        self.store(
+            step,
+            step.pos..step.pos + t,
+            step.spec.window_start(step.pos),
+        )
+    }
+}
+
+impl ShardLocal for FullPolicy {
+    fn attend_shard(&mut self, step: &AttnStep<'_>, store: Range<usize>) -> Result<Partial> {
+        let (b, nh, t, d) = step.q.dims4()?;
+        if !store.is_empty() {
+            if store.start < step.pos || store.end > step.pos + t {
+                return Err(KvError::invariant(
+                    "a share stores positions of the step it is handed",
+                ));
+            }
+            while self.layers.len() <= step.layer {
+                self.layers.push(WindowKv::new(self.grow_tokens));
+            }
+            let buf = &mut self.layers[step.layer];
+            if buf.buffer().is_empty() {
+                buf.start_at(store.start)?;
+            }
+            self.store(step, store, step.spec.window_start(step.pos))?;
+        }
+        let Some(buf) = self.layers.get(step.layer) else {
+            return Partial::empty(b, nh, t, d, step.q.device());
+        };
+        let start = step.spec.window_start(step.pos).max(buf.base());
+        if start >= buf.end() {
+            return Partial::empty(b, nh, t, d, step.q.device());
+        }
+        let (k, v) = buf.view(start, buf.end())?;
+        let out = attend_partial(
+            AttnInputs {
+                q: step.q,
+                k: &k,
+                v: &v,
+                q_pos: step.pos,
+                k_pos: start,
+            },
+            step.spec,
+        )?;
+        let act = self.shape.as_ref().map_or(0, |s| s.activation_bytes(t));
+        self.stats.note_scratch(out.scratch_bytes, act);
+        Ok(out)
     }
 }

@@ -1,7 +1,11 @@
 //! What only some policies do, as traits a policy opts into and a caller discovers from
 //! the trait object ([`KvPolicy::as_restore`](crate::KvPolicy::as_restore),
 //! [`as_batched`](crate::KvPolicy::as_batched), [`as_profiled`](crate::KvPolicy::as_profiled)):
-//! taking K/V without attention, one cache per sequence of a ragged batch, a cost profile.
+//! taking K/V without attention, one cache per sequence of a ragged batch, a cost profile,
+//! one rank's share of a sequence ([`ShardLocal`], [`as_shard`](crate::KvPolicy::as_shard)).
+use std::ops::Range;
+
+use crate::attention::Partial;
 use crate::error::Result;
 use crate::profile::Profile;
 use crate::step::AttnStep;
@@ -44,4 +48,23 @@ pub struct SeqLoad {
     pub cached: usize,
     /// Tokens the step adds.
     pub new: usize,
+}
+
+/// A policy that can hold one rank's share of a sequence in KV-parallel decoding (Helix,
+/// arXiv 2507.07120 §3: the KV cache sharded along the sequence, each rank attending over
+/// its shard, the partial results merged exactly by their log-sum-exp): a contiguous range
+/// of positions that need not start at 0, and the attention of any step's queries over
+/// what it holds, returned unmerged.
+///
+/// Calls follow [`KvPolicy`](crate::KvPolicy)'s protocol (layers in order, every layer of a
+/// step with the same `store`), except that a step's position is the sequence's, not the
+/// share's: a share starts where its first store does, and a step may store nothing.
+pub trait ShardLocal {
+    /// Stores the step's tokens at the absolute positions `store` (a sub-range of
+    /// `step.pos..step.pos + t`; it begins where the share ends, or anywhere while the share
+    /// is empty; empty: nothing stored) and returns the attention of every query of the step
+    /// over every token held, masked by their absolute positions (causal, sliding window):
+    /// output `(b, n_heads, t, head_dim)` f32 and log-sum-exp (`-inf` for a row that sees no
+    /// token held).
+    fn attend_shard(&mut self, step: &AttnStep<'_>, store: Range<usize>) -> Result<Partial>;
 }

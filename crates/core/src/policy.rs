@@ -3,7 +3,7 @@
 //! only some do are optional traits ([`crate::capabilities`]) discovered from it.
 use candle_core::Tensor;
 
-use crate::capabilities::{Batched, KvRestore, Profiled};
+use crate::capabilities::{Batched, KvRestore, Profiled, ShardLocal};
 use crate::error::Result;
 use crate::stats::KvStats;
 use crate::step::{AttnStep, KvShape};
@@ -63,6 +63,11 @@ pub trait KvPolicy: Send {
     }
     /// The policy as [`Profiled`]: it plans with a cost profile (`recompute`, `hybrid`).
     fn as_profiled(&self) -> Option<&dyn Profiled> {
+        None
+    }
+    /// The policy as [`ShardLocal`]: it can hold one rank's share of a sequence (the
+    /// `helix` policy's local policy). `None` (the default) for policies that cannot.
+    fn as_shard(&mut self) -> Option<&mut dyn ShardLocal> {
         None
     }
 }

@@ -63,6 +63,18 @@ impl WindowKv {
         }
     }
 
+    /// Makes an empty buffer hold positions from `pos` on (one rank's share of a sequence,
+    /// [`crate::ShardLocal`]); an error once it holds tokens.
+    pub fn start_at(&mut self, pos: usize) -> Result<()> {
+        if !self.buf.is_empty() {
+            return Err(KvError::invariant(
+                "a buffer holding tokens cannot move its first position",
+            ));
+        }
+        self.base = pos;
+        Ok(())
+    }
+
     /// The first position held (tokens before it were dropped: no later query sees them).
     pub fn base(&self) -> usize {
         self.base

@@ -1,0 +1,152 @@
+//! Ranks as threads of one process: a [`Collective`] over shared memory, so that tests and
+//! benches run a KV-parallel group without `mpirun`. Same semantics as the MPI backend:
+//! every rank calls the same collectives in the same order.
+use std::sync::{Arc, Barrier, Mutex};
+
+use candle_core::Tensor;
+
+use crate::collective::{host_values, stacked, Collective, CollectiveError, CollectiveResult};
+
+/// What the ranks of one group share.
+#[derive(Debug)]
+struct Shared {
+    slots: Mutex<Vec<Vec<f32>>>,
+    words: Mutex<Vec<u32>>,
+    barrier: Barrier,
+}
+
+/// One rank of an in-process group ([`ThreadGroup::new`] makes all of them).
+#[derive(Debug, Clone)]
+pub struct ThreadGroup {
+    rank: usize,
+    size: usize,
+    shared: Arc<Shared>,
+}
+
+impl ThreadGroup {
+    /// The `size` ranks of a new group, rank `r` at index `r`; hand each to its own thread.
+    pub fn new(size: usize) -> Vec<ThreadGroup> {
+        let shared = Arc::new(Shared {
+            slots: Mutex::new(vec![Vec::new(); size]),
+            words: Mutex::new(Vec::new()),
+            barrier: Barrier::new(size.max(1)),
+        });
+        (0..size)
+            .map(|rank| ThreadGroup {
+                rank,
+                size,
+                shared: shared.clone(),
+            })
+            .collect()
+    }
+
+    fn poisoned() -> CollectiveError {
+        CollectiveError::Backend("a rank's thread panicked".into())
+    }
+
+    /// Every rank's values, in rank order; the slots are free again when it returns.
+    fn exchange(&self, values: Vec<f32>) -> CollectiveResult<Vec<Vec<f32>>> {
+        self.shared.slots.lock().map_err(|_| Self::poisoned())?[self.rank] = values;
+        self.shared.barrier.wait();
+        let all = self
+            .shared
+            .slots
+            .lock()
+            .map_err(|_| Self::poisoned())?
+            .clone();
+        self.shared.barrier.wait();
+        let want = all[0].len();
+        if let Some((rank, v)) = all.iter().enumerate().find(|(_, v)| v.len() != want) {
+            return Err(CollectiveError::Mismatch {
+                rank,
+                got: v.len(),
+                want,
+            });
+        }
+        Ok(all)
+    }
+}
+
+impl Collective for ThreadGroup {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn size(&self) -> usize {
+        self.size
+    }
+    fn all_gather(&self, local: &Tensor) -> CollectiveResult<Tensor> {
+        let all = self.exchange(host_values(local)?)?;
+        stacked(all.concat(), self.size, local)
+    }
+    fn all_reduce_sum(&self, local: &Tensor) -> CollectiveResult<Tensor> {
+        let all = self.exchange(host_values(local)?)?;
+        let mut sum = vec![0f32; all[0].len()];
+        for v in &all {
+            for (s, x) in sum.iter_mut().zip(v) {
+                *s += x;
+            }
+        }
+        Ok(Tensor::from_vec(sum, local.dims(), local.device())?)
+    }
+    fn broadcast_u32(&self, values: &mut [u32], root: usize) -> CollectiveResult<()> {
+        if self.rank == root {
+            *self.shared.words.lock().map_err(|_| Self::poisoned())? = values.to_vec();
+        }
+        self.shared.barrier.wait();
+        let words = self
+            .shared
+            .words
+            .lock()
+            .map_err(|_| Self::poisoned())?
+            .clone();
+        self.shared.barrier.wait();
+        if words.len() != values.len() {
+            return Err(CollectiveError::Mismatch {
+                rank: root,
+                got: words.len(),
+                want: values.len(),
+            });
+        }
+        values.copy_from_slice(&words);
+        Ok(())
+    }
+    fn barrier(&self) -> CollectiveResult<()> {
+        self.shared.barrier.wait();
+        Ok(())
+    }
+    fn backend(&self) -> &'static str {
+        "threads"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn three_threads_gather_reduce_and_broadcast() -> anyhow::Result<()> {
+        let handles: Vec<_> = ThreadGroup::new(3)
+            .into_iter()
+            .map(|g| {
+                std::thread::spawn(move || -> anyhow::Result<(Vec<f32>, Vec<f32>, Vec<u32>)> {
+                    let r = g.rank() as f32;
+                    let t = Tensor::new(&[r, r + 10.], &Device::Cpu)?;
+                    let all = g.all_gather(&t)?.flatten_all()?.to_vec1::<f32>()?;
+                    let sum = g.all_reduce_sum(&t)?.to_vec1::<f32>()?;
+                    let mut w = [g.rank() as u32 + 7; 2];
+                    g.broadcast_u32(&mut w, 2)?;
+                    g.barrier()?;
+                    Ok((all, sum, w.to_vec()))
+                })
+            })
+            .collect();
+        for h in handles {
+            let (all, sum, w) = h.join().map_err(|_| anyhow::anyhow!("rank panicked"))??;
+            assert_eq!(all, vec![0., 10., 1., 11., 2., 12.]);
+            assert_eq!(sum, vec![3., 33.]);
+            assert_eq!(w, vec![9, 9]);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,66 @@
+//! The process's group: MPI's world when the process was launched by `mpirun` (feature
+//! `mpi`), a rank alone otherwise. Initialized on first use, finalized by [`finish`].
+use std::sync::{Arc, OnceLock};
+
+use crate::collective::{Collective, Solo};
+
+static WORLD: OnceLock<Arc<dyn Collective>> = OnceLock::new();
+
+/// Why the process's group could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum WorldError {
+    /// Launched by `mpirun` with several ranks, but built without MPI.
+    #[error("this process is one of {ranks} ranks launched by mpirun, but was built without MPI; rebuild with `--features mpi` (it needs Open MPI: `apt-get install libopenmpi-dev openmpi-bin libclang-dev`)")]
+    NotBuilt {
+        /// Ranks `mpirun` launched.
+        ranks: usize,
+    },
+    /// MPI could not be initialized.
+    #[error("MPI could not be initialized: {0}")]
+    Init(String),
+}
+
+/// Ranks the launcher started, when launched by `mpirun` (Open MPI's or MPICH's).
+pub fn launched_ranks() -> Option<usize> {
+    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok()?.parse().ok())
+}
+
+/// The process's group (module docs); the same one on every call.
+pub fn world() -> Result<Arc<dyn Collective>, WorldError> {
+    if let Some(w) = WORLD.get() {
+        return Ok(w.clone());
+    }
+    let w: Arc<dyn Collective> = match launched_ranks() {
+        #[cfg(feature = "mpi")]
+        Some(_) => Arc::new(crate::mpi_world::MpiWorld::init()?),
+        #[cfg(not(feature = "mpi"))]
+        Some(ranks) if ranks > 1 => return Err(WorldError::NotBuilt { ranks }),
+        _ => Arc::new(Solo),
+    };
+    Ok(WORLD.get_or_init(|| w).clone())
+}
+
+/// The group, when [`world`] has set it up (`None` before: no rank but 0 exists).
+pub fn current() -> Option<Arc<dyn Collective>> {
+    WORLD.get().cloned()
+}
+
+/// Ends the group's communication (MPI's finalize) before the process exits; nothing when
+/// MPI was not used. Collectives fail after it.
+pub fn finish() {
+    #[cfg(feature = "mpi")]
+    crate::mpi_world::finalize();
+}
+
+/// Ends every rank of the group with `code` after an error on this one (MPI's abort, so
+/// that no rank waits forever on a collective this one will not join); returns on a rank
+/// alone.
+pub fn abort(code: i32) {
+    let _ = code;
+    #[cfg(feature = "mpi")]
+    if current().is_some_and(|w| w.size() > 1) {
+        crate::mpi_world::abort(code);
+    }
+}

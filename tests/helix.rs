@@ -1,0 +1,122 @@
+//! `helix` (KV-parallel decoding, Helix §3) with its ranks as threads of this process
+//! (`ThreadGroup`): every rank's logits equal `full`'s on every fixture, with prefill chunks
+//! straddling the shares' boundaries; each rank holds exactly its share; a decode token's
+//! all-gather moves exactly `ranks × heads × (head_dim + 1)` f32 values per layer. The same
+//! over MPI processes: `tests/helix_mpi.rs`.
+mod common;
+
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use candle_core::Tensor;
+use kvpolicy::helix::{decode_bytes_per_layer, HelixPolicy, Shares, ThreadGroup};
+use kvpolicy::{build_policy, KvPolicy, KvStats, PolicyOptions};
+
+const TOL: f32 = 1e-5;
+
+/// What one rank of a run saw.
+struct RankRun {
+    logits: Tensor,
+    stats: KvStats,
+    held: usize,
+    shares: Shares,
+}
+
+/// Runs fixture `name` teacher-forced under `helix:local=LOCAL` on `ranks` threads.
+fn run_ranks(
+    name: &str,
+    local: &str,
+    ranks: usize,
+    chunk: usize,
+    opts: &PolicyOptions,
+) -> Result<Vec<RankRun>> {
+    let handles: Vec<_> = ThreadGroup::new(ranks)
+        .into_iter()
+        .map(|group| {
+            let (name, local, opts) = (name.to_string(), local.to_string(), opts.clone());
+            std::thread::spawn(move || -> Result<RankRun> {
+                let loaded = common::load_fixture(&name)?;
+                let (prompt, decode) = common::fixture_ids(&name)?;
+                let mut p = HelixPolicy::new(build_policy(&local, &opts)?, Arc::new(group))?;
+                let logits = common::teacher_forced_logits(
+                    loaded.model.as_ref(),
+                    &mut p,
+                    &prompt,
+                    &decode,
+                    chunk,
+                )?;
+                Ok(RankRun {
+                    logits,
+                    stats: p.stats(),
+                    held: p.held(),
+                    shares: p.shares().context("prepared")?,
+                })
+            })
+        })
+        .collect();
+    handles
+        .into_iter()
+        .map(|h| h.join().map_err(|_| anyhow::anyhow!("a rank panicked"))?)
+        .collect()
+}
+
+#[test]
+fn every_rank_matches_full_on_every_fixture_with_chunks_straddling_shares() -> Result<()> {
+    let opts = PolicyOptions {
+        grow_tokens: 1,
+        ..PolicyOptions::default()
+    };
+    for name in common::hf_fixtures() {
+        let loaded = common::load_fixture(&name)?;
+        let info = loaded.model.info().clone();
+        let (prompt, decode) = common::fixture_ids(&name)?;
+        let total = prompt.len() + decode.len();
+        for ranks in [2, 3] {
+            for chunk in [1, 5] {
+                let want = common::full_logits(loaded.model.as_ref(), &prompt, &decode, chunk)?;
+                let runs = run_ranks(&name, "full", ranks, chunk, &opts)?;
+                let shares = runs[0].shares;
+                // The chunks of 5 straddle a boundary: 16 (2 ranks), 11 and 22 (3 ranks).
+                assert!(shares.share_tokens() % 5 != 0);
+                let mut held = 0;
+                for (r, run) in runs.iter().enumerate() {
+                    let d = common::max_abs_diff(&run.logits, &want)?;
+                    assert!(
+                        d <= TOL,
+                        "{name} ranks {ranks} chunk {chunk} rank {r}: max |Δlogit| = {d}"
+                    );
+                    // Every rank merges the same partials in the same order.
+                    assert_eq!(common::max_abs_diff(&run.logits, &runs[0].logits)?, 0.0);
+                    assert_eq!(run.held, shares.held(r, total), "{name} rank {r}");
+                    held += run.held;
+                    assert_eq!(
+                        common::metric(&run.stats, "share_tokens") as usize,
+                        run.held
+                    );
+                    // KV per rank: exactly its share's K/V on every global layer (growth by
+                    // 1 token: no slack); a sliding-window layer holds at most its share.
+                    let per_token = 2 * info.n_kv_heads * info.head_dim * 4;
+                    let global = info.windows.iter().filter(|w| w.is_none()).count();
+                    let want_bytes = (global * run.held * per_token) as u64;
+                    if global == info.windows.len() {
+                        assert_eq!(run.stats.device_kv_bytes, want_bytes, "{name} rank {r}");
+                    } else {
+                        assert!(run.stats.device_kv_bytes >= want_bytes);
+                        assert!(
+                            run.stats.device_kv_bytes
+                                <= (info.windows.len() * run.held * per_token) as u64
+                        );
+                    }
+                    // One all-gather per layer and decode token of ranks × heads × (d + 1).
+                    assert_eq!(
+                        common::metric(&run.stats, "decode_bytes_per_layer_token"),
+                        decode_bytes_per_layer(ranks, info.n_heads, info.head_dim),
+                        "{name}"
+                    );
+                }
+                assert_eq!(held, total);
+            }
+        }
+    }
+    Ok(())
+}
