@@ -254,6 +254,7 @@ fn write_outputs(
             peak_rss_bytes: peak_rss_bytes(),
             steps: out.steps,
             prefix_cache: out.prefix,
+            ranks: None,
         };
         staged.add(path, |w| Ok(serde_json::to_writer_pretty(w, &st)?))?;
     }

@@ -28,6 +28,7 @@ pub mod npy;
 pub mod outpath;
 pub mod preflight;
 mod printer;
+pub mod ranks;
 pub mod registry;
 pub mod reuse;
 mod runner;

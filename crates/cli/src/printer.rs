@@ -24,6 +24,12 @@ impl<'a> Printer<'a> {
         }
     }
 
+    /// A printer that prints nothing (a rank of `mpirun` other than 0).
+    pub fn silent(mut self) -> Self {
+        self.closed = true;
+        self
+    }
+
     pub fn push(&mut self, id: u32) {
         self.ids.push(id);
         let text = match self.tok {

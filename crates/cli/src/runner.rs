@@ -11,6 +11,7 @@ use crate::applies::warn_slow_link;
 use crate::args::Args;
 use crate::atomic::{self, Staged};
 use crate::printer::Printer;
+use crate::ranks::{self, Ranks};
 use crate::stats_out::{peak_rss_bytes, DecodeLink, StatsOut};
 use crate::{batch, errors, flags, npy, preflight, registry, reuse, summary, threads};
 
@@ -63,10 +64,24 @@ pub fn main(
         Err(e) => return fail(e),
     };
     atomic::on_signals();
-    match run(&args, &reg, &spec, example, archs, default) {
+    let ranks = Ranks::launched();
+    let code = match run(&args, &reg, &spec, example, archs, default, ranks) {
         Ok(()) => ExitCode::SUCCESS,
+        Err(e) if ranks.shared() => {
+            eprintln!(
+                "error (rank {} of {}): {}",
+                ranks.rank,
+                ranks.size,
+                errors::for_cli(&e, errors::Frontend::Runner)
+            );
+            // The other ranks would wait forever in the next collective.
+            kvpolicy::helix::world::abort(1);
+            ExitCode::FAILURE
+        }
         Err(e) => fail(e),
-    }
+    };
+    kvpolicy::helix::finish();
+    code
 }
 
 /// With `RUST_LOG` set (e.g. `RUST_LOG=kvpolicy_models=debug`), the `load`,
@@ -100,7 +115,9 @@ fn run(
     example: &str,
     archs: &[&str],
     default: Option<ModelSpec>,
+    ranks: Ranks,
 ) -> Result<()> {
+    ranks.check(&spec.name, args)?;
     let default = match default {
         Some(d) => d,
         None if args.model.explicit() => ModelSpec::Default,
@@ -211,7 +228,13 @@ fn run(
     preflight::check_disk_room(args, model.info(), &[prompt_ids.len()])?;
     let cfg = args.generate_config();
     let mut printer = Printer::new(tok.as_ref());
+    if !ranks.speaks() {
+        printer = printer.silent();
+    }
     let mut on_token = |t| {
+        ranks
+            .agree(t)
+            .map_err(|e| kvpolicy::ModelError::from(kvpolicy::KvError::invariant(e.to_string())))?;
         printer.push(t);
         Ok(())
     };
@@ -243,7 +266,14 @@ fn run(
 
     let info = model.info();
     let stats = policy.stats();
+    let rank_kv = ranks.kv(&stats)?;
+    if !ranks.speaks() {
+        return Ok(());
+    }
     summary::print(&gen, &stats, policy.name(), args.kv.smaller_storage());
+    if let Some(r) = &rank_kv {
+        eprintln!("{}", ranks::summary(r));
+    }
     let cache_stats = reusing.as_ref().and_then(reuse::Reusing::cache_stats);
     let (prefix_out, session) = match reused {
         Some((req, session)) => {
@@ -280,6 +310,7 @@ fn run(
             peak_rss_bytes: peak_rss_bytes(),
             steps: None,
             prefix_cache: prefix_out,
+            ranks: rank_kv,
         };
         staged.add(path, |w| Ok(serde_json::to_writer_pretty(w, &out)?))?;
     }

@@ -65,6 +65,9 @@ pub struct StatsOut<'a> {
     /// What came from the prefix cache or a session (with those flags).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prefix_cache: Option<crate::reuse::PrefixOut>,
+    /// Every rank's share and KV (`helix` under `mpirun`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ranks: Option<Vec<crate::ranks::RankKv>>,
 }
 
 /// The process's peak resident memory from `/proc/self/status` (`VmHWM`), where there is one.

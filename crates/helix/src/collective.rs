@@ -49,6 +49,9 @@ pub trait Collective: Send + Sync {
     fn all_gather(&self, local: &Tensor) -> CollectiveResult<Tensor>;
     /// The element-wise sum of every rank's `local` (the same shape on each), f32.
     fn all_reduce_sum(&self, local: &Tensor) -> CollectiveResult<Tensor>;
+    /// Every rank's `local` words (the same count on each), concatenated in rank order:
+    /// counters gathered once at the end of a run (KV bytes per rank), exact.
+    fn all_gather_u64(&self, local: &[u64]) -> CollectiveResult<Vec<u64>>;
     /// Rank `root`'s `values` on every rank (`values` must have the same length everywhere).
     fn broadcast_u32(&self, values: &mut [u32], root: usize) -> CollectiveResult<()>;
     /// Returns once every rank has called it.
@@ -73,6 +76,9 @@ impl Collective for Solo {
     }
     fn all_reduce_sum(&self, local: &Tensor) -> CollectiveResult<Tensor> {
         Ok(local.to_dtype(candle_core::DType::F32)?)
+    }
+    fn all_gather_u64(&self, local: &[u64]) -> CollectiveResult<Vec<u64>> {
+        Ok(local.to_vec())
     }
     fn broadcast_u32(&self, _: &mut [u32], _: usize) -> CollectiveResult<()> {
         Ok(())

@@ -96,6 +96,11 @@ impl Collective for MpiWorld {
             .all_reduce_into(&send[..], &mut recv[..], SystemOperation::sum());
         Ok(Tensor::from_vec(recv, local.dims(), local.device())?)
     }
+    fn all_gather_u64(&self, local: &[u64]) -> CollectiveResult<Vec<u64>> {
+        let mut recv = vec![0u64; local.len() * self.size];
+        self.comm()?.all_gather_into(local, &mut recv[..]);
+        Ok(recv)
+    }
     fn broadcast_u32(&self, values: &mut [u32], root: usize) -> CollectiveResult<()> {
         let comm = self.comm()?;
         comm.process_at_rank(root as i32).broadcast_into(values);

@@ -12,6 +12,7 @@ use crate::collective::{host_values, stacked, Collective, CollectiveError, Colle
 struct Shared {
     slots: Mutex<Vec<Vec<f32>>>,
     words: Mutex<Vec<u32>>,
+    counters: Mutex<Vec<Vec<u64>>>,
     barrier: Barrier,
 }
 
@@ -29,6 +30,7 @@ impl ThreadGroup {
         let shared = Arc::new(Shared {
             slots: Mutex::new(vec![Vec::new(); size]),
             words: Mutex::new(Vec::new()),
+            counters: Mutex::new(vec![Vec::new(); size]),
             barrier: Barrier::new(size.max(1)),
         });
         (0..size)
@@ -88,6 +90,25 @@ impl Collective for ThreadGroup {
         }
         Ok(Tensor::from_vec(sum, local.dims(), local.device())?)
     }
+    fn all_gather_u64(&self, local: &[u64]) -> CollectiveResult<Vec<u64>> {
+        self.shared.counters.lock().map_err(|_| Self::poisoned())?[self.rank] = local.to_vec();
+        self.shared.barrier.wait();
+        let all = self
+            .shared
+            .counters
+            .lock()
+            .map_err(|_| Self::poisoned())?
+            .clone();
+        self.shared.barrier.wait();
+        if let Some((rank, v)) = all.iter().enumerate().find(|(_, v)| v.len() != local.len()) {
+            return Err(CollectiveError::Mismatch {
+                rank,
+                got: v.len(),
+                want: local.len(),
+            });
+        }
+        Ok(all.concat())
+    }
     fn broadcast_u32(&self, values: &mut [u32], root: usize) -> CollectiveResult<()> {
         if self.rank == root {
             *self.shared.words.lock().map_err(|_| Self::poisoned())? = values.to_vec();
@@ -134,6 +155,7 @@ mod tests {
                     let t = Tensor::new(&[r, r + 10.], &Device::Cpu)?;
                     let all = g.all_gather(&t)?.flatten_all()?.to_vec1::<f32>()?;
                     let sum = g.all_reduce_sum(&t)?.to_vec1::<f32>()?;
+                    assert_eq!(g.all_gather_u64(&[g.rank() as u64 * 5])?, vec![0, 5, 10]);
                     let mut w = [g.rank() as u32 + 7; 2];
                     g.broadcast_u32(&mut w, 2)?;
                     g.barrier()?;

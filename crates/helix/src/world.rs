@@ -27,6 +27,15 @@ pub fn launched_ranks() -> Option<usize> {
         .find_map(|v| std::env::var(v).ok()?.parse().ok())
 }
 
+/// This process's rank as the launcher numbered it (0 outside `mpirun`); known before MPI
+/// starts, so a tool can keep every rank but 0 quiet from its first line.
+pub fn launched_rank() -> usize {
+    ["OMPI_COMM_WORLD_RANK", "PMI_RANK"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok()?.parse().ok())
+        .unwrap_or(0)
+}
+
 /// The process's group (module docs); the same one on every call.
 pub fn world() -> Result<Arc<dyn Collective>, WorldError> {
     if let Some(w) = WORLD.get() {

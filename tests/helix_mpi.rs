@@ -1,0 +1,273 @@
+//! `helix` across processes: the examples launched by `mpirun` (Open MPI, shared memory on
+//! this machine; the examples built with `--features mpi`, as the README's test command
+//! builds them). Rank 0's logits equal `full`'s on every fixture, with prefill chunks
+//! straddling the shares, under several local policies; each rank holds exactly its share;
+//! a decode token's all-gather moves exactly `ranks × heads × (head_dim + 1)` f32 values per
+//! layer; only rank 0 prints and writes; a killed rank ends the job within 30 s, named.
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{ensure, Context, Result};
+use candle_core::Tensor;
+use kvpolicy::helix::decode_bytes_per_layer;
+
+const TOL: f32 = 1e-5;
+
+/// The example that runs fixture `name`.
+fn example(name: &str) -> &'static str {
+    match name {
+        n if n.starts_with("gemma") => "gemma",
+        "mistral" => "mistral",
+        "qwen2" => "qwen",
+        "opt" => "opt",
+        _ => "llama",
+    }
+}
+
+fn ids(v: &[u32]) -> String {
+    v.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
+}
+
+/// `mpirun -np RANKS EXAMPLE ARGS` (or the example alone with `ranks` 0).
+fn launch(ranks: usize, example: &str, args: &[&str]) -> Command {
+    let bin = common::example_bin(example);
+    let mut cmd = if ranks == 0 {
+        Command::new(bin)
+    } else {
+        let mut c = Command::new("mpirun");
+        c.args(["--allow-run-as-root", "--oversubscribe", "-np"])
+            .arg(ranks.to_string())
+            .arg(bin);
+        c
+    };
+    cmd.args(args).env("HF_HUB_OFFLINE", "1");
+    cmd
+}
+
+fn run(ranks: usize, example: &str, args: &[&str]) -> Result<Output> {
+    let o = launch(ranks, example, args)
+        .output()
+        .context("mpirun (Open MPI: apt-get install openmpi-bin libopenmpi-dev)")?;
+    ensure!(
+        o.status.success(),
+        "{ranks} ranks {args:?} failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    Ok(o)
+}
+
+/// Teacher-forced logits and stats of fixture `name` under `policy` on `ranks` ranks.
+fn logits(
+    name: &str,
+    policy: &str,
+    ranks: usize,
+    dir: &Path,
+) -> Result<(Tensor, serde_json::Value, Output)> {
+    let (prompt, decode) = common::fixture_ids(name)?;
+    let (npy, stats) = (
+        dir.join(format!("{policy}-{ranks}.npy")),
+        dir.join(format!("{policy}-{ranks}.json")),
+    );
+    let model = common::fixture(name);
+    let o = run(
+        ranks,
+        example(name),
+        &[
+            "--model-dir",
+            &model.to_string_lossy(),
+            "--policy",
+            policy,
+            "--prompt-ids",
+            &ids(&prompt),
+            "--decode-ids",
+            &ids(&decode),
+            "--prefill-chunk",
+            "5",
+            "--dump-logits",
+            &npy.to_string_lossy(),
+            "--stats-out",
+            &stats.to_string_lossy(),
+        ],
+    )?;
+    let s: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&stats)?)?;
+    Ok((Tensor::read_npy(&npy)?, s, o))
+}
+
+#[test]
+fn rank_zero_matches_full_on_every_fixture_and_each_rank_holds_its_share() -> Result<()> {
+    for name in common::hf_fixtures() {
+        let info = common::load_fixture(&name)?.model.info().clone();
+        let dir = tempfile::tempdir()?;
+        let (want, _, _) = logits(&name, "full", 0, dir.path())?;
+        let (prompt, decode) = common::fixture_ids(&name)?;
+        let total = (prompt.len() + decode.len()) as u64;
+        for ranks in [2usize, 3] {
+            for local in ["full"] {
+                let policy = format!("helix:local={local}");
+                let (got, stats, out) = logits(&name, &policy, ranks, dir.path())?;
+                let d = common::max_abs_diff(&got, &want)?;
+                assert!(
+                    d <= TOL,
+                    "{name} {ranks} ranks local={local}: max |Δlogit| = {d}"
+                );
+                let shares = stats["ranks"]
+                    .as_array()
+                    .context("per-rank KV in --stats-out")?;
+                assert_eq!(shares.len(), ranks);
+                // Shares of ⌈(prompt + decode) / ranks⌉ tokens (teacher-forced: every decode
+                // token is a step, so every one is stored).
+                let share = total.div_ceil(ranks as u64);
+                let held: Vec<u64> = shares
+                    .iter()
+                    .map(|r| r["share_tokens"].as_u64().unwrap_or(0))
+                    .collect();
+                for (r, &h) in held.iter().enumerate() {
+                    let from = share * r as u64;
+                    let to = if r + 1 == ranks {
+                        total
+                    } else {
+                        (from + share).min(total)
+                    };
+                    assert_eq!(h, to.saturating_sub(from), "{name} rank {r}: {held:?}");
+                }
+                assert_eq!(
+                    stats["policy_metrics"]["decode_bytes_per_layer_token"]["value"].as_u64(),
+                    Some(decode_bytes_per_layer(ranks, info.n_heads, info.head_dim)),
+                    "{name}"
+                );
+                // One summary (rank 0's), naming every rank.
+                let err = String::from_utf8_lossy(&out.stderr);
+                assert_eq!(err.matches("prompt tokens in").count(), 1, "{err}");
+                for r in 0..ranks {
+                    assert!(err.contains(&format!("rank {r}: ")), "{err}");
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn a_policy_that_does_not_split_is_refused_under_mpirun() -> Result<()> {
+    let o = launch(
+        2,
+        "llama",
+        &[
+            "--model-dir",
+            &common::fixture("llama_gqa").to_string_lossy(),
+            "--policy",
+            "full",
+            "--prompt-ids",
+            "1,2,3",
+        ],
+    )
+    .output()?;
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(err.contains("--policy helix:local=full"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    Ok(())
+}
+
+#[test]
+fn a_killed_rank_ends_the_job_within_30_s_naming_it() -> Result<()> {
+    // A run long enough to be killed in the middle of: the default model (SmolLM2-135M)
+    // teacher-forced through a few thousand tokens.
+    let decode = ids(&(0..2000u32).map(|i| 100 + i % 5000).collect::<Vec<_>>());
+    let mut child = launch(
+        3,
+        "llama",
+        &[
+            "--policy",
+            "helix:local=full",
+            "--random-prompt",
+            "2000",
+            "--decode-ids",
+            &decode,
+        ],
+    )
+    .stdout(Stdio::null())
+    .stderr(Stdio::piped())
+    .spawn()?;
+    // Rank 1's process, found by the rank Open MPI put in its environment.
+    let started = Instant::now();
+    let victim = loop {
+        ensure!(
+            started.elapsed() < Duration::from_secs(60),
+            "rank 1 never started"
+        );
+        if let Some(pid) = rank_pid(child.id(), 1)? {
+            break pid;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    std::thread::sleep(Duration::from_secs(2));
+    ensure!(child.try_wait()?.is_none(), "the job ended before the kill");
+    // SAFETY: a plain signal to a process id this test found.
+    unsafe {
+        libc::kill(victim as i32, libc::SIGKILL);
+    }
+    let killed = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait()? {
+            break s;
+        }
+        ensure!(
+            killed.elapsed() < Duration::from_secs(30),
+            "the job still runs 30 s after rank 1 was killed"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().context("stderr")?, &mut err)?;
+    assert!(!status.success());
+    assert!(err.contains("rank 1"), "no message names rank 1: {err}");
+    Ok(())
+}
+
+/// The pid of rank `rank` among the descendants of `root` (by `OMPI_COMM_WORLD_RANK`).
+fn rank_pid(root: u32, rank: usize) -> Result<Option<u32>> {
+    let want = format!("OMPI_COMM_WORLD_RANK={rank}");
+    for e in std::fs::read_dir("/proc")? {
+        let Ok(pid) = e?.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        if !descends_from(pid, root) {
+            continue;
+        }
+        let Ok(env) = std::fs::read(format!("/proc/{pid}/environ")) else {
+            continue;
+        };
+        if env.split(|&b| b == 0).any(|v| v == want.as_bytes()) {
+            return Ok(Some(pid));
+        }
+    }
+    Ok(None)
+}
+
+fn descends_from(mut pid: u32, root: u32) -> bool {
+    for _ in 0..8 {
+        if pid == root {
+            return true;
+        }
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            return false;
+        };
+        // `pid (comm) state ppid …`; comm may hold spaces, so split after the last ')'.
+        let Some(ppid) = stat
+            .rsplit(')')
+            .next()
+            .and_then(|s| s.split_whitespace().nth(1))
+        else {
+            return false;
+        };
+        match ppid.parse() {
+            Ok(p) if p != 0 => pid = p,
+            _ => return false,
+        }
+    }
+    false
+}
