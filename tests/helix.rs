@@ -75,6 +75,7 @@ fn every_rank_matches_full_on_every_fixture_with_chunks_straddling_shares() -> R
             for chunk in [1, 5] {
                 let want = common::full_logits(loaded.model.as_ref(), &prompt, &decode, chunk)?;
                 let runs = run_ranks(&name, "full", ranks, chunk, &opts)?;
+
                 let shares = runs[0].shares;
                 // The chunks of 5 straddle a boundary: 16 (2 ranks), 11 and 22 (3 ranks).
                 assert!(shares.share_tokens() % 5 != 0);
@@ -115,6 +116,35 @@ fn every_rank_matches_full_on_every_fixture_with_chunks_straddling_shares() -> R
                     );
                 }
                 assert_eq!(held, total);
+                if chunk == 5 {
+                    // The offload policies (host tier; the last on the disk tier) as the local
+                    // policy: the same logits (chunks of 5, which straddle the shares).
+                    let disk = tempfile::tempdir()?;
+                    let on_disk = PolicyOptions {
+                        host_kv_budget: Some(0),
+                        disk_dir: Some(disk.path().to_path_buf()),
+                        ..opts.clone()
+                    };
+                    for (local, o) in [
+                        ("layer", &opts),
+                        ("headwise:1", &opts),
+                        ("headwise:1", &on_disk),
+                    ] {
+                        for (r, run) in run_ranks(&name, local, ranks, chunk, o)?.iter().enumerate()
+                        {
+                            let d = common::max_abs_diff(&run.logits, &want)?;
+                            assert!(d <= TOL, "{name} ranks {ranks} chunk {chunk} local {local} rank {r}: max |Δlogit| = {d}");
+                            if o.disk_dir.is_some() && run.held > 0 {
+                                assert!(
+                                    run.stats.disk_kv_bytes > 0,
+                                    "{name} rank {r}: not on disk"
+                                );
+                            }
+                        }
+                    }
+                    // Every rank removed its files.
+                    assert_eq!(std::fs::read_dir(disk.path())?.count(), 0);
+                }
             }
         }
     }

@@ -65,6 +65,7 @@ fn logits(
     policy: &str,
     ranks: usize,
     dir: &Path,
+    extra: &[&str],
 ) -> Result<(Tensor, serde_json::Value, Output)> {
     let (prompt, decode) = common::fixture_ids(name)?;
     let (npy, stats) = (
@@ -72,26 +73,26 @@ fn logits(
         dir.join(format!("{policy}-{ranks}.json")),
     );
     let model = common::fixture(name);
-    let o = run(
-        ranks,
-        example(name),
-        &[
-            "--model-dir",
-            &model.to_string_lossy(),
-            "--policy",
-            policy,
-            "--prompt-ids",
-            &ids(&prompt),
-            "--decode-ids",
-            &ids(&decode),
-            "--prefill-chunk",
-            "5",
-            "--dump-logits",
-            &npy.to_string_lossy(),
-            "--stats-out",
-            &stats.to_string_lossy(),
-        ],
-    )?;
+    let (model, prompt, decode) = (model.to_string_lossy(), ids(&prompt), ids(&decode));
+    let (npy_s, stats_s) = (npy.to_string_lossy(), stats.to_string_lossy());
+    let mut args = vec![
+        "--model-dir",
+        &model,
+        "--policy",
+        policy,
+        "--prompt-ids",
+        &prompt,
+        "--decode-ids",
+        &decode,
+        "--prefill-chunk",
+        "5",
+        "--dump-logits",
+        &npy_s,
+        "--stats-out",
+        &stats_s,
+    ];
+    args.extend_from_slice(extra);
+    let o = run(ranks, example(name), &args)?;
     let s: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&stats)?)?;
     Ok((Tensor::read_npy(&npy)?, s, o))
 }
@@ -101,13 +102,29 @@ fn rank_zero_matches_full_on_every_fixture_and_each_rank_holds_its_share() -> Re
     for name in common::hf_fixtures() {
         let info = common::load_fixture(&name)?.model.info().clone();
         let dir = tempfile::tempdir()?;
-        let (want, _, _) = logits(&name, "full", 0, dir.path())?;
+        let (want, _, _) = logits(&name, "full", 0, dir.path(), &[])?;
+        let disk = tempfile::tempdir()?;
+        let disk_s = disk.path().to_string_lossy().into_owned();
+        let on_disk = ["--host-kv-budget", "1", "--disk-dir", disk_s.as_str()];
         let (prompt, decode) = common::fixture_ids(&name)?;
         let total = (prompt.len() + decode.len()) as u64;
         for ranks in [2usize, 3] {
-            for local in ["full"] {
+            for (local, extra) in [
+                ("full", &[][..]),
+                ("headwise:1", &[][..]),
+                ("headwise:1", &on_disk[..]),
+            ] {
                 let policy = format!("helix:local={local}");
-                let (got, stats, out) = logits(&name, &policy, ranks, dir.path())?;
+                let (got, stats, out) = logits(&name, &policy, ranks, dir.path(), extra)?;
+                if !extra.is_empty() {
+                    // Rank 0's share on the disk tier; every rank removed its files.
+                    assert!(stats["disk_kv_bytes"].as_u64() > Some(0), "{name}: {stats}");
+                    assert_eq!(
+                        std::fs::read_dir(disk.path())?.count(),
+                        0,
+                        "{name}: files left"
+                    );
+                }
                 let d = common::max_abs_diff(&got, &want)?;
                 assert!(
                     d <= TOL,

@@ -86,6 +86,7 @@ mod plan;
 mod resident;
 mod runtime;
 mod settings;
+mod shard;
 mod staging;
 mod stream;
 

@@ -20,8 +20,8 @@
 //! their methods.
 use candle_core::Tensor;
 use kvpolicy_core::{
-    attend_partial, AttnInputs, AttnStep, DeviceMeter, KvPolicy, KvShape, KvStats, PolicyMetric,
-    PolicyOptions, Result, TokenRange,
+    attend_partial, AttnInputs, AttnStep, DeviceMeter, KvPolicy, KvShape, KvStats, Partial,
+    PolicyMetric, PolicyOptions, Result, TokenRange,
 };
 use kvpolicy_core::{KvCodec, KvRestore};
 use kvpolicy_tiered::{report_device, DiskTier, HostLayers, Link, TransferEngine, WriteAt};
@@ -32,18 +32,42 @@ use crate::stream::{StepAt, Streaming, UnitBuffers};
 
 /// Offloaded KV with a ping-pong pair of device buffers (see the module docs).
 pub struct OffloadPolicy {
-    plan: Plan,
-    link: Link,
-    host: HostLayers,
+    pub(crate) plan: Plan,
+    pub(crate) link: Link,
+    pub(crate) host: HostLayers,
     /// The streaming buffers and the unit size.
-    stream: Streaming,
+    pub(crate) stream: Streaming,
     /// `auto`'s resident units (`None` for `layer` and `headwise`).
-    residency: Option<Residency>,
-    meter: DeviceMeter,
+    pub(crate) residency: Option<Residency>,
+    pub(crate) meter: DeviceMeter,
     /// How the device holds K/V (`kv_dtype` when a float type, else the model's dtype):
     /// `auto`'s resident units, and the streaming buffers when they hold that type too.
-    device_codec: KvCodec,
-    stats: KvStats,
+    pub(crate) device_codec: KvCodec,
+    pub(crate) stats: KvStats,
+    /// The first position of this policy's share of the sequence (`helix`'s local policy;
+    /// [`crate::shard`]): the host tier holds positions from it on. `None`: not a share.
+    pub(crate) shard_base: Option<usize>,
+}
+
+/// One streamed unit of a step, for [`OffloadPolicy::attend_streamed`].
+pub(crate) struct StreamedUnit<'a> {
+    pub(crate) layer: usize,
+    pub(crate) group: usize,
+    pub(crate) groups: usize,
+    /// The unit's queries.
+    pub(crate) q: &'a Tensor,
+    /// The step's new K and V of the unit's heads (possibly no tokens).
+    pub(crate) new: (&'a Tensor, &'a Tensor),
+    /// The history it attends, in host-tier positions.
+    pub(crate) history: TokenRange,
+    pub(crate) at: StepAt,
+    /// Position of the first query.
+    pub(crate) q_pos: usize,
+    /// Position of the first key (the history's first).
+    pub(crate) k_pos: usize,
+    pub(crate) spec: &'a kvpolicy_core::AttnSpec,
+    /// The step's activation bytes.
+    pub(crate) act: u64,
 }
 
 impl std::fmt::Debug for OffloadPolicy {
@@ -71,6 +95,7 @@ impl OffloadPolicy {
             meter: DeviceMeter::new(opts.device_kv_budget),
             device_codec: opts.device_codec(),
             stats: KvStats::default(),
+            shard_base: None,
         })
     }
 
@@ -87,7 +112,12 @@ impl OffloadPolicy {
 
     /// Streaming buffers for `tokens` of history plus step (and the unit size for a
     /// `context` of that many tokens); under `auto` the first call plans the resident units.
-    fn ensure_buffers(&mut self, shape: &KvShape, tokens: usize, context: usize) -> Result<()> {
+    pub(crate) fn ensure_buffers(
+        &mut self,
+        shape: &KvShape,
+        tokens: usize,
+        context: usize,
+    ) -> Result<()> {
         let cap = self.plan.capacity_for(tokens);
         if cap <= self.stream.cap() && self.stream.group() != 0 {
             return Ok(());
@@ -157,6 +187,82 @@ impl OffloadPolicy {
             offset: pos,
         };
         self.host.write(&mut self.link, at, k, v)
+    }
+
+    /// One streamed unit (`layer`, `group`): its `history` (host-tier positions) loaded
+    /// into a streaming buffer, the step's `new` entries appended behind it and written back
+    /// to the host tier, and its queries (at `q_pos`) attended over the keys (at `k_pos`).
+    pub(crate) fn attend_streamed(&mut self, u: StreamedUnit<'_>) -> Result<Partial> {
+        let (kn, vn) = u.new;
+        let (hist, t) = (u.history.len, kn.dim(2)?);
+        let head_dim = kn.dim(3)?;
+        let UnitBuffers {
+            k: kb,
+            v: vb,
+            offset,
+        } = self.stream.unit_buffers(
+            (&mut self.host, &mut self.link),
+            self.residency.as_ref(),
+            (u.layer, u.group),
+            u.groups,
+            u.history,
+            u.at,
+        )?;
+        // The buffers hold the model's dtype, or `kv_dtype`'s (the step's K/V are
+        // converted as they are stored and everything is read in place).
+        let stored = self.device_codec.stored(kn.dtype(), head_dim).0;
+        let (k, v, expanded) = if kb.dtype() == stored || kb.dtype() == kn.dtype() {
+            let codec = if kb.dtype() == stored {
+                self.device_codec
+            } else {
+                KvCodec::Model
+            };
+            if t > 0 {
+                kb.slice_set(&codec.encode(kn)?, 2, offset + hist)?;
+                vb.slice_set(&codec.encode(vn)?, 2, offset + hist)?;
+            }
+            (
+                kb.narrow(2, offset, hist + t)?,
+                vb.narrow(2, offset, hist + t)?,
+                0,
+            )
+        } else {
+            // LOSSY host form: decode the history, then append the step's exact K/V.
+            let codec = self.host.codec();
+            let wide = |b: &Tensor, n: &Tensor| -> Result<Tensor> {
+                let h = codec.decode(&b.narrow(2, offset, hist)?, n.dtype(), head_dim)?;
+                Ok(Tensor::cat(&[&h, n], 2)?)
+            };
+            let (k, v) = (wide(&kb, kn)?, wide(&vb, vn)?);
+            let bytes = 2 * (k.elem_count() * k.dtype().size_in_bytes()) as u64;
+            (k, v, bytes)
+        };
+        let part = attend_partial(
+            AttnInputs {
+                q: u.q,
+                k: &k,
+                v: &v,
+                q_pos: u.q_pos,
+                k_pos: u.k_pos,
+            },
+            u.spec,
+        )?;
+        self.stats
+            .note_scratch(part.scratch_bytes + expanded, u.act);
+        // Write the unit's new entries back to the host tier behind the compute.
+        if t > 0 {
+            let gs = kn.dim(1)?;
+            let at = u.history.start + hist;
+            self.write_new(u.layer, u.group * gs, at, (kn, vn))?;
+        }
+        self.stream.done(
+            (&mut self.host, &mut self.link),
+            self.residency.as_ref(),
+            (u.layer, u.group),
+            u.groups,
+            u.at,
+        )?;
+        Ok(part)
     }
 
     /// `auto`: decides `unit` on its first run and attends it in place if it is resident
@@ -302,66 +408,20 @@ impl KvPolicy for OffloadPolicy {
                 outs.push(out);
                 continue;
             }
-            let UnitBuffers {
-                k: kb,
-                v: vb,
-                offset,
-            } = self.stream.unit_buffers(
-                (&mut self.host, &mut self.link),
-                self.residency.as_ref(),
-                (layer, g),
+            let part = self.attend_streamed(StreamedUnit {
+                layer,
+                group: g,
                 groups,
-                TokenRange::new(start, hist),
+                q: &q,
+                new: (&kn, &vn),
+                history: TokenRange::new(start, hist),
                 at,
-            )?;
-            // The buffers hold the model's dtype, or `kv_dtype`'s (the step's K/V are
-            // converted as they are stored and everything is read in place).
-            let stored = self.device_codec.stored(kn.dtype(), shape.head_dim).0;
-            let (k, v, expanded) = if kb.dtype() == stored || kb.dtype() == kn.dtype() {
-                let codec = if kb.dtype() == stored {
-                    self.device_codec
-                } else {
-                    KvCodec::Model
-                };
-                kb.slice_set(&codec.encode(&kn)?, 2, offset + hist)?;
-                vb.slice_set(&codec.encode(&vn)?, 2, offset + hist)?;
-                (
-                    kb.narrow(2, offset, hist + t)?,
-                    vb.narrow(2, offset, hist + t)?,
-                    0,
-                )
-            } else {
-                // LOSSY host form: decode the history, then append the step's exact K/V.
-                let (codec, d) = (self.host.codec(), shape.head_dim);
-                let wide = |b: &Tensor, n: &Tensor| -> Result<Tensor> {
-                    let h = codec.decode(&b.narrow(2, offset, hist)?, n.dtype(), d)?;
-                    Ok(Tensor::cat(&[&h, n], 2)?)
-                };
-                let (k, v) = (wide(&kb, &kn)?, wide(&vb, &vn)?);
-                let bytes = 2 * (k.elem_count() * k.dtype().size_in_bytes()) as u64;
-                (k, v, bytes)
-            };
-            let part = attend_partial(
-                AttnInputs {
-                    q: &q,
-                    k: &k,
-                    v: &v,
-                    q_pos: pos,
-                    k_pos: start,
-                },
-                step.spec,
-            )?;
-            self.stats.note_scratch(part.scratch_bytes + expanded, act);
+                q_pos: pos,
+                k_pos: start,
+                spec: step.spec,
+                act,
+            })?;
             outs.push(part.out.to_dtype(q.dtype())?);
-            // Write the unit's new entries back to the host tier behind the compute.
-            self.write_new(layer, g * gs, pos, (&kn, &vn))?;
-            self.stream.done(
-                (&mut self.host, &mut self.link),
-                self.residency.as_ref(),
-                (layer, g),
-                groups,
-                at,
-            )?;
         }
         self.host.advance(layer, t);
         Ok(if outs.len() == 1 {
@@ -384,6 +444,7 @@ impl KvPolicy for OffloadPolicy {
         }
         self.meter.reset();
         self.stats = KvStats::default();
+        self.shard_base = None;
     }
 
     fn stats(&self) -> KvStats {
@@ -418,6 +479,16 @@ impl KvPolicy for OffloadPolicy {
 
     fn as_restore(&mut self) -> Option<&mut dyn KvRestore> {
         Some(self)
+    }
+
+    fn as_shard(&mut self) -> Option<&mut dyn kvpolicy_core::ShardLocal> {
+        // `auto`'s resident units attend at the sequence's positions; `layer` and
+        // `headwise` stream every unit and can hold a share.
+        if self.residency.is_some() {
+            None
+        } else {
+            Some(self)
+        }
     }
 }
 
