@@ -36,6 +36,8 @@ pub struct CollectiveCounters {
     pub decode_calls: u64,
     /// Time in collectives (waiting for the slowest rank included).
     pub time: Duration,
+    /// Time in decode steps' collectives.
+    pub decode_time: Duration,
 }
 
 /// The `helix` policy (module docs).
@@ -107,13 +109,15 @@ impl HelixPolicy {
             .comm
             .all_gather(&packed)
             .map_err(|e| KvError::Unsupported(format!("helix: {e}")))?;
-        self.counters.time += started.elapsed();
+        let spent = started.elapsed();
+        self.counters.time += spent;
         let n = all.elem_count() as u64;
         self.counters.calls += 1;
         self.counters.values += n;
         if decode {
             self.counters.decode_calls += 1;
             self.counters.decode_values += n;
+            self.counters.decode_time += spent;
         }
         let parts = (0..self.comm.size())
             .map(|r| {
@@ -208,6 +212,7 @@ impl KvPolicy for HelixPolicy {
             PolicyMetric::counter("collective_bytes", c.values as f64 * 4.0, "bytes"),
             PolicyMetric::gauge("decode_bytes_per_layer_token", per_decode, "bytes"),
             PolicyMetric::counter("collective_s", c.time.as_secs_f64(), "s"),
+            PolicyMetric::counter("decode_collective_s", c.decode_time.as_secs_f64(), "s"),
         ]);
         stats
     }
