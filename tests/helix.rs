@@ -22,18 +22,19 @@ struct RankRun {
     shares: Shares,
 }
 
-/// Runs fixture `name` teacher-forced under `helix:local=LOCAL` on `ranks` threads.
+/// Runs fixture `name` teacher-forced under `helix:local=LOCAL` on one thread per entry of
+/// `opts` (rank `r` built with `opts[r]`).
 fn run_ranks(
     name: &str,
     local: &str,
-    ranks: usize,
+    opts: &[PolicyOptions],
     chunk: usize,
-    opts: &PolicyOptions,
 ) -> Result<Vec<RankRun>> {
-    let handles: Vec<_> = ThreadGroup::new(ranks)
+    let handles: Vec<_> = ThreadGroup::new(opts.len())
         .into_iter()
-        .map(|group| {
-            let (name, local, opts) = (name.to_string(), local.to_string(), opts.clone());
+        .zip(opts.iter().cloned())
+        .map(|(group, opts)| {
+            let (name, local) = (name.to_string(), local.to_string());
             std::thread::spawn(move || -> Result<RankRun> {
                 let loaded = common::load_fixture(&name)?;
                 let (prompt, decode) = common::fixture_ids(&name)?;
@@ -74,7 +75,7 @@ fn every_rank_matches_full_on_every_fixture_with_chunks_straddling_shares() -> R
         for ranks in [2, 3] {
             for chunk in [1, 5] {
                 let want = common::full_logits(loaded.model.as_ref(), &prompt, &decode, chunk)?;
-                let runs = run_ranks(&name, "full", ranks, chunk, &opts)?;
+                let runs = run_ranks(&name, "full", &vec![opts.clone(); ranks], chunk)?;
 
                 let shares = runs[0].shares;
                 // The chunks of 5 straddle a boundary: 16 (2 ranks), 11 and 22 (3 ranks).
@@ -117,33 +118,50 @@ fn every_rank_matches_full_on_every_fixture_with_chunks_straddling_shares() -> R
                 }
                 assert_eq!(held, total);
                 if chunk == 5 {
-                    // The offload policies (host tier; the last on the disk tier) as the local
-                    // policy: the same logits (chunks of 5, which straddle the shares).
+                    // The offload policies (host tier; rank 1's share alone on the disk tier)
+                    // as the local policy: the same logits (chunks of 5, which straddle the
+                    // shares), and each rank's host tier holds its share: growth chunks of 8
+                    // tokens (8 × the device's 1) on every global layer.
                     let disk = tempfile::tempdir()?;
                     let on_disk = PolicyOptions {
-                        host_kv_budget: Some(0),
+                        host_kv_budget: Some(1),
                         disk_dir: Some(disk.path().to_path_buf()),
                         ..opts.clone()
                     };
+                    let rank1_on_disk: Vec<PolicyOptions> = (0..ranks)
+                        .map(|r| {
+                            if r == 1 {
+                                on_disk.clone()
+                            } else {
+                                opts.clone()
+                            }
+                        })
+                        .collect();
+                    let same = vec![opts.clone(); ranks];
                     for (local, o) in [
-                        ("layer", &opts),
-                        ("headwise:1", &opts),
-                        ("headwise:1", &on_disk),
+                        ("layer", &same),
+                        ("headwise:1", &same),
+                        ("headwise:1", &rank1_on_disk),
                     ] {
-                        for (r, run) in run_ranks(&name, local, ranks, chunk, o)?.iter().enumerate()
-                        {
+                        let runs = run_ranks(&name, local, o, chunk)?;
+                        for (r, run) in runs.iter().enumerate() {
                             let d = common::max_abs_diff(&run.logits, &want)?;
-                            assert!(d <= TOL, "{name} ranks {ranks} chunk {chunk} local {local} rank {r}: max |Δlogit| = {d}");
-                            if o.disk_dir.is_some() && run.held > 0 {
-                                assert!(
-                                    run.stats.disk_kv_bytes > 0,
-                                    "{name} rank {r}: not on disk"
+                            assert!(
+                                d <= TOL,
+                                "{name} ranks {ranks} local {local} rank {r}: max |Δlogit| = {d}"
+                            );
+                            let per_token = 2 * info.n_kv_heads * info.head_dim * 4;
+                            let on_disk = o[r].disk_dir.is_some();
+                            assert_eq!(on_disk, run.stats.disk_kv_bytes > 0, "{name} rank {r}");
+                            if !on_disk && info.windows.iter().all(Option::is_none) {
+                                let want = info.n_layers * run.held.div_ceil(8) * 8 * per_token;
+                                assert_eq!(
+                                    run.stats.host_kv_bytes, want as u64,
+                                    "{name} {local} rank {r}"
                                 );
                             }
                         }
                     }
-                    // Every rank removed its files.
-                    assert_eq!(std::fs::read_dir(disk.path())?.count(), 0);
                 }
             }
         }

@@ -1,6 +1,6 @@
 //! `helix`: KV-parallel decoding (Helix, arXiv 2507.07120 §3). Each rank keeps a contiguous
 //! share of the sequence's K/V ([`crate::shares`]) under a local lossless policy that can
-//! hold a share ([`ShardLocal`]); every rank runs the whole model on the same tokens, so
+//! hold a share ([`ShardLocal`](kvpolicy_core::ShardLocal)); every rank runs the whole model on the same tokens, so
 //! every rank has every step's queries; each attends them over its share and one
 //! all-gather per layer of (output, log-sum-exp) lets every rank merge the partials
 //! exactly, in rank order, into the same output. Decode sends `ranks × heads × (head_dim +
@@ -56,7 +56,7 @@ impl HelixPolicy {
     pub fn new(mut local: Box<dyn KvPolicy>, comm: Arc<dyn Collective>) -> Result<Self> {
         if local.as_shard().is_none() {
             return Err(KvError::Unsupported(format!(
-                "`helix` keeps each rank's share under a policy that can hold part of a sequence; `{}` cannot (use local=full, layer, headwise or auto)",
+                "`helix` keeps each rank's share under a policy that can hold part of a sequence; `{}` cannot (use local=full, layer, headwise or headwise:N; `auto` cannot yet)",
                 local.name()
             )));
         }

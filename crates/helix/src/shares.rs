@@ -84,13 +84,11 @@ mod tests {
                 }
                 let total: usize = (0..ranks).map(|r| s.held(r, pos)).sum();
                 assert_eq!(total, pos);
-                if pos >= max {
-                    for r in 0..ranks - 1 {
-                        assert_eq!(
-                            s.held(r, max),
-                            s.share_tokens().min(max - r * s.share_tokens().min(max))
-                        );
-                    }
+                // Every share but the last holds ⌈max / ranks⌉ tokens of the declared run
+                // (fewer where the run ends first); the last takes the rest.
+                let share = max.div_ceil(ranks);
+                for r in 0..ranks - 1 {
+                    assert_eq!(s.held(r, max), share.min(max.saturating_sub(r * share)));
                 }
             }
         }

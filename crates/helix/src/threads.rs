@@ -1,11 +1,22 @@
 //! Ranks as threads of one process: a [`Collective`] over shared memory, so that tests and
 //! benches run a KV-parallel group without `mpirun`. Same semantics as the MPI backend:
-//! every rank calls the same collectives in the same order.
-use std::sync::{Arc, Barrier, Mutex};
+//! every rank calls the same collectives in the same order. A rank whose handle is dropped
+//! (its thread returned an error, or panicked) has left: the others' collectives fail with
+//! [`CollectiveError::PeerLost`] instead of waiting for it forever.
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use candle_core::Tensor;
 
 use crate::collective::{host_values, stacked, Collective, CollectiveError, CollectiveResult};
+
+/// Where the ranks meet: how many arrived in the current round, the round, and the first
+/// rank that left the group.
+#[derive(Debug, Default)]
+struct Gate {
+    arrived: usize,
+    round: u64,
+    left: Option<usize>,
+}
 
 /// What the ranks of one group share.
 #[derive(Debug)]
@@ -13,11 +24,13 @@ struct Shared {
     slots: Mutex<Vec<Vec<f32>>>,
     words: Mutex<Vec<u32>>,
     counters: Mutex<Vec<Vec<u64>>>,
-    barrier: Barrier,
+    gate: Mutex<Gate>,
+    met: Condvar,
 }
 
-/// One rank of an in-process group ([`ThreadGroup::new`] makes all of them).
-#[derive(Debug, Clone)]
+/// One rank of an in-process group ([`ThreadGroup::new`] makes all of them); dropping it
+/// leaves the group.
+#[derive(Debug)]
 pub struct ThreadGroup {
     rank: usize,
     size: usize,
@@ -31,7 +44,8 @@ impl ThreadGroup {
             slots: Mutex::new(vec![Vec::new(); size]),
             words: Mutex::new(Vec::new()),
             counters: Mutex::new(vec![Vec::new(); size]),
-            barrier: Barrier::new(size.max(1)),
+            gate: Mutex::new(Gate::default()),
+            met: Condvar::new(),
         });
         (0..size)
             .map(|rank| ThreadGroup {
@@ -46,17 +60,51 @@ impl ThreadGroup {
         CollectiveError::Backend("a rank's thread panicked".into())
     }
 
+    fn gate(&self) -> CollectiveResult<MutexGuard<'_, Gate>> {
+        self.shared.gate.lock().map_err(|_| Self::poisoned())
+    }
+
+    /// Returns once every rank has arrived; an error once a rank has left.
+    fn meet(&self) -> CollectiveResult<()> {
+        let mut g = self.gate()?;
+        let lost = |rank| CollectiveError::PeerLost {
+            rank,
+            why: "its thread left the group".into(),
+        };
+        if let Some(rank) = g.left {
+            return Err(lost(rank));
+        }
+        let round = g.round;
+        g.arrived += 1;
+        if g.arrived == self.size {
+            g.arrived = 0;
+            g.round += 1;
+            self.shared.met.notify_all();
+            return Ok(());
+        }
+        loop {
+            g = self.shared.met.wait(g).map_err(|_| Self::poisoned())?;
+            // A finished round first: a rank may leave right after the last one.
+            if g.round != round {
+                return Ok(());
+            }
+            if let Some(rank) = g.left {
+                return Err(lost(rank));
+            }
+        }
+    }
+
     /// Every rank's values, in rank order; the slots are free again when it returns.
     fn exchange(&self, values: Vec<f32>) -> CollectiveResult<Vec<Vec<f32>>> {
         self.shared.slots.lock().map_err(|_| Self::poisoned())?[self.rank] = values;
-        self.shared.barrier.wait();
+        self.meet()?;
         let all = self
             .shared
             .slots
             .lock()
             .map_err(|_| Self::poisoned())?
             .clone();
-        self.shared.barrier.wait();
+        self.meet()?;
         let want = all[0].len();
         if let Some((rank, v)) = all.iter().enumerate().find(|(_, v)| v.len() != want) {
             return Err(CollectiveError::Mismatch {
@@ -92,14 +140,14 @@ impl Collective for ThreadGroup {
     }
     fn all_gather_u64(&self, local: &[u64]) -> CollectiveResult<Vec<u64>> {
         self.shared.counters.lock().map_err(|_| Self::poisoned())?[self.rank] = local.to_vec();
-        self.shared.barrier.wait();
+        self.meet()?;
         let all = self
             .shared
             .counters
             .lock()
             .map_err(|_| Self::poisoned())?
             .clone();
-        self.shared.barrier.wait();
+        self.meet()?;
         if let Some((rank, v)) = all.iter().enumerate().find(|(_, v)| v.len() != local.len()) {
             return Err(CollectiveError::Mismatch {
                 rank,
@@ -113,14 +161,14 @@ impl Collective for ThreadGroup {
         if self.rank == root {
             *self.shared.words.lock().map_err(|_| Self::poisoned())? = values.to_vec();
         }
-        self.shared.barrier.wait();
+        self.meet()?;
         let words = self
             .shared
             .words
             .lock()
             .map_err(|_| Self::poisoned())?
             .clone();
-        self.shared.barrier.wait();
+        self.meet()?;
         if words.len() != values.len() {
             return Err(CollectiveError::Mismatch {
                 rank: root,
@@ -132,11 +180,19 @@ impl Collective for ThreadGroup {
         Ok(())
     }
     fn barrier(&self) -> CollectiveResult<()> {
-        self.shared.barrier.wait();
-        Ok(())
+        self.meet()
     }
     fn backend(&self) -> &'static str {
         "threads"
+    }
+}
+
+impl Drop for ThreadGroup {
+    fn drop(&mut self) {
+        if let Ok(mut g) = self.shared.gate.lock() {
+            g.left.get_or_insert(self.rank);
+        }
+        self.shared.met.notify_all();
     }
 }
 
@@ -168,6 +224,25 @@ mod tests {
             assert_eq!(all, vec![0., 10., 1., 11., 2., 12.]);
             assert_eq!(sum, vec![3., 33.]);
             assert_eq!(w, vec![9, 9]);
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn a_rank_that_leaves_fails_the_others_instead_of_hanging() -> anyhow::Result<()> {
+        let mut ranks = ThreadGroup::new(3);
+        let gone = ranks.remove(1);
+        let handles: Vec<_> = ranks
+            .into_iter()
+            .map(|g| std::thread::spawn(move || g.barrier()))
+            .collect();
+        drop(gone);
+        for h in handles {
+            let e = h.join().map_err(|_| anyhow::anyhow!("rank panicked"))?;
+            assert!(
+                matches!(e, Err(CollectiveError::PeerLost { rank: 1, .. })),
+                "{e:?}"
+            );
         }
         Ok(())
     }

@@ -1,10 +1,12 @@
 //! The process's group: MPI's world when the process was launched by `mpirun` (feature
 //! `mpi`), a rank alone otherwise. Initialized on first use, finalized by [`finish`].
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::collective::{Collective, Solo};
 
 static WORLD: OnceLock<Arc<dyn Collective>> = OnceLock::new();
+/// Held while the world is set up: MPI is initialized once, whichever thread asks first.
+static SETTING_UP: Mutex<()> = Mutex::new(());
 
 /// Why the process's group could not be set up.
 #[derive(Debug, thiserror::Error)]
@@ -41,6 +43,10 @@ pub fn world() -> Result<Arc<dyn Collective>, WorldError> {
     if let Some(w) = WORLD.get() {
         return Ok(w.clone());
     }
+    let _one = SETTING_UP.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(w) = WORLD.get() {
+        return Ok(w.clone());
+    }
     let w: Arc<dyn Collective> = match launched_ranks() {
         #[cfg(feature = "mpi")]
         Some(_) => Arc::new(crate::mpi_world::MpiWorld::init()?),
@@ -57,7 +63,7 @@ pub fn current() -> Option<Arc<dyn Collective>> {
 }
 
 /// Ends the group's communication (MPI's finalize) before the process exits; nothing when
-/// MPI was not used. Collectives fail after it.
+/// MPI was not used. No collective may follow it (the MPI library aborts the process).
 pub fn finish() {
     #[cfg(feature = "mpi")]
     crate::mpi_world::finalize();
