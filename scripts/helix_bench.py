@@ -42,11 +42,15 @@ def config(tmp, layers):
 def run(args, cfg, ranks, tmp):
     stats = os.path.join(tmp, f"stats-{ranks}.json")
     logits = os.path.join(tmp, f"logits-{ranks}.npy")
-    cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(ranks),
+    # Not bound to a core each (Open MPI's default for 2 ranks or fewer), and the machine's
+    # cores split between the ranks (at least one thread each).
+    threads = max(1, (os.cpu_count() or 1) // ranks)
+    cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
+           "-x", f"RAYON_NUM_THREADS={threads}", "-np", str(ranks),
            args.bin, "--cpu", "--random-weights", "--config", cfg, "--seed", "7",
            "--policy", f"helix:local={args.local}", "--random-prompt", str(args.context),
            "--decode-ids", ",".join(str(100 + i) for i in range(args.steps)),
-           "--stats-out", stats, "--dump-logits", logits]
+           "--stats-out", stats, "--dump-logits", logits, "--decode-logits-only"]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     with open(stats) as f:
         s = json.load(f)
@@ -76,7 +80,8 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         cfg, c = config(tmp, args.layers)
         emit(f"measured: {args.layers}-layer SmolLM2-135M shape, {args.context} prompt tokens, "
-             f"{args.steps} teacher-forced decode steps, helix:local={args.local}, f32")
+             f"{args.steps} teacher-forced decode steps, helix:local={args.local}, f32, "
+             f"{os.cpu_count()} CPU cores split between the ranks (one thread each at least)")
         emit("")
         emit("| ranks | KV per rank (device, measured) | tokens per rank | prefill tok/s | decode s/token | "
              "collectives s/token | all-gather bytes per decode token per layer | logits vs 1 rank |")
