@@ -109,23 +109,7 @@ impl KvPolicy for FullPolicy {
 
     fn attend(&mut self, step: &AttnStep<'_>) -> Result<Tensor> {
         self.append_kv(step)?;
-        let start = step.spec.window_start(step.pos);
-        let buf = &self.layers[step.layer];
-        let (k, v) = buf.view(start, buf.end())?;
-        let out = attend_partial(
-            AttnInputs {
-                q: step.q,
-                k: &k,
-                v: &v,
-                q_pos: step.pos,
-                k_pos: start,
-            },
-            step.spec,
-        )?;
-        let t = step.q.dim(2)?;
-        let act = self.shape.as_ref().map_or(0, |s| s.activation_bytes(t));
-        self.stats.note_scratch(out.scratch_bytes, act);
-        Ok(out.out.to_dtype(step.q.dtype())?)
+        Ok(self.attend_held(step)?.out.to_dtype(step.q.dtype())?)
     }
 
     fn seq_len(&self) -> usize {
@@ -157,6 +141,33 @@ impl KvPolicy for FullPolicy {
 }
 
 impl FullPolicy {
+    /// The step's queries attended over what `step.layer` holds in their window: output and
+    /// log-sum-exp (nothing held in it: the attention over no key).
+    fn attend_held(&mut self, step: &AttnStep<'_>) -> Result<Partial> {
+        let (b, nh, t, d) = step.q.dims4()?;
+        let Some(buf) = self.layers.get(step.layer) else {
+            return Partial::empty(b, nh, t, d, step.q.device());
+        };
+        let start = step.spec.window_start(step.pos).max(buf.base());
+        if start >= buf.end() {
+            return Partial::empty(b, nh, t, d, step.q.device());
+        }
+        let (k, v) = buf.view(start, buf.end())?;
+        let out = attend_partial(
+            AttnInputs {
+                q: step.q,
+                k: &k,
+                v: &v,
+                q_pos: step.pos,
+                k_pos: start,
+            },
+            step.spec,
+        )?;
+        let act = self.shape.as_ref().map_or(0, |s| s.activation_bytes(t));
+        self.stats.note_scratch(out.scratch_bytes, act);
+        Ok(out)
+    }
+
     /// Stores the step's K/V at the absolute positions `range` in its layer's buffer, after
     /// dropping what no query from `keep_from` on sees (a sliding window).
     fn store(&mut self, step: &AttnStep<'_>, range: Range<usize>, keep_from: usize) -> Result<()> {
@@ -217,13 +228,8 @@ impl KvRestore for FullPolicy {
 
 impl ShardLocal for FullPolicy {
     fn attend_shard(&mut self, step: &AttnStep<'_>, store: Range<usize>) -> Result<Partial> {
-        let (b, nh, t, d) = step.q.dims4()?;
         if !store.is_empty() {
-            if store.start < step.pos || store.end > step.pos + t {
-                return Err(KvError::invariant(
-                    "a share stores positions of the step it is handed",
-                ));
-            }
+            kvpolicy_core::check_store(step, &store)?;
             while self.layers.len() <= step.layer {
                 self.layers.push(WindowKv::new(self.grow_tokens));
             }
@@ -233,26 +239,6 @@ impl ShardLocal for FullPolicy {
             }
             self.store(step, store, step.spec.window_start(step.pos))?;
         }
-        let Some(buf) = self.layers.get(step.layer) else {
-            return Partial::empty(b, nh, t, d, step.q.device());
-        };
-        let start = step.spec.window_start(step.pos).max(buf.base());
-        if start >= buf.end() {
-            return Partial::empty(b, nh, t, d, step.q.device());
-        }
-        let (k, v) = buf.view(start, buf.end())?;
-        let out = attend_partial(
-            AttnInputs {
-                q: step.q,
-                k: &k,
-                v: &v,
-                q_pos: step.pos,
-                k_pos: start,
-            },
-            step.spec,
-        )?;
-        let act = self.shape.as_ref().map_or(0, |s| s.activation_bytes(t));
-        self.stats.note_scratch(out.scratch_bytes, act);
-        Ok(out)
+        self.attend_held(step)
     }
 }

@@ -68,3 +68,17 @@ pub trait ShardLocal {
     /// token held).
     fn attend_shard(&mut self, step: &AttnStep<'_>, store: Range<usize>) -> Result<Partial>;
 }
+
+/// Checks that `store` (positions a [`ShardLocal`] policy is asked to store) lies within
+/// `step`'s positions.
+pub fn check_store(step: &AttnStep<'_>, store: &Range<usize>) -> Result<()> {
+    let t = step.k.dim(2)?;
+    if store.start < step.pos || store.end > step.pos + t {
+        return Err(crate::error::KvError::invariant(format!(
+            "a share asked to store positions {store:?} of a step at {}..{}",
+            step.pos,
+            step.pos + t
+        )));
+    }
+    Ok(())
+}

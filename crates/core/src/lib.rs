@@ -49,7 +49,7 @@ pub mod window;
 pub use attention::{attend, attend_partial, merge_partials, AttnInputs, AttnSpec, Partial};
 pub use batch::{PerSequence, PolicyFactory};
 pub use buffer::{grown, move_to_front, round_up, KvBuffer};
-pub use capabilities::{Batched, KvRestore, Profiled, SeqLoad, ShardLocal};
+pub use capabilities::{check_store, Batched, KvRestore, Profiled, SeqLoad, ShardLocal};
 pub use error::{Advice, KvError, Result};
 pub use knob::{Knob, PolicyOption};
 pub use options::PolicyOptions;

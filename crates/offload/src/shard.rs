@@ -10,7 +10,7 @@
 use std::ops::Range;
 
 use candle_core::Tensor;
-use kvpolicy_core::{AttnStep, KvError, Partial, Result, ShardLocal, TokenRange};
+use kvpolicy_core::{AttnStep, Partial, Result, ShardLocal, TokenRange};
 
 use crate::runtime::{OffloadPolicy, StreamedUnit};
 use crate::stream::StepAt;
@@ -19,11 +19,7 @@ impl ShardLocal for OffloadPolicy {
     fn attend_shard(&mut self, step: &AttnStep<'_>, store: Range<usize>) -> Result<Partial> {
         let (b, nh, t, d) = step.q.dims4()?;
         if !store.is_empty() {
-            if store.start < step.pos || store.end > step.pos + t {
-                return Err(KvError::invariant(
-                    "a share stores positions of the step it is handed",
-                ));
-            }
+            kvpolicy_core::check_store(step, &store)?;
             self.shard_base.get_or_insert(store.start);
         }
         let Some(base) = self.shard_base else {
