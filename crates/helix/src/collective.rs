@@ -1,6 +1,6 @@
 //! The communication boundary of KV-parallel decoding (Helix, arXiv 2507.07120 §3): the
 //! collectives its ranks need, over tensors, and the single-process backends. The MPI
-//! backend ([`crate::mpi_world`], feature `mpi`) runs them over Open MPI; the in-process
+//! backend (`mpi_world`, feature `mpi`) runs them over Open MPI; the in-process
 //! [`ThreadGroup`](crate::threads::ThreadGroup) runs ranks as threads (tests, benches).
 use candle_core::Tensor;
 
