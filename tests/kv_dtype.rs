@@ -138,18 +138,18 @@ fn the_kernel_reads_half_keys_as_their_f32_values() -> Result<()> {
 fn the_runner_labels_kv_dtype_lossy_and_refuses_what_a_policy_cannot_store() -> Result<()> {
     let dir = tempfile::tempdir()?;
     let fixture = common::fixture("llama_gqa").to_string_lossy().into_owned();
-    let llama = |extra: &[&str]| -> Result<std::process::Output> {
-        let mut a = vec![
-            "--model-dir",
-            fixture.as_str(),
-            "--prompt-ids",
-            "1,2,3,4,5",
-            "--max-new-tokens",
-            "3",
-        ];
-        a.extend(extra);
-        common::cli::llama(&a)
-    };
+    let base = [
+        "--model-dir",
+        fixture.as_str(),
+        "--prompt-ids",
+        "1,2,3,4,5",
+        "--max-new-tokens",
+        "3",
+    ];
+    fn with<'a>(base: &[&'a str], extra: &[&'a str]) -> Vec<&'a str> {
+        [base, extra].concat()
+    }
+    let llama = |extra: &[&str]| common::cli::llama(&with(&base, extra));
     let stats = |name: &str| dir.path().join(name).to_string_lossy().into_owned();
     let lossy = |path: &str| -> Result<bool> {
         let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path)?)?;
@@ -176,19 +176,15 @@ fn the_runner_labels_kv_dtype_lossy_and_refuses_what_a_policy_cannot_store() -> 
     assert!(o.status.success() && !err.contains("LOSSY"), "{err}");
     assert!(!lossy(&out)?);
     // q8_0 on the device: `full` refuses it, naming where it is stored.
-    let o = llama(&["--policy", "full", "--kv-dtype", "q8_0"])?;
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(
-        !o.status.success() && err.contains("host tier only"),
-        "{err}"
-    );
+    common::cli::fails_with(
+        &with(&base, &["--policy", "full", "--kv-dtype", "q8_0"]),
+        "host tier only",
+    )?;
     // An unknown form: the flag's values.
-    let o = llama(&["--kv-dtype", "f8"])?;
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(
-        !o.status.success() && err.contains("`f8`: use f32, f16, bf16 or q8_0"),
-        "{err}"
-    );
+    common::cli::fails_with(
+        &with(&base, &["--kv-dtype", "f8"]),
+        "`f8`: use f32, f16, bf16 or q8_0",
+    )?;
     // A policy that does not read it: warned, ignored, not labeled lossy.
     let o = llama(&["--policy", "recompute", "--kv-dtype", "f16"])?;
     let err = String::from_utf8_lossy(&o.stderr);

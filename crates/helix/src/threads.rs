@@ -94,16 +94,16 @@ impl ThreadGroup {
         }
     }
 
-    /// Every rank's values, in rank order; the slots are free again when it returns.
-    fn exchange(&self, values: Vec<f32>) -> CollectiveResult<Vec<Vec<f32>>> {
-        self.shared.slots.lock().map_err(|_| Self::poisoned())?[self.rank] = values;
+    /// Every rank's values, through `slots`, in rank order; the slots are free again when it
+    /// returns. An error when the ranks' counts differ.
+    fn exchange<T: Clone>(
+        &self,
+        slots: &Mutex<Vec<Vec<T>>>,
+        values: Vec<T>,
+    ) -> CollectiveResult<Vec<Vec<T>>> {
+        slots.lock().map_err(|_| Self::poisoned())?[self.rank] = values;
         self.meet()?;
-        let all = self
-            .shared
-            .slots
-            .lock()
-            .map_err(|_| Self::poisoned())?
-            .clone();
+        let all = slots.lock().map_err(|_| Self::poisoned())?.clone();
         self.meet()?;
         let want = all[0].len();
         if let Some((rank, v)) = all.iter().enumerate().find(|(_, v)| v.len() != want) {
@@ -125,11 +125,11 @@ impl Collective for ThreadGroup {
         self.size
     }
     fn all_gather(&self, local: &Tensor) -> CollectiveResult<Tensor> {
-        let all = self.exchange(host_values(local)?)?;
+        let all = self.exchange(&self.shared.slots, host_values(local)?)?;
         stacked(all.concat(), self.size, local)
     }
     fn all_reduce_sum(&self, local: &Tensor) -> CollectiveResult<Tensor> {
-        let all = self.exchange(host_values(local)?)?;
+        let all = self.exchange(&self.shared.slots, host_values(local)?)?;
         let mut sum = vec![0f32; all[0].len()];
         for v in &all {
             for (s, x) in sum.iter_mut().zip(v) {
@@ -139,23 +139,9 @@ impl Collective for ThreadGroup {
         Ok(Tensor::from_vec(sum, local.dims(), local.device())?)
     }
     fn all_gather_u64(&self, local: &[u64]) -> CollectiveResult<Vec<u64>> {
-        self.shared.counters.lock().map_err(|_| Self::poisoned())?[self.rank] = local.to_vec();
-        self.meet()?;
-        let all = self
-            .shared
-            .counters
-            .lock()
-            .map_err(|_| Self::poisoned())?
-            .clone();
-        self.meet()?;
-        if let Some((rank, v)) = all.iter().enumerate().find(|(_, v)| v.len() != local.len()) {
-            return Err(CollectiveError::Mismatch {
-                rank,
-                got: v.len(),
-                want: local.len(),
-            });
-        }
-        Ok(all.concat())
+        Ok(self
+            .exchange(&self.shared.counters, local.to_vec())?
+            .concat())
     }
     fn broadcast_u32(&self, values: &mut [u32], root: usize) -> CollectiveResult<()> {
         if self.rank == root {
