@@ -176,24 +176,41 @@ fn rank_zero_matches_full_on_every_fixture_and_each_rank_holds_its_share() -> Re
 }
 
 #[test]
-fn a_policy_that_does_not_split_is_refused_under_mpirun() -> Result<()> {
-    let o = launch(
-        2,
-        "llama",
-        &[
-            "--model-dir",
-            &common::fixture("llama_gqa").to_string_lossy(),
-            "--policy",
-            "full",
-            "--prompt-ids",
-            "1,2,3",
-        ],
-    )
-    .output()?;
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(!o.status.success());
-    assert!(err.contains("--policy helix:local=full"), "{err}");
-    assert!(!err.contains("panicked"), "{err}");
+fn what_several_ranks_cannot_share_is_refused_under_mpirun() -> Result<()> {
+    let model = common::fixture("llama_gqa").to_string_lossy().into_owned();
+    let dir = tempfile::tempdir()?;
+    let prompts = dir.path().join("prompts.txt");
+    std::fs::write(&prompts, "one\ntwo\n")?;
+    let prompts = prompts.to_string_lossy().into_owned();
+    for (extra, needle) in [
+        // A policy that does not split: every rank would run the whole job.
+        (
+            &["--policy", "full", "--prompt-ids", "1,2,3"][..],
+            "--policy helix:local=full",
+        ),
+        // A local policy that cannot hold a share; helix inside helix.
+        (
+            &["--policy", "helix:local=auto", "--prompt-ids", "1,2,3"][..],
+            "`auto` cannot",
+        ),
+        (
+            &["--policy", "helix:local=helix", "--prompt-ids", "1,2,3"][..],
+            "its own local policy",
+        ),
+        // Several prompts at once.
+        (
+            &["--policy", "helix", "--prompts-file", prompts.as_str()][..],
+            "one prompt at a time",
+        ),
+    ] {
+        let mut args = vec!["--model-dir", model.as_str()];
+        args.extend_from_slice(extra);
+        let o = launch(2, "llama", &args).output()?;
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{extra:?}: {err}");
+        assert!(err.contains(needle), "{extra:?}: {err}");
+        assert!(!err.contains("panicked"), "{extra:?}: {err}");
+    }
     Ok(())
 }
 
