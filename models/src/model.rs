@@ -47,6 +47,10 @@ pub struct ModelInfo {
     pub eos: Vec<u32>,
     /// Per layer, its sliding attention window in tokens (`None`: global attention).
     pub windows: Vec<Option<usize>>,
+    /// A LOSSY conversion the model's files declare (`kvpolicy-compress` writes
+    /// `kvpolicy_conversion` into config.json), in a few words; `None` for a model as
+    /// published. Runs on a converted model say so in their summaries and stats.
+    pub conversion: Option<String>,
     /// Rows of a forward pass from which its matmuls take another kernel, with other
     /// rounding: quantized weights on the CPU dequantize for a pass of this many tokens or
     /// more and dot quantized activations below it ([`DEQUANT_MIN_ROWS`](crate::arch::layers::DEQUANT_MIN_ROWS)).

@@ -231,6 +231,12 @@ fn write_outputs(
             }
         );
     }
+    if let Some(c) = &model.info().conversion {
+        let _ = writeln!(
+            std::io::stderr(),
+            "LOSSY model: {c}; its logits differ from the original model's"
+        );
+    }
     let mut staged = Staged::new();
     if let Some(path) = &args.ids_out {
         let v: Vec<_> = out
@@ -242,8 +248,11 @@ fn write_outputs(
     }
     if let Some(path) = &args.stats_out {
         let info = model.info();
+        let mut stats = stats;
+        stats.lossy |= info.conversion.is_some();
         let st = StatsOut {
             stats,
+            model_conversion: info.conversion.as_deref(),
             policy: policy.name(),
             model: &info.source,
             prefill_tokens,

@@ -271,6 +271,9 @@ fn run(
         return Ok(());
     }
     summary::print(&gen, &stats, policy.name(), args.kv.smaller_storage());
+    if let Some(c) = &info.conversion {
+        eprintln!("LOSSY model: {c}; its logits differ from the original model's");
+    }
     if let Some(r) = &rank_kv {
         eprintln!("{}", ranks::summary(r));
     }
@@ -298,8 +301,11 @@ fn run(
     }
     if let Some(path) = &args.stats_out {
         let out_stats = stats.clone();
+        let mut stats = stats;
+        stats.lossy |= info.conversion.is_some();
         let out = StatsOut {
             stats,
+            model_conversion: info.conversion.as_deref(),
             policy: policy.name(),
             model: &info.source,
             prefill_tokens: gen.prefill_tokens,

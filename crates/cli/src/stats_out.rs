@@ -45,6 +45,10 @@ pub struct StatsOut<'a> {
     pub policy: &'a str,
     /// Where the model came from.
     pub model: &'a str,
+    /// The LOSSY conversion the model's files declare (`kvpolicy-compress`), if any; `lossy`
+    /// is then true whatever the policy.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model_conversion: Option<&'a str>,
     /// Prompt tokens.
     pub prefill_tokens: usize,
     /// Seconds of prefill.

@@ -77,6 +77,8 @@ pub struct ModelIdentity {
     pub dtype: DType,
     /// Compute device.
     pub device: Device,
+    /// A lossy conversion the model's files declare ([`ModelInfo::conversion`]).
+    pub conversion: Option<String>,
 }
 
 /// A decoder-only transformer whose attention goes through a [`KvPolicy`].
@@ -121,6 +123,7 @@ impl Decoder {
             device: identity.device,
             bos: identity.bos,
             eos: identity.eos,
+            conversion: identity.conversion,
             windows: parts
                 .layers
                 .iter()

@@ -120,6 +120,7 @@ pub fn from_varbuilder(
             eos: TokenIds::all_of(&cfg.eos_token_id),
             dtype: vb.dtype(),
             device: vb.device().clone(),
+            conversion: None,
         },
     )
 }

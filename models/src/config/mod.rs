@@ -131,6 +131,44 @@ pub struct LlamaConfig {
     /// Gemma 2: queries are scaled by `query_pre_attn_scalar^-1/2` instead of `head_dim^-1/2`.
     #[serde(default)]
     pub query_pre_attn_scalar: Option<f64>,
+    /// What `kvpolicy-compress` did to the checkpoint (`{"lossy": true, "method": "svd",
+    /// "kv_heads": {"from": 3, "to": 1}, …}`); absent for an unconverted model.
+    #[serde(default)]
+    pub kvpolicy_conversion: Option<serde_json::Value>,
+}
+
+impl LlamaConfig {
+    /// A lossy conversion the checkpoint declares (`kvpolicy_conversion` with `"lossy":
+    /// true`), described in a few words for summaries; `None` for an unconverted model or
+    /// one whose conversion changed nothing.
+    pub fn lossy_conversion(&self) -> Option<String> {
+        let c = self.kvpolicy_conversion.as_ref()?;
+        if c.get("lossy").and_then(serde_json::Value::as_bool) != Some(true) {
+            return None;
+        }
+        let mut parts = Vec::new();
+        if let Some(h) = c.get("kv_heads") {
+            if let (Some(a), Some(b)) = (h.get("from"), h.get("to")) {
+                if a != b {
+                    parts.push(format!("KV heads {a}→{b}"));
+                }
+            }
+        }
+        if let Some(l) = c.get("kv_layers") {
+            if let (Some(a), Some(b)) = (l.get("from"), l.get("to")) {
+                if a != b {
+                    parts.push(format!("KV layers {a}→{b}"));
+                }
+            }
+        }
+        if let Some(m) = c.get("method").and_then(serde_json::Value::as_str) {
+            parts.push(format!("by {m}"));
+        }
+        Some(format!(
+            "converted by kvpolicy-compress: {}",
+            parts.join(" ")
+        ))
+    }
 }
 
 /// An MLP activation named in config.json.

@@ -78,6 +78,7 @@ pub fn from_gguf(g: &GgufFile, device: &Device) -> Result<Decoder> {
                 .collect(),
             dtype: DType::F32,
             device: device.clone(),
+            conversion: None,
         },
     )
 }
