@@ -231,6 +231,7 @@ fn check(c: &Case) -> Result<(), TestCaseError> {
         step_tokens: 0,
         activation_bytes_per_token: 0,
         windows: Vec::new(),
+        readers: Vec::new(),
     };
     let scratch = shape.step_scratch_bytes(c.n_kv, total, &candle_core::Device::Cpu);
     let budget = c

@@ -28,7 +28,7 @@ pub fn fill(
         let random =
             || -> Result<Tensor> { Ok(Tensor::randn(0f32, 1.0, dims, dev)?.to_dtype(info.dtype)?) };
         let kv = ChunkKv {
-            layers: (0..info.n_layers)
+            layers: (0..info.kv_layers())
                 .map(|_| {
                     Ok(LayerKv {
                         k: random()?,

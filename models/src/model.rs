@@ -51,6 +51,11 @@ pub struct ModelInfo {
     /// `kvpolicy_conversion` into config.json), in a few words; `None` for a model as
     /// published. Runs on a converted model say so in their summaries and stats.
     pub conversion: Option<String>,
+    /// Per decoder layer, the KV layer whose cache it attends — the policy's layer index
+    /// ([`AttnStep::layer`](kvpolicy_core::AttnStep)): `0, 1, 2, …` when every layer
+    /// projects K/V; with MLKV (`num_key_value_layers`) a layer without projections repeats
+    /// its owner's. Empty: every layer its own.
+    pub kv_layer: Vec<usize>,
     /// Rows of a forward pass from which its matmuls take another kernel, with other
     /// rounding: quantized weights on the CPU dequantize for a pass of this many tokens or
     /// more and dot quantized activations below it ([`DEQUANT_MIN_ROWS`](crate::arch::layers::DEQUANT_MIN_ROWS)).
@@ -61,6 +66,40 @@ pub struct ModelInfo {
 }
 
 impl ModelInfo {
+    /// Layers that project K/V: the layers a policy stores ([`KvShape::n_layers`](kvpolicy_core::KvShape)).
+    pub fn kv_layers(&self) -> usize {
+        self.kv_layer.last().map_or(self.n_layers, |l| l + 1)
+    }
+
+    /// Whether some layers read another layer's cache (MLKV).
+    pub fn shares_kv(&self) -> bool {
+        self.kv_layers() < self.n_layers
+    }
+
+    /// The sliding window of each KV layer (its owner layer's; readers share it).
+    pub fn kv_windows(&self) -> Vec<Option<usize>> {
+        if self.kv_layer.is_empty() {
+            return self.windows.clone();
+        }
+        let mut out = vec![None; self.kv_layers()];
+        for (i, &k) in self.kv_layer.iter().enumerate().rev() {
+            out[k] = self.windows.get(i).copied().flatten();
+        }
+        out
+    }
+
+    /// Per KV layer, how many other layers read its cache; empty without sharing.
+    pub fn kv_readers(&self) -> Vec<usize> {
+        if !self.shares_kv() {
+            return Vec::new();
+        }
+        let mut out = vec![0; self.kv_layers()];
+        for &k in &self.kv_layer {
+            out[k] += 1;
+        }
+        out.iter().map(|n| n - 1).collect()
+    }
+
     /// Device bytes of activations one layer step holds at once per token, besides the KV
     /// and the attention scratch: the larger of the attention phase (residual, normalised
     /// input, query projections before and after RoPE, new K/V, the f32 attention output and

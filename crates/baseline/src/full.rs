@@ -112,6 +112,11 @@ impl KvPolicy for FullPolicy {
         Ok(self.attend_held(step)?.out.to_dtype(step.q.dtype())?)
     }
 
+    /// A reading layer attends over its owner's buffer, which holds the step already.
+    fn attend_shared(&mut self, step: &AttnStep<'_>) -> Result<Tensor> {
+        Ok(self.attend_held(step)?.out.to_dtype(step.q.dtype())?)
+    }
+
     fn seq_len(&self) -> usize {
         self.layers.first().map(WindowKv::end).unwrap_or(0)
     }

@@ -11,7 +11,7 @@ const SLOW_STEP_S: f64 = 60.0;
 /// policy may move the whole cache (`context` tokens of every layer's K and V) each step.
 pub fn slow_link(info: &ModelInfo, bandwidth: u64, context: usize) -> Option<String> {
     let per_token = [
-        info.n_layers,
+        info.kv_layers(),
         info.n_kv_heads,
         info.head_dim,
         info.dtype.size_in_bytes(),

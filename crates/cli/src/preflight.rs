@@ -36,8 +36,8 @@ pub fn check_descriptors(args: &Args, info: &ModelInfo, prompt_lens: &[usize]) -
         // than the request's length, so fewer layers fit than the length alone says.
         let bytes = layer_bytes(args, info, final_len(args, info, p).saturating_add(4096));
         let widest = bytes.iter().copied().max().unwrap_or(0).max(1);
-        let in_ram = (budget / widest).min(info.n_layers as u64);
-        let files = info.n_layers as u64 - in_ram;
+        let in_ram = (budget / widest).min(info.kv_layers() as u64);
+        let files = info.kv_layers() as u64 - in_ram;
         if files > 0 {
             on_disk = on_disk.saturating_add(files + reads_in_flight);
         }
@@ -47,7 +47,7 @@ pub fn check_descriptors(args: &Args, info: &ModelInfo, prompt_lens: &[usize]) -
         bail!(
             "the disk tier may hold up to {needed} files open ({} requests, up to {} layers each past --host-kv-budget, and reads in flight) but the open-file limit is {limit}; raise it (`ulimit -n {needed}`), pass fewer prompts, or raise --host-kv-budget",
             prompt_lens.len(),
-            info.n_layers
+            info.kv_layers()
         );
     }
     Ok(())
@@ -67,9 +67,10 @@ fn layer_bytes(args: &Args, info: &ModelInfo, t: usize) -> Vec<u64> {
     let per_token = 2u64
         .saturating_mul(info.n_kv_heads as u64)
         .saturating_mul(row);
-    (0..info.n_layers)
+    let windows = info.kv_windows();
+    (0..info.kv_layers())
         .map(|l| {
-            let seen = match info.windows.get(l).copied().flatten() {
+            let seen = match windows.get(l).copied().flatten() {
                 Some(w) => t.min(w),
                 None => t,
             };

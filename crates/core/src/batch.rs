@@ -91,6 +91,12 @@ impl KvPolicy for PerSequence {
         Ok(out)
     }
 
+    fn attend_shared(&mut self, step: &AttnStep<'_>) -> Result<Tensor> {
+        let out = self.cache(step.seq)?.attend_shared(step)?;
+        self.device_peak = self.device_peak.max(self.live_device_bytes());
+        Ok(out)
+    }
+
     fn seq_len(&self) -> usize {
         self.seqs.values().map(|p| p.seq_len()).max().unwrap_or(0)
     }

@@ -45,6 +45,17 @@ pub trait KvPolicy: Send {
     }
     /// Stores the step's new entries and returns the attention output `(b, n_heads, t, head_dim)`.
     fn attend(&mut self, step: &AttnStep<'_>) -> Result<Tensor>;
+    /// The attention of a layer that projects no K/V of its own (MLKV, [`crate::shared`])
+    /// over the cache of KV layer `step.layer`, whose `attend` this step has just run:
+    /// `step.q` and `step.spec` are the reading layer's, `step.k`, `step.v`, `step.x` and
+    /// `step.regen` the owner's (as its `attend` got them). Stores nothing. Comes after the
+    /// owner's `attend` and before the next layer's (any number of readers, in order), for
+    /// the layers [`KvShape::readers`] announced. The default: an error saying the policy
+    /// cannot serve such a model.
+    fn attend_shared(&mut self, step: &AttnStep<'_>) -> Result<Tensor> {
+        let _ = step;
+        Err(crate::shared::not_shareable(self.name()))
+    }
     /// Tokens cached (per layer).
     fn seq_len(&self) -> usize;
     /// Forgets every cached token and frees the buffers; counters restart.

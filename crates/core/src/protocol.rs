@@ -113,6 +113,27 @@ impl<'a> Checked<'a> {
         s.next_layer += 1;
         Ok(())
     }
+
+    /// Checks that reader `step` of layer `step.layer` comes right after that layer's
+    /// `attend` (or another reader of it), in the same step.
+    fn admit_reader(&self, step: &AttnStep<'_>) -> Result<()> {
+        let t = step.k.dim(2)?;
+        let s = self.seqs.get(&step.seq).copied().unwrap_or_default();
+        if s.next_layer != step.layer + 1 || (step.pos, t) != (s.pos, s.tokens) {
+            return Err(KvError::Protocol(format!(
+                "a layer reading layer {} of sequence {} at position {} ({t} tokens) came {}; \
+                 readers follow their owner's attend in the same step, before the next layer's",
+                step.layer,
+                step.seq,
+                step.pos,
+                match s.next_layer {
+                    0 => "before that layer's attend".to_string(),
+                    n => format!("after layer {}'s attend at position {}", n - 1, s.pos),
+                }
+            )));
+        }
+        Ok(())
+    }
 }
 
 impl KvPolicy for Checked<'_> {
@@ -133,6 +154,11 @@ impl KvPolicy for Checked<'_> {
     fn attend(&mut self, step: &AttnStep<'_>) -> Result<Tensor> {
         self.admit(step)?;
         self.inner.attend(step)
+    }
+
+    fn attend_shared(&mut self, step: &AttnStep<'_>) -> Result<Tensor> {
+        self.admit_reader(step)?;
+        self.inner.attend_shared(step)
     }
 
     fn seq_len(&self) -> usize {

@@ -56,6 +56,10 @@ pub struct KvShape {
     /// Per layer, its sliding window in tokens (`None`: global attention); empty when not
     /// known (a shape read off a step).
     pub windows: Vec<Option<usize>>,
+    /// Per layer, how many other layers of the model read its cache through
+    /// [`KvPolicy::attend_shared`](crate::KvPolicy::attend_shared) (MLKV, [`crate::shared`]);
+    /// empty when no layer does. `n_layers` counts the KV layers only.
+    pub readers: Vec<usize>,
 }
 
 impl KvShape {
@@ -92,8 +96,14 @@ impl KvShape {
                 step_tokens: t,
                 activation_bytes_per_token: 0,
                 windows: Vec::new(),
+                readers: Vec::new(),
             },
         })
+    }
+
+    /// Whether another layer reads layer `layer`'s cache.
+    pub fn has_readers(&self, layer: usize) -> bool {
+        self.readers.get(layer).is_some_and(|&n| n > 0)
     }
 
     /// Tokens of the largest step.

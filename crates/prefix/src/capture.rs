@@ -157,6 +157,11 @@ impl KvPolicy for Capture<'_> {
         self.inner.attend(step)
     }
 
+    fn attend_shared(&mut self, step: &AttnStep<'_>) -> Result<candle_core::Tensor> {
+        // The owner's K/V were kept when it attended; a reader adds none.
+        self.inner.attend_shared(step)
+    }
+
     fn seq_len(&self) -> usize {
         self.inner.seq_len()
     }

@@ -195,6 +195,8 @@ impl TinyLm {
                 * self.embed.embeddings().dtype().size_in_bytes())
                 as u64,
             windows: vec![None; c.layers],
+            // Every layer projects its own K/V.
+            readers: Vec::new(),
         }
     }
 

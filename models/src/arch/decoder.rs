@@ -124,6 +124,7 @@ impl Decoder {
             bos: identity.bos,
             eos: identity.eos,
             conversion: identity.conversion,
+            kv_layer: parts.layers.iter().map(|b| b.attn.layer).collect(),
             windows: parts
                 .layers
                 .iter()
@@ -200,8 +201,9 @@ impl CausalLm for Decoder {
         let (_b, t) = ids.dims2()?;
         let positions: Vec<usize> = (pos..pos + t).collect();
         let mut h = self.embed(ids, &positions)?;
+        let mut owner = None;
         for block in &self.parts.layers {
-            h = block.forward(&h, |x| block.attn.forward(x, pos, policy))?;
+            h = block.forward(&h, |x| block.attn.forward(x, pos, policy, &mut owner))?;
         }
         if mode == LogitsMode::Last && t > 1 {
             h = h.narrow(1, t - 1, 1)?;
@@ -251,9 +253,10 @@ impl CausalLm for Decoder {
             segments.push(segs);
         }
         // Column by column: every mini-batch through layer l before any enters layer l+1.
+        let mut owners = vec![None; hidden.len()];
         for block in &self.parts.layers {
-            for (h, segs) in hidden.iter_mut().zip(&segments) {
-                *h = block.forward(h, |x| block.attn.forward_packed(x, segs, policy))?;
+            for ((h, segs), owner) in hidden.iter_mut().zip(&segments).zip(&mut owners) {
+                *h = block.forward(h, |x| block.attn.forward_packed(x, segs, policy, owner))?;
             }
         }
         let mut out = Vec::new();

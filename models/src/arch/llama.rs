@@ -7,7 +7,7 @@ use std::path::Path;
 use candle_nn::VarBuilder;
 use kvpolicy_core::AttnSpec;
 
-use crate::arch::attention::Attention;
+use crate::arch::attention::{Attention, KvProjections};
 use crate::arch::decoder::{Block, Decoder, DecoderParts, ModelIdentity};
 use crate::arch::layers::{Embedding, Linear, Mlp, Norm, RmsNorm};
 use crate::arch::rope::{Rope, RopeStyle};
@@ -124,6 +124,16 @@ pub fn from_varbuilder(
         Ok(Norm::Rms(RmsNorm::new(w, cfg.rms_norm_eps)))
     };
     let norm_at = |vb: &VarBuilder, name: &str| norm_of(vb, name, h);
+    // MLKV: the layer each attends over, and that layer's index among the KV layers.
+    let sources = cfg.kv_sources()?;
+    let mut kv_index = Vec::with_capacity(sources.len());
+    let mut kv_layers = 0;
+    for (i, &s) in sources.iter().enumerate() {
+        if s == i {
+            kv_layers += 1;
+        }
+        kv_index.push(kv_layers - 1); // layer 0 always projects K/V
+    }
     let mut layers = Vec::new(); // the count was checked against the weights, not reserved
     for i in 0..cfg.num_hidden_layers {
         let l = m.pp(format!("layers.{i}"));
@@ -135,20 +145,34 @@ pub fn from_varbuilder(
             spec.scale = s;
         }
         let qb = recipe.qkv_bias;
+        let owner = sources[i];
+        if spec.sliding_window != recipe.windows.get(owner).copied().flatten() {
+            return Err(ModelError::config(
+                "num_key_value_layers",
+                format!("puts layer {i} on KV layer {owner}'s cache, but their sliding windows differ; layers sharing a cache must attend alike"),
+            ));
+        }
+        let kv = if owner == i {
+            Some(KvProjections {
+                k: dense(&a, h, nkv * hd, qb, "k_proj").map_err(&err)?,
+                v: dense(&a, h, nkv * hd, qb, "v_proj").map_err(&err)?,
+                k_norm: recipe
+                    .qk_norm
+                    .then(|| norm_of(&a, "k_norm", hd))
+                    .transpose()?,
+            })
+        } else {
+            None
+        };
         let attn = Attention {
-            layer: i,
+            layer: kv_index[i],
             q: dense(&a, h, nh * hd, qb, "q_proj").map_err(&err)?,
-            k: dense(&a, h, nkv * hd, qb, "k_proj").map_err(&err)?,
-            v: dense(&a, h, nkv * hd, qb, "v_proj").map_err(&err)?,
+            kv,
             o: dense(&a, nh * hd, h, recipe.o_bias, "o_proj").map_err(&err)?,
             rope: None, // below, once the weights have confirmed the head size
             q_norm: recipe
                 .qk_norm
                 .then(|| norm_of(&a, "q_norm", hd))
-                .transpose()?,
-            k_norm: recipe
-                .qk_norm
-                .then(|| norm_of(&a, "k_norm", hd))
                 .transpose()?,
             spec,
         };

@@ -8,7 +8,7 @@ use std::path::Path;
 use candle_nn::VarBuilder;
 use kvpolicy_core::AttnSpec;
 
-use crate::arch::attention::Attention;
+use crate::arch::attention::{Attention, KvProjections};
 use crate::arch::decoder::{Block, Decoder, DecoderParts, LearnedPositions, ModelIdentity};
 use crate::arch::layers::{Embedding, Linear, Mlp, Norm};
 use crate::config::{activation, OptConfig, TokenIds};
@@ -65,12 +65,14 @@ pub fn from_varbuilder(
         let attn = Attention {
             layer: i,
             q: linear(&a, h, h, "q_proj")?,
-            k: linear(&a, h, h, "k_proj")?,
-            v: linear(&a, h, h, "v_proj")?,
+            kv: Some(KvProjections {
+                k: linear(&a, h, h, "k_proj")?,
+                v: linear(&a, h, h, "v_proj")?,
+                k_norm: None,
+            }),
             o: linear(&a, h, h, "out_proj")?,
             rope: None,
             q_norm: None,
-            k_norm: None,
             spec: AttnSpec::new(nh, nh, hd),
         };
         layers.push(Block {

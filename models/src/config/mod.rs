@@ -62,6 +62,10 @@ pub struct LlamaConfig {
     /// KV heads (defaults to the query heads).
     #[serde(default)]
     pub num_key_value_heads: Option<usize>,
+    /// MLKV (arXiv 2406.09297): how many layers project K/V; every other layer attends over
+    /// the cache of the nearest KV layer below it (absent: every layer).
+    #[serde(default)]
+    pub num_key_value_layers: Option<usize>,
     /// Head width (defaults to hidden / heads).
     #[serde(default)]
     pub head_dim: Option<usize>,
@@ -258,6 +262,35 @@ impl LlamaConfig {
     /// Parses config.json text.
     pub fn from_json(text: &str) -> Result<Self> {
         typed(text)
+    }
+
+    /// Per layer, the layer whose K/V it attends over: itself for a KV layer. MLKV's
+    /// placement (its reference code): with `m` KV layers of `L`, layers `0` and
+    /// `⌊(i + 1) · L / m⌋` for `i < m - 1` project K/V, and each other layer reads the
+    /// nearest KV layer below it.
+    pub fn kv_sources(&self) -> Result<Vec<usize>> {
+        let l = self.num_hidden_layers;
+        let m = self.num_key_value_layers.unwrap_or(l);
+        if m == 0 || m > l {
+            return Err(ModelError::config(
+                "num_key_value_layers",
+                format!("is {m}; it must be between 1 and num_hidden_layers = {l}"),
+            ));
+        }
+        let mut kv = vec![false; l];
+        kv[0] = true;
+        for i in 0..m - 1 {
+            kv[(i + 1) * l / m] = true;
+        }
+        let mut owner = 0;
+        Ok((0..l)
+            .map(|i| {
+                if kv[i] {
+                    owner = i;
+                }
+                owner
+            })
+            .collect())
     }
 
     /// KV heads.

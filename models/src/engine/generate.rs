@@ -157,7 +157,7 @@ pub fn validate_request(info: &ModelInfo, prompt: &[u32], cfg: &GenerateConfig) 
 /// run in steps of at most `step_tokens` tokens (the prefill chunk; 0 = all at once).
 pub fn kv_shape(info: &ModelInfo, batch: usize, max_tokens: usize, step_tokens: usize) -> KvShape {
     KvShape {
-        n_layers: info.n_layers,
+        n_layers: info.kv_layers(),
         n_heads: info.n_heads,
         n_kv_heads: info.n_kv_heads,
         head_dim: info.head_dim,
@@ -167,7 +167,8 @@ pub fn kv_shape(info: &ModelInfo, batch: usize, max_tokens: usize, step_tokens: 
         max_tokens,
         step_tokens,
         activation_bytes_per_token: info.activation_bytes_per_token(),
-        windows: info.windows.clone(),
+        windows: info.kv_windows(),
+        readers: info.kv_readers(),
     }
 }
 

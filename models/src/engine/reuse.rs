@@ -22,10 +22,11 @@ use crate::model::{CausalLm, ModelInfo};
 
 /// What a policy taking restored K/V needs to know of `info`'s layers.
 pub fn layer_specs(info: &ModelInfo) -> LayerSpecs {
-    let specs = (0..info.n_layers)
+    let windows = info.kv_windows();
+    let specs = (0..info.kv_layers())
         .map(|layer| {
             let mut spec = AttnSpec::new(info.n_heads, info.n_kv_heads, info.head_dim);
-            spec.sliding_window = info.windows.get(layer).copied().flatten();
+            spec.sliding_window = windows.get(layer).copied().flatten();
             spec
         })
         .collect();

@@ -32,7 +32,7 @@ pub fn fingerprint(files: &ModelFiles, info: &ModelInfo) -> Result<Fingerprint> 
     let mut b = FingerprintBuilder::new();
     b.field("architecture", info.architecture.as_bytes());
     let dims = format!(
-        "vocab {} positions {} layers {} heads {} kv {} head_dim {} hidden {} ffn {} windows {:?}",
+        "vocab {} positions {} layers {} heads {} kv {} head_dim {} hidden {} ffn {} windows {:?} kv layers {:?}",
         info.vocab_size,
         info.max_positions,
         info.n_layers,
@@ -41,7 +41,8 @@ pub fn fingerprint(files: &ModelFiles, info: &ModelInfo) -> Result<Fingerprint> 
         info.head_dim,
         info.hidden,
         info.intermediate,
-        info.windows
+        info.windows,
+        info.kv_layer
     );
     b.field("dimensions", dims.as_bytes());
     b.field("dtype", format!("{:?}", info.dtype).as_bytes());

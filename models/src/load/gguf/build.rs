@@ -15,7 +15,7 @@ use candle_core::quantized::QMatMul;
 use candle_core::{DType, Device, Tensor};
 use kvpolicy_core::AttnSpec;
 
-use crate::arch::attention::Attention;
+use crate::arch::attention::{Attention, KvProjections};
 use crate::arch::decoder::{Block, Decoder, DecoderParts, ModelIdentity};
 use crate::arch::layers::{Embedding, Linear, Mlp, Norm, RmsNorm};
 use crate::arch::rope::{Rope, RopeConfig, RopeScaling};
@@ -202,22 +202,24 @@ impl Tensors<'_> {
                 h,
                 self.bias(rules, &b("attn_q"), nh * hd)?,
             )?,
-            k: self.linear(
-                blk("attn_k"),
-                nkv * hd,
-                h,
-                self.bias(rules, &b("attn_k"), nkv * hd)?,
-            )?,
-            v: self.linear(
-                blk("attn_v"),
-                nkv * hd,
-                h,
-                self.bias(rules, &b("attn_v"), nkv * hd)?,
-            )?,
+            kv: Some(KvProjections {
+                k: self.linear(
+                    blk("attn_k"),
+                    nkv * hd,
+                    h,
+                    self.bias(rules, &b("attn_k"), nkv * hd)?,
+                )?,
+                v: self.linear(
+                    blk("attn_v"),
+                    nkv * hd,
+                    h,
+                    self.bias(rules, &b("attn_v"), nkv * hd)?,
+                )?,
+                k_norm: qk_norm("attn_k_norm")?,
+            }),
             o: self.linear(blk("attn_output"), h, nh * hd, None)?,
             rope: Some(ropes.of(spec.sliding_window)),
             q_norm: qk_norm("attn_q_norm")?,
-            k_norm: qk_norm("attn_k_norm")?,
             spec,
         };
         let mlp = Mlp::Gated {
