@@ -67,9 +67,10 @@ fn disk_tier_logits_equal_full_and_leave_no_file() -> Result<()> {
                         "{name} {policy} {host:?}: {st:?}"
                     );
                     assert!(files(dir.path())? > 0);
-                    // Disk reads ran ahead of their use, on their own threads.
+                    // Disk reads ran ahead of their use, on their own threads (a model of
+                    // two KV layers, one in RAM, has no disk unit to read ahead of).
                     assert!(
-                        common::metric(&st, "disk_read_aheads") > 0,
+                        common::metric(&st, "disk_read_aheads") > 0 || model.info().kv_layers() < 3,
                         "{name} {policy} {host:?}: {st:?}"
                     );
                 } else if !on_disk {

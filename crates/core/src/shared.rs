@@ -31,36 +31,61 @@ pub struct StashedUnit {
     pub k_pos: usize,
 }
 
-/// The K/V of the layer a step attended last, for the layers that read its cache (module
-/// docs). Pieces over the same heads (token ranges) are merged by their log-sum-exp; pieces
-/// over different heads are concatenated.
+/// Per sequence, the K/V of the layer its step attended last, for the layers that read
+/// that layer's cache (module docs). Pieces over the same heads (token ranges) are merged
+/// by their log-sum-exp; pieces over different heads are concatenated. In a ragged batch
+/// the sequences' steps interleave, so each keeps its own.
 #[derive(Debug, Default)]
 pub struct ReaderStash {
+    entries: Vec<Kept>,
+}
+
+/// One sequence's kept layer.
+#[derive(Debug)]
+struct Kept {
     /// The (layer, sequence, position) of the step the pieces belong to.
-    at: Option<(usize, usize, usize)>,
+    at: (usize, usize, usize),
     units: Vec<StashedUnit>,
     /// Device bytes of the pieces that are copies (views of kept buffers cost nothing).
     copied: u64,
 }
 
 impl ReaderStash {
-    /// Forgets the pieces; returns the device bytes of the copies freed.
+    /// Forgets every sequence's pieces; returns the device bytes of the copies freed.
     pub fn clear(&mut self) -> u64 {
-        self.at = None;
-        self.units.clear();
-        std::mem::take(&mut self.copied)
+        self.entries.drain(..).map(|e| e.copied).sum()
     }
 
-    /// Starts keeping `step`'s layer (forgetting what was kept); returns the bytes freed.
+    /// Forgets sequence `seq`'s pieces; returns the bytes freed.
+    pub fn release(&mut self, seq: usize) -> u64 {
+        let (gone, kept): (Vec<Kept>, Vec<Kept>) =
+            self.entries.drain(..).partition(|e| e.at.1 == seq);
+        self.entries = kept;
+        gone.iter().map(|e| e.copied).sum()
+    }
+
+    /// Starts keeping `step`'s layer for its sequence (forgetting what that sequence kept);
+    /// returns the bytes freed.
     pub fn begin(&mut self, step: &AttnStep<'_>) -> u64 {
-        let freed = self.clear();
-        self.at = Some((step.layer, step.seq, step.pos));
+        let freed = self.release(step.seq);
+        self.entries.push(Kept {
+            at: (step.layer, step.seq, step.pos),
+            units: Vec::new(),
+            copied: 0,
+        });
         freed
     }
 
-    /// Keeps a view of buffers that stay unchanged until the next layer's step.
-    pub fn keep_view(&mut self, unit: StashedUnit) {
-        self.units.push(unit);
+    fn current(&mut self) -> Result<&mut Kept> {
+        self.entries
+            .last_mut()
+            .ok_or_else(|| KvError::invariant("K/V kept for readers before `begin`"))
+    }
+
+    /// Keeps a view of buffers that stay unchanged until the sequence's next layer step.
+    pub fn keep_view(&mut self, unit: StashedUnit) -> Result<()> {
+        self.current()?.units.push(unit);
+        Ok(())
     }
 
     /// Keeps a device copy of `unit` (its buffers will be refilled); returns its bytes, to
@@ -73,36 +98,39 @@ impl ReaderStash {
             ..unit
         };
         let b = bytes(&unit.k) + bytes(&unit.v);
-        self.copied += b;
-        self.units.push(unit);
+        let cur = self.current()?;
+        cur.copied += b;
+        cur.units.push(unit);
         Ok(b)
     }
 
     /// Device bytes of the copies kept now.
     pub fn copied_bytes(&self) -> u64 {
-        self.copied
+        self.entries.iter().map(|e| e.copied).sum()
     }
 
-    /// Whether it holds `step`'s layer (the owner a reader names).
-    pub fn holds(&self, step: &AttnStep<'_>) -> bool {
-        self.at == Some((step.layer, step.seq, step.pos))
+    fn entry(&self, step: &AttnStep<'_>) -> Option<&Kept> {
+        self.entries
+            .iter()
+            .find(|e| e.at == (step.layer, step.seq, step.pos))
     }
 
     /// The reader `step`'s attention over the kept layer: `(b, n_heads, t, head_dim)` f32
     /// with its log-sum-exp.
     pub fn attend(&self, step: &AttnStep<'_>) -> Result<Partial> {
-        if !self.holds(step) {
+        let Some(kept) = self.entry(step) else {
             return Err(KvError::Protocol(format!(
-                "a layer reading layer {}'s cache at position {} came when that layer's step \
-                 was not the last one attended (readers follow their owner's attend, before \
-                 the next layer's)",
+                "a layer reading layer {}'s cache at position {} found none of it kept: readers \
+                 follow their owner's attend, before the next layer's, and the policy learns \
+                 which layers have readers from `prepare` (KvShape::readers) — prepare it \
+                 with the model's shape before the first step",
                 step.layer, step.pos
             )));
-        }
+        };
         let (b, nh, t, d) = step.q.dims4()?;
         let nkv = step.spec.n_kv_heads.max(1);
         let g = nh / nkv;
-        let mut units: Vec<&StashedUnit> = self.units.iter().collect();
+        let mut units: Vec<&StashedUnit> = kept.units.iter().collect();
         units.sort_by_key(|u| u.first_head);
         let mut heads: Vec<Partial> = Vec::new();
         let mut i = 0;

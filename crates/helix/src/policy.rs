@@ -186,6 +186,19 @@ impl KvPolicy for HelixPolicy {
         Ok(out.to_dtype(step.q.dtype())?)
     }
 
+    /// A layer reading KV layer `step.layer`'s cache (MLKV): every rank attends over its
+    /// share of that layer, and the partials merge as for the owner.
+    fn attend_shared(&mut self, step: &AttnStep<'_>) -> Result<Tensor> {
+        let t = step.q.dim(2)?;
+        let local = self
+            .local
+            .as_shard()
+            .ok_or_else(|| KvError::invariant("the local policy stopped holding a share"))?;
+        let part = local.attend_shard_shared(step)?;
+        let out = self.merge(part, t == 1 && step.pos > 0)?;
+        Ok(out.to_dtype(step.q.dtype())?)
+    }
+
     fn seq_len(&self) -> usize {
         self.len
     }

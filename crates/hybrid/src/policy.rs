@@ -20,7 +20,7 @@ use kvpolicy_core::{
     attend_partial, Advice, AttnInputs, AttnStep, DeviceMeter, Knob, KvError, KvPolicy, KvShape,
     KvStats, PolicyMetric, PolicyOption, PolicyOptions, Profile, Result, SeqLoad,
 };
-use kvpolicy_core::{Batched, Need, Profiled};
+use kvpolicy_core::{Batched, Need, Profiled, ReaderStash, StashedUnit};
 use kvpolicy_tiered::{Link, TransferEngine};
 
 use crate::blocks::{BlockTable, Kind, Tier};
@@ -47,6 +47,8 @@ pub struct HybridPolicy {
     stager: Stager,
     meter: DeviceMeter,
     stats: KvStats,
+    /// Per sequence, the owner layer's K/V as assembled, for the layers reading it (MLKV).
+    stash: ReaderStash,
 }
 
 impl std::fmt::Debug for HybridPolicy {
@@ -85,6 +87,7 @@ impl HybridPolicy {
             stager: Stager::new(&opts.device),
             meter: DeviceMeter::new(opts.device_kv_budget),
             stats: KvStats::default(),
+            stash: ReaderStash::default(),
         })
     }
 
@@ -382,9 +385,24 @@ impl KvPolicy for HybridPolicy {
             },
             step.spec,
         )?;
-        let act = KvShape { batch: 1, ..shape }.activation_bytes(step.q.dim(2)?);
+        let act = KvShape {
+            batch: 1,
+            ..shape.clone()
+        }
+        .activation_bytes(step.q.dim(2)?);
         self.stats.note_scratch(part.scratch_bytes, act);
         let out = part.out.to_dtype(step.q.dtype())?;
+        self.stash.release(seq);
+        if shape.has_readers(layer) {
+            // The layer's K/V as assembled for its attention, for the layers reading it.
+            self.stash.begin(step);
+            self.stash.keep_view(StashedUnit {
+                first_head: 0,
+                k,
+                v,
+                k_pos: 0,
+            })?;
+        }
         self.blocks.write_back(step, &mut self.link)?;
         if layer == 0 {
             self.blocks.set_tokens(seq, pos + t);
@@ -393,11 +411,18 @@ impl KvPolicy for HybridPolicy {
         Ok(out)
     }
 
+    /// A reading layer attends over its owner's K/V as that layer's step assembled them.
+    fn attend_shared(&mut self, step: &AttnStep<'_>) -> Result<Tensor> {
+        let part = self.stash.attend(step)?;
+        Ok(part.out.to_dtype(step.q.dtype())?)
+    }
+
     fn seq_len(&self) -> usize {
         self.blocks.longest()
     }
 
     fn reset(&mut self) {
+        self.stash.clear();
         self.stager.clear(&mut self.link);
         self.blocks.clear(self.link.engine());
         self.stager.forget_plan();
@@ -442,6 +467,7 @@ impl Profiled for HybridPolicy {
 
 impl Batched for HybridPolicy {
     fn release(&mut self, seq: usize) {
+        self.stash.release(seq);
         self.stager.release(seq);
         self.blocks.release(seq);
     }

@@ -100,7 +100,13 @@ impl Plan {
     /// Device bytes a step holds besides the KV when attending `heads` KV heads at a time
     /// over `context` keys ([`KvShape::step_scratch_bytes`] on this device).
     pub(crate) fn scratch_bytes(&self, shape: &KvShape, heads: usize, context: usize) -> u64 {
-        shape.step_scratch_bytes(heads, context, &self.device)
+        let kept = if shape.readers.iter().any(|&n| n > 0) {
+            // MLKV: a layer's K/V kept on the device for the layers that read its cache.
+            shape.kv_bytes(shape.n_kv_heads, context)
+        } else {
+            0
+        };
+        shape.step_scratch_bytes(heads, context, &self.device) + kept
     }
 
     /// Device bytes of the two streaming buffers for `group` heads at capacity `cap`, as

@@ -123,6 +123,15 @@ impl Residency {
         )?))
     }
 
+    /// The window of resident `unit`'s buffer that `step` attended (its keys from the
+    /// window's start on), for the layers that read this one's cache; `None` if it streams.
+    pub(crate) fn view(&self, unit: usize, step: &AttnStep<'_>) -> Option<(Tensor, Tensor)> {
+        let res = self.units.get(unit).and_then(Option::as_ref)?;
+        let t = step.k.dim(2).ok()?;
+        let start = step.spec.window_start(step.pos);
+        res.view(start, step.pos + t).ok()
+    }
+
     /// Plans the run at its first step with `avail` bytes for resident units (`None`: no
     /// budget) of `group` KV heads: a global unit holds `plan_cap` tokens, a windowed
     /// layer's unit its window and one step (rounded up to `grow` tokens). Windowed units

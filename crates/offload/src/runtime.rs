@@ -21,7 +21,7 @@
 use candle_core::Tensor;
 use kvpolicy_core::{
     attend_partial, AttnInputs, AttnStep, DeviceMeter, KvPolicy, KvShape, KvStats, Partial,
-    PolicyMetric, PolicyOptions, Result, TokenRange,
+    PolicyMetric, PolicyOptions, ReaderStash, Result, StashedUnit, TokenRange,
 };
 use kvpolicy_core::{KvCodec, KvRestore};
 use kvpolicy_tiered::{report_device, DiskTier, HostLayers, Link, TransferEngine, WriteAt};
@@ -47,6 +47,10 @@ pub struct OffloadPolicy {
     /// The first position of this policy's share of the sequence (`helix`'s local policy;
     /// [`crate::shard`]): the host tier holds positions from it on. `None`: not a share.
     pub(crate) shard_base: Option<usize>,
+    /// The K/V of the layer attended last, for the layers that read its cache (MLKV):
+    /// copies of its streamed units (their buffers are refilled), views of resident ones;
+    /// each owner layer crosses the link once per step, whatever reads it.
+    pub(crate) stash: ReaderStash,
 }
 
 /// One streamed unit of a step, for [`OffloadPolicy::attend_streamed`].
@@ -68,6 +72,8 @@ pub(crate) struct StreamedUnit<'a> {
     pub(crate) spec: &'a kvpolicy_core::AttnSpec,
     /// The step's activation bytes.
     pub(crate) act: u64,
+    /// Whether layers read this one's cache: the unit's K/V are kept for them.
+    pub(crate) keep: bool,
 }
 
 impl std::fmt::Debug for OffloadPolicy {
@@ -96,6 +102,7 @@ impl OffloadPolicy {
             device_codec: opts.device_codec(),
             stats: KvStats::default(),
             shard_base: None,
+            stash: ReaderStash::default(),
         })
     }
 
@@ -249,6 +256,16 @@ impl OffloadPolicy {
         )?;
         self.stats
             .note_scratch(part.scratch_bytes + expanded, u.act);
+        if u.keep {
+            let kept = StashedUnit {
+                first_head: u.group * kn.dim(1)?,
+                k,
+                v,
+                k_pos: u.k_pos,
+            };
+            let bytes = self.stash.keep_copy(kept)?;
+            self.meter.alloc(bytes);
+        }
         // Write the unit's new entries back to the host tier behind the compute.
         if t > 0 {
             let gs = kn.dim(1)?;
@@ -373,6 +390,12 @@ impl KvPolicy for OffloadPolicy {
         let shape = self.host.shape_for(step)?;
         let (layer, pos) = (step.layer, step.pos);
         let t = step.k.dim(2)?;
+        let freed = self.stash.clear();
+        self.meter.free(freed);
+        let keep = shape.has_readers(layer);
+        if keep {
+            self.stash.begin(step);
+        }
         self.host.begin(&mut self.link, step, &shape)?;
         let start = step.spec.window_start(pos);
         let hist = pos - start;
@@ -405,6 +428,16 @@ impl KvPolicy for OffloadPolicy {
             let q = step.q.narrow(1, g * q_per_group, q_per_group)?;
             let unit = layer * groups + g;
             if let Some(out) = self.attend_resident(unit, (&q, &kn, &vn), step, reserve, act)? {
+                if keep {
+                    if let Some((k, v)) = self.residency.as_ref().and_then(|r| r.view(unit, step)) {
+                        self.stash.keep_view(StashedUnit {
+                            first_head: g * gs,
+                            k,
+                            v,
+                            k_pos: start,
+                        })?;
+                    }
+                }
                 outs.push(out);
                 continue;
             }
@@ -420,6 +453,7 @@ impl KvPolicy for OffloadPolicy {
                 k_pos: start,
                 spec: step.spec,
                 act,
+                keep,
             })?;
             outs.push(part.out.to_dtype(q.dtype())?);
         }
@@ -429,6 +463,18 @@ impl KvPolicy for OffloadPolicy {
         } else {
             Tensor::cat(&outs, 1)?
         })
+    }
+
+    /// A reading layer attends over what its owner's step kept on the device: no byte
+    /// crosses the link again.
+    fn attend_shared(&mut self, step: &AttnStep<'_>) -> Result<Tensor> {
+        let part = self.stash.attend(step)?;
+        let act = self
+            .host
+            .known_shape()
+            .map_or(0, |s| s.activation_bytes(step.q.dim(2).unwrap_or(0)));
+        self.stats.note_scratch(part.scratch_bytes, act);
+        Ok(part.out.to_dtype(step.q.dtype())?)
     }
 
     fn seq_len(&self) -> usize {
@@ -445,6 +491,7 @@ impl KvPolicy for OffloadPolicy {
         self.meter.reset();
         self.stats = KvStats::default();
         self.shard_base = None;
+        self.stash.clear();
     }
 
     fn stats(&self) -> KvStats {

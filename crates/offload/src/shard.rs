@@ -16,11 +16,24 @@ use crate::runtime::{OffloadPolicy, StreamedUnit};
 use crate::stream::StepAt;
 
 impl ShardLocal for OffloadPolicy {
+    fn attend_shard_shared(&mut self, step: &AttnStep<'_>) -> Result<Partial> {
+        self.stash.attend(step)
+    }
+
     fn attend_shard(&mut self, step: &AttnStep<'_>, store: Range<usize>) -> Result<Partial> {
         let (b, nh, t, d) = step.q.dims4()?;
         if !store.is_empty() {
             kvpolicy_core::check_store(step, &store)?;
             self.shard_base.get_or_insert(store.start);
+        }
+        let freed = self.stash.clear();
+        self.meter.free(freed);
+        let keep = self
+            .host
+            .known_shape()
+            .is_some_and(|s| s.has_readers(step.layer));
+        if keep {
+            self.stash.begin(step);
         }
         let Some(base) = self.shard_base else {
             return Partial::empty(b, nh, t, d, step.q.device());
@@ -79,6 +92,7 @@ impl ShardLocal for OffloadPolicy {
                 k_pos: base + start,
                 spec: step.spec,
                 act,
+                keep,
             })?);
         }
         self.host.advance(layer, stored);

@@ -16,7 +16,7 @@ use kvpolicy_core::{
     Knob, KvError, KvPolicy, KvShape, KvStats, PolicyMetric, PolicyOption, PolicyOptions, Profile,
     Result,
 };
-use kvpolicy_core::{Need, Profiled};
+use kvpolicy_core::{Need, Profiled, ReaderStash, StashedUnit};
 use kvpolicy_tiered::{
     grown_host, report_device, tensor_bytes, CopyJob, Direction, HostKv, HostLayers, Link, Loaded,
     PingPong, Probe, TransferEngine,
@@ -84,6 +84,9 @@ pub struct RecomputePolicy {
     buf_xcap: usize,
     meter: DeviceMeter,
     stats: KvStats,
+    /// The owner layer's assembled K/V (a view of its buffer) for the layers that read it
+    /// (MLKV).
+    stash: ReaderStash,
 }
 
 impl std::fmt::Debug for RecomputePolicy {
@@ -116,6 +119,7 @@ impl RecomputePolicy {
             buf_xcap: 0,
             meter: DeviceMeter::new(opts.device_kv_budget),
             stats: KvStats::default(),
+            stash: ReaderStash::default(),
         })
     }
 
@@ -434,16 +438,28 @@ impl KvPolicy for RecomputePolicy {
         dev.k.slice_set(&k_new, 2, hist)?;
         dev.v.slice_set(&v_new, 2, hist)?;
         let n = hist + t;
+        let (k_all, v_all) = (dev.k.narrow(2, 0, n)?, dev.v.narrow(2, 0, n)?);
         let part = attend_partial(
             AttnInputs {
                 q: step.q,
-                k: &dev.k.narrow(2, 0, n)?,
-                v: &dev.v.narrow(2, 0, n)?,
+                k: &k_all,
+                v: &v_all,
                 q_pos: pos,
                 k_pos: start,
             },
             step.spec,
         )?;
+        self.stash.clear();
+        if shape.has_readers(layer) {
+            // The buffer stays as it is until the next layer's step prefetches into it.
+            self.stash.begin(step);
+            self.stash.keep_view(StashedUnit {
+                first_head: 0,
+                k: k_all,
+                v: v_all,
+                k_pos: start,
+            })?;
+        }
         self.stats
             .note_scratch(part.scratch_bytes, shape.activation_bytes(t));
         let out = part.out.to_dtype(step.q.dtype())?;
@@ -473,11 +489,18 @@ impl KvPolicy for RecomputePolicy {
         Ok(out)
     }
 
+    /// A reading layer attends over the owner's assembled K/V, still in its buffer.
+    fn attend_shared(&mut self, step: &AttnStep<'_>) -> Result<Tensor> {
+        let part = self.stash.attend(step)?;
+        Ok(part.out.to_dtype(step.q.dtype())?)
+    }
+
     fn seq_len(&self) -> usize {
         self.host.seq_len()
     }
 
     fn reset(&mut self) {
+        self.stash.clear();
         self.link.reset();
         self.host.clear(&mut self.link);
         for h in self.xs.drain(..).flatten() {

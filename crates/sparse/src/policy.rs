@@ -344,6 +344,42 @@ impl<S: Selector> KvPolicy for SparsePolicy<S> {
         Ok(out.out.to_dtype(step.q.dtype())?)
     }
 
+    /// A layer reading KV layer `step.layer`'s cache (MLKV) attends as that layer does, with
+    /// its own queries: sinks and the recent window on the device, and its own selection
+    /// of the middle pages (fetched for it and counted), storing nothing.
+    fn attend_shared(&mut self, step: &AttnStep<'_>) -> Result<Tensor> {
+        let t = step.q.dim(2)?;
+        let layer = step.layer;
+        let ps = self.page_shape(step)?;
+        let Some(l) = self.layers.get(layer) else {
+            return Err(kvpolicy_core::KvError::Protocol(format!(
+                "a layer reading layer {layer}'s cache came before that layer's first step"
+            )));
+        };
+        let global = l.global();
+        let mut parts = Vec::with_capacity(3);
+        if let Some(p) = attend_buffer(&l.sinks, 0, step)? {
+            parts.push(p);
+        }
+        let middle = l.middle(&self.pages);
+        if global && !middle.is_empty() {
+            parts.push(if t > 1 {
+                self.dense(step, &ps, middle)?
+            } else {
+                self.sparse(step, &ps, middle)?
+            });
+        }
+        let l = &self.layers[layer];
+        if let Some(p) = attend_buffer(&l.recent, l.recent_start, step)? {
+            parts.push(p);
+        }
+        let shape = self.host.shape_for(step)?;
+        let scratch = parts.iter().map(|p| p.scratch_bytes).max().unwrap_or(0);
+        self.stats.note_scratch(scratch, shape.activation_bytes(t));
+        self.note_device(0);
+        Ok(merge_partials(&parts)?.out.to_dtype(step.q.dtype())?)
+    }
+
     fn seq_len(&self) -> usize {
         self.len
     }

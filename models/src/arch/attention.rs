@@ -402,8 +402,8 @@ impl KvRegen for Attention {
     }
 
     fn flops_per_token(&self) -> u64 {
-        self.kv
-            .as_ref()
-            .map_or(0, |kv| (2 * kv.k.in_dim() * (kv.k.out_dim() + kv.v.out_dim())) as u64)
+        self.kv.as_ref().map_or(0, |kv| {
+            (2 * kv.k.in_dim() * (kv.k.out_dim() + kv.v.out_dim())) as u64
+        })
     }
 }
