@@ -15,6 +15,10 @@
 //! * [`Method::Mean`] — the heads' projections averaged (GQA's conversion, Ainslie et al.
 //!   2023 §2; MLKV's converter): the baseline the paper beats.
 //!
+//! And to fewer KV layers ([`layers`]: MLKV, arXiv 2406.09297 — `num_key_value_layers`, the
+//! layers in between reading the cache of the KV layer below them), the group's K/V
+//! projections averaged into its KV layer as MLKV's converter does.
+//!
 //! Training-free: neither method uptrains afterwards (the papers do), so the output is
 //! **lossy**. The converter says so in the output's `config.json` (`kvpolicy_conversion`),
 //! which the runner shows in its summary and `--stats-out`.
@@ -25,6 +29,7 @@ pub mod checkpoint;
 pub mod error;
 pub mod gguf;
 pub mod heads;
+pub mod layers;
 pub mod linalg;
 pub mod output;
 

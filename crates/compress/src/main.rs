@@ -1,5 +1,5 @@
-//! `kvpolicy-compress`: converts a model to fewer KV heads and writes a standard HF
-//! directory (see the library docs). A LOSSY conversion: the output's `config.json` says so
+//! `kvpolicy-compress`: converts a model to fewer KV heads (`--kv-heads`) or fewer KV layers
+//! (`--kv-layers`, MLKV) and writes a standard HF directory (see the library docs). A LOSSY conversion: the output's `config.json` says so
 //! under `kvpolicy_conversion`, and the examples' summaries and `--stats-out` repeat it.
 //!
 //! ```text
@@ -14,7 +14,7 @@ use clap::{Parser, ValueEnum};
 use kvpolicy_compress::calibrate::{calibrate, default_ids, DEFAULT_TOKENS};
 use kvpolicy_compress::checkpoint::Checkpoint;
 use kvpolicy_compress::heads::{check_target, compress_heads};
-use kvpolicy_compress::{output, Method, CONVERSION_KEY};
+use kvpolicy_compress::{layers, output, Method, CONVERSION_KEY};
 use kvpolicy_models::ModelFiles;
 use serde_json::json;
 
@@ -27,8 +27,9 @@ enum MethodArg {
     Mean,
 }
 
-/// Converts a Llama, Mistral or Qwen2 model to fewer KV heads (LOSSY, training-free) and
-/// writes an HF directory that `--model-dir` and HF transformers load.
+/// Converts a Llama, Mistral or Qwen2 model to fewer KV heads or KV layers (LOSSY,
+/// training-free) and writes an HF directory that `--model-dir` loads (and HF transformers,
+/// when only heads were compressed).
 #[derive(Parser, Debug)]
 #[command(name = "kvpolicy-compress", version)]
 struct Args {
@@ -49,9 +50,14 @@ struct Args {
     out: PathBuf,
     /// KV heads per layer in the output: a divisor of the model's KV heads (its own count
     /// copies the weights unchanged).
-    #[arg(long, value_name = "N")]
-    kv_heads: usize,
-    /// How heads are merged.
+    #[arg(long, value_name = "N", required_unless_present = "kv_layers")]
+    kv_heads: Option<usize>,
+    /// Layers that keep K/V projections (MLKV, written as `num_key_value_layers`); the others
+    /// read the cache of the KV layer below them, and each group's K/V projections are
+    /// averaged into it. The layer count copies the weights unchanged.
+    #[arg(long, value_name = "M")]
+    kv_layers: Option<usize>,
+    /// How heads are merged (`--kv-heads`); layers are always merged by their mean.
     #[arg(long, value_enum, default_value = "svd")]
     method: MethodArg,
     /// Calibration text (tokenized with the model's tokenizer) for `svd`.
@@ -94,8 +100,15 @@ fn run(args: Args) -> Result<()> {
         _ => bail!("give the input as --model-dir DIR or --gguf FILE"),
     };
     let shape = ck.shape()?;
-    check_target(&shape, args.kv_heads)?;
-    let merging = args.kv_heads < shape.kv_heads;
+    let kv_heads = args.kv_heads.unwrap_or(shape.kv_heads);
+    let kv_layers = args.kv_layers.unwrap_or(shape.layers);
+    check_target(&shape, kv_heads)?;
+    layers::check_target(&ck, &shape, kv_layers)?;
+    let merging = kv_heads < shape.kv_heads;
+    let sharing = kv_layers < shape.layers;
+    if merging && sharing && method == Method::Svd {
+        bail!("--kv-heads with --method svd folds each layer's own maps into its queries, which layers sharing one cache cannot all take; with --kv-layers use --method mean, or convert in two runs");
+    }
     let mut calibration_tokens = 0;
     let moments = if merging && method == Method::Svd {
         let loaded = kvpolicy_models::load(&files, &Device::Cpu, DType::F32, None)?;
@@ -125,18 +138,22 @@ fn run(args: Args) -> Result<()> {
     } else {
         None
     };
-    compress_heads(&mut ck, args.kv_heads, method, moments.as_ref())?;
+    compress_heads(&mut ck, kv_heads, method, moments.as_ref())?;
+    layers::share_layers(&mut ck, kv_layers)?;
     let mut label = json!({
-        "lossy": merging,
+        "lossy": merging || sharing,
         "tool": concat!("kvpolicy-compress ", env!("CARGO_PKG_VERSION")),
         "source": source,
-        "kv_heads": {"from": shape.kv_heads, "to": args.kv_heads},
+        "kv_heads": {"from": shape.kv_heads, "to": kv_heads},
+        "kv_layers": {"from": shape.layers, "to": kv_layers},
     });
     if merging {
         label["method"] = json!(method.name());
         if method == Method::Svd {
             label["calibration_tokens"] = json!(calibration_tokens);
         }
+    } else if sharing {
+        label["method"] = json!("mean");
     }
     if args.gguf.is_some() {
         label["dequantized_from_gguf"] = json!(true);
@@ -144,13 +161,13 @@ fn run(args: Args) -> Result<()> {
     ck.config.insert(CONVERSION_KEY.into(), label);
     output::write(&ck, &args.out)?;
     eprintln!(
-        "wrote {} ({} KV heads per layer{})",
+        "wrote {} ({kv_heads} KV heads, {kv_layers} of {} layers with K/V{})",
         args.out.display(),
-        args.kv_heads,
-        if merging {
-            ", LOSSY: training-free conversion"
+        shape.layers,
+        if merging || sharing {
+            "; LOSSY: training-free conversion"
         } else {
-            ", weights unchanged"
+            "; weights unchanged"
         }
     );
     Ok(())

@@ -59,6 +59,9 @@ fn logits(dir: &Path, ids: &[u32], policy: &str) -> Result<(Vec<Vec<f32>>, KvSta
     };
     let loaded = kvpolicy::models::load(&files, &Device::Cpu, DType::F32, None)?;
     let mut p = kvpolicy::registry().build(policy, &PolicyOptions::default())?;
+    // The shape tells the policy which layers read another's cache (MLKV).
+    let shape = kvpolicy::models::engine::generate::kv_shape(loaded.model.info(), 1, ids.len(), 5);
+    p.prepare(&shape)?;
     let mut rows = Vec::new();
     for (i, chunk) in ids.chunks(5).enumerate() {
         let t = Tensor::new(chunk, &Device::Cpu)?.unsqueeze(0)?;
@@ -97,10 +100,11 @@ fn identity_copies_the_weights_and_the_logits_exactly() -> Result<()> {
         let src = fixture(name);
         let out = tmp.path().join(name);
         let kv = config(&src)?["num_key_value_heads"].to_string();
+        let layers = config(&src)?["num_hidden_layers"].to_string();
         convert(
             &["--model-dir", src.to_str().context("path")?],
             &out,
-            &["--kv-heads", &kv],
+            &["--kv-heads", &kv, "--kv-layers", &layers],
         )?;
         let (a, b) = (tensors(&src)?, tensors(&out)?);
         ensure!(a.len() == b.len(), "{name}: tensor count changed");
@@ -279,6 +283,69 @@ fn converted_models_run_under_every_policy_with_kv_bytes_scaled() -> Result<()> 
     Ok(())
 }
 
+/// `--kv-layers 1` of 3 (MLKV): one layer keeps K/V projections, the others read its cache;
+/// the model runs under every lossless policy with `full`'s logits and every policy stores
+/// exactly a third of what it stores for the original.
+#[test]
+fn kv_layers_share_one_cache_under_every_policy() -> Result<()> {
+    let src = fixture("llama_mha");
+    let tmp = tempfile::tempdir()?;
+    let out = tmp.path().join("mlkv1");
+    convert(
+        &["--model-dir", src.to_str().context("path")?],
+        &out,
+        &["--kv-layers", "1"],
+    )?;
+    let cfg = config(&out)?;
+    ensure!(cfg["num_key_value_layers"] == 1, "config: {cfg}");
+    let label = &cfg["kvpolicy_conversion"];
+    ensure!(
+        label["lossy"] == true && label["kv_layers"]["to"] == 1,
+        "label: {label}"
+    );
+    let t = tensors(&out)?;
+    ensure!(t.contains_key("model.layers.0.self_attn.k_proj.weight"));
+    ensure!(!t.contains_key("model.layers.1.self_attn.k_proj.weight"));
+    ensure!(!t.contains_key("model.layers.2.self_attn.v_proj.weight"));
+    // The KV layer's projections are the mean of the three layers'.
+    let orig = tensors(&src)?;
+    let name = |i: usize| format!("model.layers.{i}.self_attn.k_proj.weight");
+    let mean = ((&orig[&name(0)] + &orig[&name(1)])? + &orig[&name(2)])?.affine(1.0 / 3.0, 0.0)?;
+    let d = (&mean - &t[&name(0)])?
+        .abs()?
+        .flatten_all()?
+        .max(0)?
+        .to_scalar::<f32>()?;
+    ensure!(d <= 1e-6, "k_proj of layer 0 is not the group's mean ({d})");
+    let ids = ids(&src)?;
+    let (reference, _) = logits(&out, &ids, "full")?;
+    for policy in ["full", "layer", "headwise", "auto", "recompute", "hybrid"] {
+        let (got, st) = logits(&out, &ids, policy)?;
+        let d = max_diff(&reference, &got);
+        ensure!(d <= 1e-5, "{policy}: logits differ from full's by {d}");
+        let (_, orig) = logits(&src, &ids, policy)?;
+        // `full` and `auto` (no budget) store on the device, the others on the host.
+        let stored = |s: &KvStats| match policy {
+            "full" | "auto" => s.device_kv_bytes,
+            _ => s.host_kv_bytes + s.disk_kv_bytes,
+        };
+        let (a, b) = (stored(&st), stored(&orig));
+        ensure!(
+            3 * a == b && a > 0,
+            "{policy}: stores {a} bytes, the original {b}"
+        );
+    }
+    Ok(())
+}
+
+/// `--model-dir DIR FLAG VALUE --out OUT`.
+fn args3(dir: &str, flag: &str, value: &str, out: &str) -> Vec<String> {
+    ["--model-dir", dir, flag, value, "--out", out]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+}
+
 fn leftovers(dir: &Path) -> Result<Vec<String>> {
     Ok(std::fs::read_dir(dir)?
         .filter_map(|e| e.ok())
@@ -392,6 +459,31 @@ fn bad_input_fails_with_a_clear_error_and_leaves_nothing() -> Result<()> {
                 p(&new),
             ],
             "outside the model's vocabulary",
+        ),
+        (
+            args3(s, "--kv-layers", "0", &p(&new)),
+            "--kv-layers 0 is not between 1 and the model's 3 layers",
+        ),
+        (
+            args3(s, "--kv-layers", "4", &p(&new)),
+            "--kv-layers 4 is not between 1",
+        ),
+        (
+            vec![
+                "--model-dir".into(),
+                s.into(),
+                "--kv-layers".into(),
+                "2".into(),
+                "--kv-heads".into(),
+                "1".into(),
+                "--out".into(),
+                p(&new),
+            ],
+            "use --method mean",
+        ),
+        (
+            args3(&p(&fixture("mlkv_llama")), "--kv-layers", "1", &p(&new)),
+            "already shares K/V across layers",
         ),
     ];
     for (args, want) in cases {
