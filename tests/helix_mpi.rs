@@ -26,12 +26,12 @@ fn tol(info: &kvpolicy::ModelInfo) -> f32 {
     }
 }
 
-/// The example that runs fixture `name`.
+/// The example that runs fixture `name` (`mlkv_mistral` is a Mistral model).
 fn example(name: &str) -> &'static str {
     match name {
         n if n.starts_with("gemma") => "gemma",
-        "mistral" => "mistral",
-        "qwen2" => "qwen",
+        n if n.ends_with("mistral") => "mistral",
+        n if n.ends_with("qwen2") => "qwen",
         "opt" => "opt",
         _ => "llama",
     }

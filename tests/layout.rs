@@ -9,8 +9,10 @@ use std::path::{Path, PathBuf};
 use anyhow::{ensure, Result};
 
 /// Every crate's source root (and kvbench's, an example with modules of its own).
-const CRATES: [&str; 15] = [
+const CRATES: [&str; 17] = [
     "crates/core/src",
+    "crates/helix/src",
+    "crates/compress/src",
     "crates/prefix/src",
     "crates/sparse/src",
     "crates/tiered/src",

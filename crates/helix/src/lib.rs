@@ -13,6 +13,7 @@ pub mod settings;
 pub mod shares;
 pub mod threads;
 pub mod world;
+pub mod world_error;
 
 pub use collective::{Collective, CollectiveError, CollectiveResult, Solo};
 pub use policy::{decode_bytes_per_layer, CollectiveCounters, HelixPolicy};

@@ -12,7 +12,7 @@ use mpi::traits::{Communicator, CommunicatorCollectives, Root};
 use mpi::Threading;
 
 use crate::collective::{host_values, stacked, Collective, CollectiveError, CollectiveResult};
-use crate::world::WorldError;
+use crate::world_error::WorldError;
 
 /// The universe, held until [`finalize`] (dropping it finalizes MPI).
 static UNIVERSE: Mutex<Option<Universe>> = Mutex::new(None);

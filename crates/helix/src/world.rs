@@ -3,24 +3,11 @@
 use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::collective::{Collective, Solo};
+pub use crate::world_error::WorldError;
 
 static WORLD: OnceLock<Arc<dyn Collective>> = OnceLock::new();
 /// Held while the world is set up: MPI is initialized once, whichever thread asks first.
 static SETTING_UP: Mutex<()> = Mutex::new(());
-
-/// Why the process's group could not be set up.
-#[derive(Debug, thiserror::Error)]
-pub enum WorldError {
-    /// Launched by `mpirun` with several ranks, but built without MPI.
-    #[error("this process is one of {ranks} ranks launched by mpirun, but was built without MPI; rebuild with `--features mpi` (it needs Open MPI: `apt-get install libopenmpi-dev openmpi-bin libclang-dev`)")]
-    NotBuilt {
-        /// Ranks `mpirun` launched.
-        ranks: usize,
-    },
-    /// MPI could not be initialized.
-    #[error("MPI could not be initialized: {0}")]
-    Init(String),
-}
 
 /// Ranks the launcher started, when launched by `mpirun` (Open MPI's or MPICH's).
 pub fn launched_ranks() -> Option<usize> {

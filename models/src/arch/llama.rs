@@ -152,6 +152,8 @@ pub fn from_varbuilder(
                 format!("puts layer {i} on KV layer {owner}'s cache, but their sliding windows differ; layers sharing a cache must attend alike"),
             ));
         }
+        // q first: a config whose sizes do not match the weights is named by q_proj.
+        let q = dense(&a, h, nh * hd, qb, "q_proj").map_err(&err)?;
         let kv = if owner == i {
             Some(KvProjections {
                 k: dense(&a, h, nkv * hd, qb, "k_proj").map_err(&err)?,
@@ -166,7 +168,7 @@ pub fn from_varbuilder(
         };
         let attn = Attention {
             layer: kv_index[i],
-            q: dense(&a, h, nh * hd, qb, "q_proj").map_err(&err)?,
+            q,
             kv,
             o: dense(&a, nh * hd, h, recipe.o_bias, "o_proj").map_err(&err)?,
             rope: None, // below, once the weights have confirmed the head size
