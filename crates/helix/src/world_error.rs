@@ -1,4 +1,4 @@
-//! Why the process's group could not be set up ([`crate::world`]); its own file so that the
+//! Why the process's group could not be set up ([`crate::world()`]); its own file so that the
 //! MPI backend names it without importing the module that starts the backend.
 
 /// Why the process's group could not be set up.
