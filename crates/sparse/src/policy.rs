@@ -275,6 +275,35 @@ fn attend_buffer(buf: &KvBuffer, first: usize, step: &AttnStep<'_>) -> Result<Op
     Ok(Some(kvpolicy_core::attend_partial(inputs, step.spec)?))
 }
 
+impl<S: Selector> SparsePolicy<S> {
+    /// `step`'s queries over its layer's pieces, unmerged: the sinks and the recent window
+    /// (on the device) and the middle pages (dense for a prefill chunk, the selected pages
+    /// for a decode step; global layers only).
+    fn attend_pieces(&mut self, step: &AttnStep<'_>, ps: &PageShape) -> Result<Vec<Partial>> {
+        let t = step.q.dim(2)?;
+        let layer = step.layer;
+        let mut parts = Vec::with_capacity(3);
+        let l = &self.layers[layer];
+        let global = l.global();
+        if let Some(p) = attend_buffer(&l.sinks, 0, step)? {
+            parts.push(p);
+        }
+        let middle = l.middle(&self.pages);
+        if global && !middle.is_empty() {
+            parts.push(if t > 1 {
+                self.dense(step, ps, middle)?
+            } else {
+                self.sparse(step, ps, middle)?
+            });
+        }
+        let l = &self.layers[layer];
+        if let Some(p) = attend_buffer(&l.recent, l.recent_start, step)? {
+            parts.push(p);
+        }
+        Ok(parts)
+    }
+}
+
 impl<S: Selector> KvPolicy for SparsePolicy<S> {
     fn name(&self) -> &str {
         self.name
@@ -311,23 +340,7 @@ impl<S: Selector> KvPolicy for SparsePolicy<S> {
             self.host.advance(layer, t);
         }
         self.layers[layer].append(&self.pages, step.k, step.v, pos)?;
-        let mut parts = Vec::with_capacity(3);
-        let l = &self.layers[layer];
-        if let Some(p) = attend_buffer(&l.sinks, 0, step)? {
-            parts.push(p);
-        }
-        let middle = l.middle(&self.pages);
-        if global && !middle.is_empty() {
-            parts.push(if t > 1 {
-                self.dense(step, &ps, middle)?
-            } else {
-                self.sparse(step, &ps, middle)?
-            });
-        }
-        let l = &self.layers[layer];
-        if let Some(p) = attend_buffer(&l.recent, l.recent_start, step)? {
-            parts.push(p);
-        }
+        let parts = self.attend_pieces(step, &ps)?;
         let scratch = parts.iter().map(|p| p.scratch_bytes).max().unwrap_or(0);
         self.stats.note_scratch(scratch, shape.activation_bytes(t));
         let out = merge_partials(&parts)?;
@@ -351,28 +364,12 @@ impl<S: Selector> KvPolicy for SparsePolicy<S> {
         let t = step.q.dim(2)?;
         let layer = step.layer;
         let ps = self.page_shape(step)?;
-        let Some(l) = self.layers.get(layer) else {
+        if self.layers.get(layer).is_none() {
             return Err(kvpolicy_core::KvError::Protocol(format!(
                 "a layer reading layer {layer}'s cache came before that layer's first step"
             )));
-        };
-        let global = l.global();
-        let mut parts = Vec::with_capacity(3);
-        if let Some(p) = attend_buffer(&l.sinks, 0, step)? {
-            parts.push(p);
         }
-        let middle = l.middle(&self.pages);
-        if global && !middle.is_empty() {
-            parts.push(if t > 1 {
-                self.dense(step, &ps, middle)?
-            } else {
-                self.sparse(step, &ps, middle)?
-            });
-        }
-        let l = &self.layers[layer];
-        if let Some(p) = attend_buffer(&l.recent, l.recent_start, step)? {
-            parts.push(p);
-        }
+        let parts = self.attend_pieces(step, &ps)?;
         let shape = self.host.shape_for(step)?;
         let scratch = parts.iter().map(|p| p.scratch_bytes).max().unwrap_or(0);
         self.stats.note_scratch(scratch, shape.activation_bytes(t));
