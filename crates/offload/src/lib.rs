@@ -82,8 +82,10 @@
 #![deny(missing_docs)]
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod placement;
 mod plan;
 mod resident;
+mod restore;
 mod runtime;
 mod settings;
 mod shard;

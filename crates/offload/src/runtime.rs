@@ -27,7 +27,7 @@ use kvpolicy_core::{KvCodec, KvRestore};
 use kvpolicy_tiered::{report_device, DiskTier, HostLayers, Link, TransferEngine, WriteAt};
 
 use crate::plan::{Grouping, Plan};
-use crate::resident::{InPlace, Placed, Residency};
+use crate::resident::Residency;
 use crate::stream::{StepAt, Streaming, UnitBuffers};
 
 /// Offloaded KV with a ping-pong pair of device buffers (see the module docs).
@@ -181,7 +181,7 @@ impl OffloadPolicy {
 
     /// Writes a step's new entries of heads `first_head..` of `layer` (tokens from `pos`)
     /// to the host tier.
-    fn write_new(
+    pub(crate) fn write_new(
         &mut self,
         layer: usize,
         first_head: usize,
@@ -280,96 +280,6 @@ impl OffloadPolicy {
             u.at,
         )?;
         Ok(part)
-    }
-
-    /// `auto`: decides `unit` on its first run and attends it in place if it is resident
-    /// (its new entries appended to its device buffer). `None` when the unit streams — also
-    /// when it was resident but its growth (and a step's scratch, `reserve`) no longer fits
-    /// the budget: it is demoted here.
-    fn attend_resident(
-        &mut self,
-        unit: usize,
-        (q, kn, vn): (&Tensor, &Tensor, &Tensor),
-        step: &AttnStep<'_>,
-        reserve: u64,
-        act: u64,
-    ) -> Result<Option<Tensor>> {
-        let Some(r) = self.residency.as_mut() else {
-            return Ok(None);
-        };
-        r.decide(unit, self.plan.grow_tokens());
-        let (kd, vd) = (self.device_codec.encode(kn)?, self.device_codec.encode(vn)?);
-        match r.attend(unit, (q, &kd, &vd), step, reserve, &mut self.meter)? {
-            InPlace::Streams => Ok(None),
-            InPlace::Demote => {
-                let gs = kn.dim(1)?;
-                let groups = step.k.dim(1)? / gs;
-                self.demote(unit, step.layer, unit % groups, gs)?;
-                Ok(None)
-            }
-            InPlace::Attended(part) => {
-                self.stats.note_scratch(part.scratch_bytes, act);
-                Ok(Some(part.out.to_dtype(q.dtype())?))
-            }
-        }
-    }
-
-    /// Takes resident `unit` (group `g` of `layer`, `gs` heads) off the device: its history
-    /// is copied to the host tier (counted device→host) and it streams from now on.
-    fn demote(&mut self, unit: usize, layer: usize, g: usize, gs: usize) -> Result<()> {
-        let Some(kv) = self.residency.as_mut().and_then(|r| r.demote(unit)) else {
-            return Ok(());
-        };
-        if let Some(((k, v), base)) = kv.history()? {
-            // The host tier may have dropped the front of a windowed layer further than the
-            // unit did: those tokens no later query sees.
-            let from = self.host.first_held(layer).max(base);
-            let len = k.dim(2)?.saturating_sub(from - base);
-            if len > 0 {
-                let (k, v) = (
-                    k.narrow(2, from - base, len)?,
-                    v.narrow(2, from - base, len)?,
-                );
-                self.host.write(
-                    &mut self.link,
-                    WriteAt {
-                        layer,
-                        first_head: g * gs,
-                        offset: from,
-                    },
-                    &k,
-                    &v,
-                )?;
-                self.link.wait_all()?;
-            }
-        }
-        self.meter.free(kv.allocated_bytes());
-        Ok(())
-    }
-
-    /// `auto` growing its streaming buffers from `old` to `pingpong` bytes (at `group`
-    /// heads, `cap` tokens): resident units make room, the last-decided first, until the
-    /// buffers and a step's scratch fit the budget.
-    fn make_room(
-        &mut self,
-        shape: &KvShape,
-        old: u64,
-        pingpong: u64,
-        (group, cap): (usize, usize),
-    ) -> Result<()> {
-        let Some(budget) = self.meter.budget() else {
-            return Ok(());
-        };
-        let scratch = self.plan.scratch_bytes(shape, group, cap);
-        while self.meter.current() - old.min(self.meter.current()) + pingpong + scratch > budget {
-            let Some(unit) = self.residency.as_ref().and_then(Residency::last_resident) else {
-                break;
-            };
-            let gs = self.stream.group();
-            let groups = shape.n_kv_heads / gs.max(1);
-            self.demote(unit, unit / groups, unit % groups, gs)?;
-        }
-        Ok(())
     }
 }
 
@@ -536,48 +446,5 @@ impl KvPolicy for OffloadPolicy {
         } else {
             Some(self)
         }
-    }
-}
-
-impl KvRestore for OffloadPolicy {
-    /// The step's K/V go where `attend` would put them: to the host tier (RAM or disk) for
-    /// `layer`, `headwise` and `auto`'s streamed units, into the device buffer of each of
-    /// `auto`'s resident units (decided, and demoted when their growth no longer fits, as
-    /// when they attend).
-    fn append_kv(&mut self, step: &AttnStep<'_>) -> Result<()> {
-        let shape = self.host.shape_for(step)?;
-        self.host.begin(&mut self.link, step, &shape)?;
-        let (layer, pos, t) = (step.layer, step.pos, step.k.dim(2)?);
-        if self.residency.is_none() {
-            self.write_new(layer, 0, pos, (step.k, step.v))?;
-            self.host.advance(layer, t);
-            return Ok(());
-        }
-        let hist = pos - step.spec.window_start(pos);
-        let widest = self.host.widest_history(pos, hist);
-        self.ensure_buffers(&shape, widest + t, pos + t)?;
-        let gs = self.stream.group();
-        let groups = shape.n_kv_heads / gs;
-        let reserve = self.plan.scratch_bytes(&shape, gs, widest + t);
-        for g in 0..groups {
-            let kn = step.k.narrow(1, g * gs, gs)?.contiguous()?;
-            let vn = step.v.narrow(1, g * gs, gs)?.contiguous()?;
-            let unit = layer * groups + g;
-            if let Some(r) = self.residency.as_mut() {
-                r.decide(unit, self.plan.grow_tokens());
-                let (kd, vd) = (
-                    self.device_codec.encode(&kn)?,
-                    self.device_codec.encode(&vn)?,
-                );
-                match r.append(unit, (&kd, &vd), step, reserve, &mut self.meter)? {
-                    Placed::Appended => continue,
-                    Placed::Streams => {}
-                    Placed::Demote => self.demote(unit, layer, g, gs)?,
-                }
-            }
-            self.write_new(layer, g * gs, pos, (&kn, &vn))?;
-        }
-        self.host.advance(layer, t);
-        Ok(())
     }
 }

@@ -7,6 +7,7 @@ use serde::Deserialize;
 use crate::error::{ModelError, Result};
 
 pub mod numbers;
+mod reductions;
 mod rope;
 pub use rope::{check_theta, rope_for, rope_scaling_from, RopeParameters, RopeParams};
 
@@ -141,40 +142,6 @@ pub struct LlamaConfig {
     pub kvpolicy_conversion: Option<serde_json::Value>,
 }
 
-impl LlamaConfig {
-    /// A lossy conversion the checkpoint declares (`kvpolicy_conversion` with `"lossy":
-    /// true`), described in a few words for summaries; `None` for an unconverted model or
-    /// one whose conversion changed nothing.
-    pub fn lossy_conversion(&self) -> Option<String> {
-        let c = self.kvpolicy_conversion.as_ref()?;
-        if c.get("lossy").and_then(serde_json::Value::as_bool) != Some(true) {
-            return None;
-        }
-        let mut parts = Vec::new();
-        if let Some(h) = c.get("kv_heads") {
-            if let (Some(a), Some(b)) = (h.get("from"), h.get("to")) {
-                if a != b {
-                    parts.push(format!("KV heads {a}→{b}"));
-                }
-            }
-        }
-        if let Some(l) = c.get("kv_layers") {
-            if let (Some(a), Some(b)) = (l.get("from"), l.get("to")) {
-                if a != b {
-                    parts.push(format!("KV layers {a}→{b}"));
-                }
-            }
-        }
-        if let Some(m) = c.get("method").and_then(serde_json::Value::as_str) {
-            parts.push(format!("by {m}"));
-        }
-        Some(format!(
-            "converted by kvpolicy-compress: {}",
-            parts.join(" ")
-        ))
-    }
-}
-
 /// An MLP activation named in config.json.
 pub fn activation(name: &str, field: &str) -> Result<candle_nn::Activation> {
     use candle_nn::Activation as A;
@@ -262,35 +229,6 @@ impl LlamaConfig {
     /// Parses config.json text.
     pub fn from_json(text: &str) -> Result<Self> {
         typed(text)
-    }
-
-    /// Per layer, the layer whose K/V it attends over: itself for a KV layer. MLKV's
-    /// placement (its reference code): with `m` KV layers of `L`, layers `0` and
-    /// `⌊(i + 1) · L / m⌋` for `i < m - 1` project K/V, and each other layer reads the
-    /// nearest KV layer below it.
-    pub fn kv_sources(&self) -> Result<Vec<usize>> {
-        let l = self.num_hidden_layers;
-        let m = self.num_key_value_layers.unwrap_or(l);
-        if m == 0 || m > l {
-            return Err(ModelError::config(
-                "num_key_value_layers",
-                format!("is {m}; it must be between 1 and num_hidden_layers = {l}"),
-            ));
-        }
-        let mut kv = vec![false; l];
-        kv[0] = true;
-        for i in 0..m - 1 {
-            kv[(i + 1) * l / m] = true;
-        }
-        let mut owner = 0;
-        Ok((0..l)
-            .map(|i| {
-                if kv[i] {
-                    owner = i;
-                }
-                owner
-            })
-            .collect())
     }
 
     /// KV heads.

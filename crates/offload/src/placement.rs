@@ -1,0 +1,102 @@
+//! `auto`'s resident units as the runtime places them ([`OffloadPolicy`]'s side of
+//! [`crate::resident`]): a unit attended in place, a unit demoted to the host tier when its
+//! growth no longer fits the budget (its history copied back, counted), and room made for
+//! grown streaming buffers by demoting the last-decided units first.
+use candle_core::Tensor;
+use kvpolicy_core::{AttnStep, KvShape, Result};
+use kvpolicy_tiered::WriteAt;
+
+use crate::resident::{InPlace, Residency};
+use crate::runtime::OffloadPolicy;
+
+impl OffloadPolicy {
+    /// `auto`: decides `unit` on its first run and attends it in place if it is resident
+    /// (its new entries appended to its device buffer). `None` when the unit streams — also
+    /// when it was resident but its growth (and a step's scratch, `reserve`) no longer fits
+    /// the budget: it is demoted here.
+    pub(crate) fn attend_resident(
+        &mut self,
+        unit: usize,
+        (q, kn, vn): (&Tensor, &Tensor, &Tensor),
+        step: &AttnStep<'_>,
+        reserve: u64,
+        act: u64,
+    ) -> Result<Option<Tensor>> {
+        let Some(r) = self.residency.as_mut() else {
+            return Ok(None);
+        };
+        r.decide(unit, self.plan.grow_tokens());
+        let (kd, vd) = (self.device_codec.encode(kn)?, self.device_codec.encode(vn)?);
+        match r.attend(unit, (q, &kd, &vd), step, reserve, &mut self.meter)? {
+            InPlace::Streams => Ok(None),
+            InPlace::Demote => {
+                let gs = kn.dim(1)?;
+                let groups = step.k.dim(1)? / gs;
+                self.demote(unit, step.layer, unit % groups, gs)?;
+                Ok(None)
+            }
+            InPlace::Attended(part) => {
+                self.stats.note_scratch(part.scratch_bytes, act);
+                Ok(Some(part.out.to_dtype(q.dtype())?))
+            }
+        }
+    }
+
+    /// Takes resident `unit` (group `g` of `layer`, `gs` heads) off the device: its history
+    /// is copied to the host tier (counted device→host) and it streams from now on.
+    pub(crate) fn demote(&mut self, unit: usize, layer: usize, g: usize, gs: usize) -> Result<()> {
+        let Some(kv) = self.residency.as_mut().and_then(|r| r.demote(unit)) else {
+            return Ok(());
+        };
+        if let Some(((k, v), base)) = kv.history()? {
+            // The host tier may have dropped the front of a windowed layer further than the
+            // unit did: those tokens no later query sees.
+            let from = self.host.first_held(layer).max(base);
+            let len = k.dim(2)?.saturating_sub(from - base);
+            if len > 0 {
+                let (k, v) = (
+                    k.narrow(2, from - base, len)?,
+                    v.narrow(2, from - base, len)?,
+                );
+                self.host.write(
+                    &mut self.link,
+                    WriteAt {
+                        layer,
+                        first_head: g * gs,
+                        offset: from,
+                    },
+                    &k,
+                    &v,
+                )?;
+                self.link.wait_all()?;
+            }
+        }
+        self.meter.free(kv.allocated_bytes());
+        Ok(())
+    }
+
+    /// `auto` growing its streaming buffers from `old` to `pingpong` bytes (at `group`
+    /// heads, `cap` tokens): resident units make room, the last-decided first, until the
+    /// buffers and a step's scratch fit the budget.
+    pub(crate) fn make_room(
+        &mut self,
+        shape: &KvShape,
+        old: u64,
+        pingpong: u64,
+        (group, cap): (usize, usize),
+    ) -> Result<()> {
+        let Some(budget) = self.meter.budget() else {
+            return Ok(());
+        };
+        let scratch = self.plan.scratch_bytes(shape, group, cap);
+        while self.meter.current() - old.min(self.meter.current()) + pingpong + scratch > budget {
+            let Some(unit) = self.residency.as_ref().and_then(Residency::last_resident) else {
+                break;
+            };
+            let gs = self.stream.group();
+            let groups = shape.n_kv_heads / gs.max(1);
+            self.demote(unit, unit / groups, unit % groups, gs)?;
+        }
+        Ok(())
+    }
+}
