@@ -126,6 +126,44 @@ fn stored_and_moved_bytes_are_m_over_l_of_the_unshared_model() -> Result<()> {
     Ok(())
 }
 
+/// The approximate policies serve readers too: with a budget covering the context they
+/// give the reference's logits, their stored bytes are `m / L` of the unshared twin's, and
+/// with a small budget (each reader selecting its own pages) they run and say they are lossy.
+#[test]
+fn approximate_policies_serve_readers() -> Result<()> {
+    for name in FIXTURES {
+        let want = common::fixture_logits(name)?;
+        let twin = tempfile::tempdir()?;
+        unshared_twin(name, twin.path())?;
+        let info = common::load_fixture(name)?.model.info().clone();
+        let (m, l) = (info.kv_layers() as u64, info.n_layers as u64);
+        for policy in ["quest", "flexicache", "clo"] {
+            let wide = format!("{policy}:page=8,sinks=8,window=16,budget=4096");
+            for chunk in [1, 5] {
+                let (st, got) = stats_and_logits(&common::fixture(name), name, &wide, chunk)?;
+                let d = common::max_abs_diff(&got, &want)?;
+                ensure!(d <= TOL, "{name} {wide} chunk {chunk}: max |Δlogit| = {d}");
+                ensure!(st.lossy, "{name} {wide}: not labeled lossy");
+            }
+            let small = format!("{policy}:page=4,sinks=4,window=8,budget=8");
+            let (shared, _) = stats_and_logits(&common::fixture(name), name, &small, 5)?;
+            let (plain, _) = stats_and_logits(twin.path(), name, &small, 5)?;
+            ensure!(shared.lossy, "{name} {small}: not labeled lossy");
+            // What they store on the host (a model whose every layer slides, Mistral here,
+            // keeps its windows on the device and stores nothing there).
+            let stored = |s: &KvStats| s.host_kv_bytes + s.disk_kv_bytes;
+            let windowed = info.kv_windows().iter().all(Option::is_some);
+            ensure!(
+                stored(&shared) * l == stored(&plain) * m && (windowed || stored(&shared) > 0),
+                "{name} {small}: stores {} bytes, unshared {}",
+                stored(&shared),
+                stored(&plain)
+            );
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn a_policy_that_cannot_serve_readers_says_so() -> Result<()> {
     let loaded = common::load_fixture("mlkv_llama")?;

@@ -240,6 +240,9 @@ fn run(mut args: Args) -> Result<()> {
         candle_core::utils::get_num_threads(),
         dev.location()
     );
+    if let Some(c) = &info.conversion {
+        println!("LOSSY model: {c}; its logits differ from the original model's");
+    }
     if let Some(b) = &bw {
         let pageable = b
             .pageable

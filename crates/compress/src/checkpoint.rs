@@ -71,23 +71,40 @@ fn usize_field(config: &Map<String, Value>, key: &str) -> Result<Option<usize>> 
 }
 
 impl Checkpoint {
+    /// A local HF directory's config.json alone, its architecture checked: what the settings
+    /// are checked against before any weight is read.
+    pub fn header_of_dir(dir: &Path) -> Result<Self> {
+        let files = kvpolicy_models::load::source::dir_files(dir)?;
+        let kvpolicy_models::ModelFiles::Safetensors { config, .. } = files else {
+            return Err(CompressError::Checkpoint(format!(
+                "{} is not a safetensors model directory",
+                dir.display()
+            )));
+        };
+        let text = std::fs::read_to_string(&config).map_err(|e| CompressError::io(&config, e))?;
+        let config: Map<String, Value> = serde_json::from_str(&text).map_err(|e| {
+            CompressError::Checkpoint(format!("{}: not a JSON object: {e}", config.display()))
+        })?;
+        let me = Self {
+            config,
+            tensors: BTreeMap::new(),
+            files: Vec::new(),
+        };
+        me.check_architecture()?;
+        Ok(me)
+    }
+
     /// Reads a local HF directory (config.json, *.safetensors, tokenizer files).
     pub fn from_dir(dir: &Path) -> Result<Self> {
+        let Self { config, .. } = Self::header_of_dir(dir)?;
         let files = kvpolicy_models::load::source::dir_files(dir)?;
-        let kvpolicy_models::ModelFiles::Safetensors {
-            config, weights, ..
-        } = files
-        else {
+        let kvpolicy_models::ModelFiles::Safetensors { weights, .. } = files else {
             return Err(CompressError::Checkpoint(format!(
                 "{} is not a safetensors model directory",
                 dir.display()
             )));
         };
         kvpolicy_models::load::weights::check_weight_files(&weights)?;
-        let text = std::fs::read_to_string(&config).map_err(|e| CompressError::io(&config, e))?;
-        let config: Map<String, Value> = serde_json::from_str(&text).map_err(|e| {
-            CompressError::Checkpoint(format!("{}: not a JSON object: {e}", config.display()))
-        })?;
         let mut tensors = BTreeMap::new();
         for w in &weights {
             let loaded = candle_core::safetensors::load(w, &Device::Cpu).map_err(|e| {
@@ -109,13 +126,11 @@ impl Checkpoint {
                 });
             }
         }
-        let me = Self {
+        Ok(Self {
             config,
             tensors,
             files: copied,
-        };
-        me.check_architecture()?;
-        Ok(me)
+        })
     }
 
     /// `model_type`, which must be one of [`ARCHITECTURES`].

@@ -45,10 +45,20 @@ fn unpermute(t: &Tensor, heads: usize, head_dim: usize) -> Result<Tensor> {
     Ok(r)
 }
 
-/// Reads `path` as an HF checkpoint (see the module docs).
-pub fn from_gguf(path: &Path) -> Result<Checkpoint> {
+/// `path`'s config.json as the metadata gives it, with no tensor read: what the settings are
+/// checked against before any work.
+pub fn header(path: &Path) -> Result<Checkpoint> {
     let g = GgufFile::open(path)?;
-    let hp = Hparams::read(&g)?;
+    Ok(Checkpoint {
+        config: config_of(&g, path)?,
+        tensors: BTreeMap::new(),
+        files: Vec::new(),
+    })
+}
+
+/// config.json from `g`'s metadata (architecture and RoPE checked).
+fn config_of(g: &GgufFile, path: &Path) -> Result<Map<String, Value>> {
+    let hp = Hparams::read(g)?;
     let (model_type, class) = match hp.arch.as_str() {
         "llama" => ("llama", "LlamaForCausalLM"),
         "qwen2" => ("qwen2", "Qwen2ForCausalLM"),
@@ -61,7 +71,7 @@ pub fn from_gguf(path: &Path) -> Result<Checkpoint> {
     };
     if g.has_tensor("rope_freqs.weight")
         || !matches!(
-            rope_scaling(&g, &hp.arch)?,
+            rope_scaling(g, &hp.arch)?,
             kvpolicy_models::arch::rope::RopeScaling::None
         )
     {
@@ -70,6 +80,49 @@ pub fn from_gguf(path: &Path) -> Result<Checkpoint> {
             path.display()
         )));
     }
+    let ffn = g.tensor_dims("blk.0.ffn_gate.weight")?;
+    let intermediate = ffn
+        .iter()
+        .copied()
+        .find(|&d| d != hp.hidden)
+        .unwrap_or(hp.hidden);
+    let tied = !g.has_tensor("output.weight");
+    let mut config = Map::new();
+    let mut set = |k: &str, v: Value| {
+        config.insert(k.to_string(), v);
+    };
+    set("architectures", json!([class]));
+    set("model_type", json!(model_type));
+    set("hidden_size", json!(hp.hidden));
+    set("intermediate_size", json!(intermediate));
+    set("num_hidden_layers", json!(hp.n_layers));
+    set("num_attention_heads", json!(hp.n_heads));
+    set("num_key_value_heads", json!(hp.n_kv_heads));
+    set("head_dim", json!(hp.head_dim));
+    set("vocab_size", json!(hp.vocab));
+    set("rms_norm_eps", json!(hp.eps));
+    set("rope_theta", json!(hp.theta));
+    set("max_position_embeddings", json!(hp.max_positions));
+    set("tie_word_embeddings", json!(tied));
+    set("hidden_act", json!("silu"));
+    set("torch_dtype", json!("float32"));
+    if model_type == "qwen2" {
+        set("use_sliding_window", json!(false));
+    }
+    if let Some(b) = g.meta_u32_opt("tokenizer.ggml.bos_token_id") {
+        set("bos_token_id", json!(b));
+    }
+    if let Some(e) = g.meta_u32_opt("tokenizer.ggml.eos_token_id") {
+        set("eos_token_id", json!(e));
+    }
+    Ok(config)
+}
+
+/// Reads `path` as an HF checkpoint (see the module docs).
+pub fn from_gguf(path: &Path) -> Result<Checkpoint> {
+    let g = GgufFile::open(path)?;
+    let config = config_of(&g, path)?;
+    let hp = Hparams::read(&g)?;
     let cpu = Device::Cpu;
     let dense = |name: &str| -> Result<Tensor> { Ok(g.dense(name, &cpu)?) };
     let mut tensors = BTreeMap::new();
@@ -81,8 +134,7 @@ pub fn from_gguf(path: &Path) -> Result<Checkpoint> {
         "model.norm.weight".to_string(),
         dense("output_norm.weight")?,
     );
-    let tied = !g.has_tensor("output.weight");
-    if !tied {
+    if g.has_tensor("output.weight") {
         tensors.insert("lm_head.weight".to_string(), dense("output.weight")?);
     }
     let permuted = hp.arch == "llama";
@@ -107,42 +159,7 @@ pub fn from_gguf(path: &Path) -> Result<Checkpoint> {
             tensors.insert(format!("model.layers.{i}.{dst}"), t);
         }
     }
-    let ffn = g.tensor_dims("blk.0.ffn_gate.weight")?;
-    let intermediate = ffn
-        .iter()
-        .copied()
-        .find(|&d| d != hp.hidden)
-        .unwrap_or(hp.hidden);
     let bos = g.meta_u32_opt("tokenizer.ggml.bos_token_id");
-    let eos = g.meta_u32_opt("tokenizer.ggml.eos_token_id");
-    let mut config = Map::new();
-    let mut set = |k: &str, v: Value| {
-        config.insert(k.to_string(), v);
-    };
-    set("architectures", json!([class]));
-    set("model_type", json!(model_type));
-    set("hidden_size", json!(hp.hidden));
-    set("intermediate_size", json!(intermediate));
-    set("num_hidden_layers", json!(hp.n_layers));
-    set("num_attention_heads", json!(hp.n_heads));
-    set("num_key_value_heads", json!(hp.n_kv_heads));
-    set("head_dim", json!(hp.head_dim));
-    set("vocab_size", json!(hp.vocab));
-    set("rms_norm_eps", json!(hp.eps));
-    set("rope_theta", json!(hp.theta));
-    set("max_position_embeddings", json!(hp.max_positions));
-    set("tie_word_embeddings", json!(tied));
-    set("hidden_act", json!("silu"));
-    set("torch_dtype", json!("float32"));
-    if model_type == "qwen2" {
-        set("use_sliding_window", json!(false));
-    }
-    if let Some(b) = bos {
-        set("bos_token_id", json!(b));
-    }
-    if let Some(e) = eos {
-        set("eos_token_id", json!(e));
-    }
     Ok(Checkpoint {
         config,
         tensors,

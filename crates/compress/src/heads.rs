@@ -145,6 +145,24 @@ fn compress_layer(
     let mut v = Projection::read(ck, &format!("{p}.v_proj"))?;
     let mut o = Projection::read(ck, &format!("{p}.o_proj"))?;
     let d = shape.head_dim;
+    let (qd, kvd, h) = (shape.heads * d, shape.kv_heads * d, shape.hidden);
+    for (proj, want) in [
+        (&q, (qd, h + 1)),
+        (&k, (kvd, h + 1)),
+        (&v, (kvd, h + 1)),
+        (&o, (h, qd + 1)),
+    ] {
+        if proj.m.shape() != want {
+            return Err(CompressError::Checkpoint(format!(
+                "{} is {}×{} but config.json's shape makes it {}×{}; check that config.json belongs to these weights",
+                proj.weight,
+                proj.m.nrows(),
+                proj.m.ncols() - 1,
+                want.0,
+                want.1 - 1
+            )));
+        }
+    }
     let r = shape.kv_heads / to;
     let g = shape.heads / shape.kv_heads;
     let cols = k.m.ncols();

@@ -86,8 +86,25 @@ fn run(args: Args) -> Result<()> {
         MethodArg::Mean => Method::Mean,
     };
     output::check_output(&args.out)?;
+    // The settings are checked against config.json (or the GGUF's metadata) before any
+    // weight is read.
+    let header = match (&args.model_dir, &args.gguf) {
+        (Some(dir), None) => Checkpoint::header_of_dir(dir)?,
+        (None, Some(g)) => kvpolicy_compress::gguf::header(g)?,
+        _ => bail!("give the input as --model-dir DIR or --gguf FILE"),
+    };
+    let shape = header.shape()?;
+    let kv_heads = args.kv_heads.unwrap_or(shape.kv_heads);
+    let kv_layers = args.kv_layers.unwrap_or(shape.layers);
+    check_target(&shape, kv_heads)?;
+    layers::check_target(&header, &shape, kv_layers)?;
+    let merging = kv_heads < shape.kv_heads;
+    let sharing = kv_layers < shape.layers;
+    if merging && sharing && method == Method::Svd {
+        bail!("--kv-heads with --method svd folds each layer's own maps into its queries, which layers sharing one cache cannot all take; with --kv-layers use --method mean, or convert in two runs");
+    }
     let (mut ck, files, source) = match (&args.model_dir, &args.gguf) {
-        (Some(dir), None) => (
+        (Some(dir), _) => (
             Checkpoint::from_dir(dir)?,
             kvpolicy_models::load::source::dir_files(dir)?,
             dir.display().to_string(),
@@ -97,17 +114,10 @@ fn run(args: Args) -> Result<()> {
             ModelFiles::Gguf(g.clone()),
             g.display().to_string(),
         ),
-        _ => bail!("give the input as --model-dir DIR or --gguf FILE"),
+        (None, None) => bail!("give the input as --model-dir DIR or --gguf FILE"),
     };
-    let shape = ck.shape()?;
-    let kv_heads = args.kv_heads.unwrap_or(shape.kv_heads);
-    let kv_layers = args.kv_layers.unwrap_or(shape.layers);
-    check_target(&shape, kv_heads)?;
-    layers::check_target(&ck, &shape, kv_layers)?;
-    let merging = kv_heads < shape.kv_heads;
-    let sharing = kv_layers < shape.layers;
-    if merging && sharing && method == Method::Svd {
-        bail!("--kv-heads with --method svd folds each layer's own maps into its queries, which layers sharing one cache cannot all take; with --kv-layers use --method mean, or convert in two runs");
+    if ck.shape()? != shape {
+        bail!("the model changed while it was read");
     }
     let mut calibration_tokens = 0;
     let moments = if merging && method == Method::Svd {
@@ -131,8 +141,8 @@ fn run(args: Args) -> Result<()> {
             }
             (None, None) => default_ids(loaded.model.info().vocab_size, DEFAULT_TOKENS),
         };
-        eprintln!("calibrating on {} tokens", ids.len());
         let m = calibrate(loaded.model.as_ref(), &ids)?;
+        eprintln!("calibrated on {} tokens", m.tokens);
         calibration_tokens = m.tokens;
         Some(m)
     } else {

@@ -19,7 +19,12 @@ pub fn on_signals() {
     let _ = ctrlc::set_handler(|| {
         if let Ok(t) = TEMP.lock() {
             if let Some(p) = t.as_ref() {
-                let _ = std::fs::remove_dir_all(p);
+                // The main thread may still be adding a file: try again if one appeared.
+                for _ in 0..3 {
+                    if std::fs::remove_dir_all(p).is_ok() || !p.exists() {
+                        break;
+                    }
+                }
             }
         }
         std::process::exit(130);
@@ -109,7 +114,9 @@ pub fn write(ck: &Checkpoint, out: &Path) -> Result<()> {
 fn fill(ck: &Checkpoint, dir: &Path) -> Result<()> {
     let weights = dir.join("model.safetensors");
     let tensors: HashMap<String, candle_core::Tensor> = ck.tensors.clone().into_iter().collect();
-    candle_core::safetensors::save(&tensors, &weights)
+    // HF's loaders read the metadata's `format` (PyTorch's `save_pretrained` writes "pt").
+    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    safetensors::serialize_to_file(&tensors, Some(metadata), &weights)
         .map_err(|e| CompressError::io(&weights, std::io::Error::other(e.to_string())))?;
     let config = dir.join("config.json");
     let text = serde_json::to_string_pretty(&Value::Object(ck.config.clone()))

@@ -174,73 +174,119 @@ fn gguf_input_is_rebuilt_as_the_hf_checkpoint() -> Result<()> {
     Ok(())
 }
 
-/// A model whose KV heads 1 and 3 are, at every RoPE frequency, complex multiples of heads 0
-/// and 2 (keys) and linear images of them (values) loses nothing when SVD merges each pair:
-/// the fold into the query and output projections reproduces it. Mean pooling does not.
-#[test]
-fn svd_is_exact_where_merged_heads_are_complex_multiples() -> Result<()> {
-    let src = fixture("llama_mha");
-    let tmp = tempfile::tempdir()?;
-    let built = tmp.path().join("built");
-    std::fs::create_dir(&built)?;
-    std::fs::copy(src.join("config.json"), built.join("config.json"))?;
-    let mut ts = tensors(&src)?;
-    let (d, layers) = (16usize, 3usize);
-    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
-    for l in 0..layers {
-        for proj in ["k_proj", "v_proj"] {
-            let name = format!("model.layers.{l}.self_attn.{proj}.weight");
-            let w = ts[&name].to_vec2::<f32>()?;
-            let mut w2 = w.clone();
-            for (a, b) in [(0usize, 1usize), (2, 3)] {
-                if proj == "k_proj" {
-                    for i in 0..d / 2 {
-                        let (re, im) = (
-                            rng.random_range(-1.5f32..1.5),
-                            rng.random_range(-1.5f32..1.5),
-                        );
-                        let (xr, xi) = (&w[a * d + i], &w[a * d + i + d / 2]);
-                        w2[b * d + i] = xr.iter().zip(xi).map(|(x, y)| re * x - im * y).collect();
-                        w2[b * d + i + d / 2] =
-                            xr.iter().zip(xi).map(|(x, y)| im * x + re * y).collect();
-                    }
-                } else {
-                    let m: Vec<Vec<f32>> = (0..d)
-                        .map(|_| (0..d).map(|_| rng.random_range(-0.5f32..0.5)).collect())
-                        .collect();
-                    for r in 0..d {
-                        let cols = w[0].len();
-                        w2[b * d + r] = (0..cols)
-                            .map(|c| (0..d).map(|s| m[r][s] * w[a * d + s][c]).sum())
-                            .collect();
-                    }
-                }
-            }
-            let rows = w2.len();
-            let flat: Vec<f32> = w2.into_iter().flatten().collect();
-            let cols = flat.len() / rows;
-            ts.insert(name, Tensor::from_vec(flat, (rows, cols), &Device::Cpu)?);
+/// Rows `[W | b]` of a projection (the bias, if any, as a last column).
+fn rows_of(ts: &std::collections::HashMap<String, Tensor>, prefix: &str) -> Result<Vec<Vec<f32>>> {
+    let mut w = ts[&format!("{prefix}.weight")].to_vec2::<f32>()?;
+    if let Some(b) = ts.get(&format!("{prefix}.bias")) {
+        for (row, x) in w.iter_mut().zip(b.to_vec1::<f32>()?) {
+            row.push(x);
         }
     }
-    candle_core::safetensors::save(&ts, built.join("model.safetensors"))?;
-    let ids = ids(&src)?;
-    let (want, _) = logits(&built, &ids, "full")?;
-    let b = built.to_str().context("path")?;
-    let svd = tmp.path().join("svd");
-    convert(&["--model-dir", b], &svd, &["--kv-heads", "2"])?;
-    let mean = tmp.path().join("mean");
-    convert(
-        &["--model-dir", b],
-        &mean,
-        &["--kv-heads", "2", "--method", "mean"],
-    )?;
-    let d_svd = max_diff(&want, &logits(&svd, &ids, "full")?.0);
-    let d_mean = max_diff(&want, &logits(&mean, &ids, "full")?.0);
-    ensure!(d_svd <= 1e-3, "svd deviates by {d_svd}");
-    ensure!(
-        d_mean > 1e-1,
-        "mean pooling deviates by only {d_mean}: the test does not discriminate"
+    Ok(w)
+}
+
+/// Writes rows made by [`rows_of`] back.
+fn set_rows(
+    ts: &mut std::collections::HashMap<String, Tensor>,
+    prefix: &str,
+    rows: Vec<Vec<f32>>,
+) -> Result<()> {
+    let has_bias = ts.contains_key(&format!("{prefix}.bias"));
+    let n = rows.len();
+    let cols = rows[0].len() - usize::from(has_bias);
+    let mut w = Vec::with_capacity(n * cols);
+    let mut b = Vec::with_capacity(n);
+    for r in rows {
+        w.extend_from_slice(&r[..cols]);
+        if has_bias {
+            b.push(r[cols]);
+        }
+    }
+    ts.insert(
+        format!("{prefix}.weight"),
+        Tensor::from_vec(w, (n, cols), &Device::Cpu)?,
     );
+    if has_bias {
+        ts.insert(
+            format!("{prefix}.bias"),
+            Tensor::from_vec(b, n, &Device::Cpu)?,
+        );
+    }
+    Ok(())
+}
+
+/// A model whose merged KV heads are, at every RoPE frequency, complex multiples of the
+/// group's first head (keys, biases included) and linear images of it (values) loses
+/// nothing when SVD merges them: the folds into the query and output projections reproduce
+/// it. On `llama_mha` (heads 4 → 2: one query head per KV head) and `qwen2` (2 → 1: two
+/// query heads per KV head, q/k/v biases). Mean pooling does not reproduce it.
+#[test]
+fn svd_is_exact_where_merged_heads_are_complex_multiples() -> Result<()> {
+    for (name, pairs, to) in [
+        ("llama_mha", vec![(0usize, 1usize), (2, 3)], "2"),
+        ("qwen2", vec![(0, 1)], "1"),
+    ] {
+        let src = fixture(name);
+        let tmp = tempfile::tempdir()?;
+        let built = tmp.path().join("built");
+        std::fs::create_dir(&built)?;
+        std::fs::copy(src.join("config.json"), built.join("config.json"))?;
+        let mut ts = tensors(&src)?;
+        let (d, layers) = (16usize, 3usize);
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        for l in 0..layers {
+            for proj in ["k_proj", "v_proj"] {
+                let prefix = format!("model.layers.{l}.self_attn.{proj}");
+                let w = rows_of(&ts, &prefix)?;
+                let mut w2 = w.clone();
+                for &(a, b) in &pairs {
+                    if proj == "k_proj" {
+                        for i in 0..d / 2 {
+                            let (re, im) = (
+                                rng.random_range(-1.5f32..1.5),
+                                rng.random_range(-1.5f32..1.5),
+                            );
+                            let (xr, xi) = (&w[a * d + i], &w[a * d + i + d / 2]);
+                            w2[b * d + i] =
+                                xr.iter().zip(xi).map(|(x, y)| re * x - im * y).collect();
+                            w2[b * d + i + d / 2] =
+                                xr.iter().zip(xi).map(|(x, y)| im * x + re * y).collect();
+                        }
+                    } else {
+                        let m: Vec<Vec<f32>> = (0..d)
+                            .map(|_| (0..d).map(|_| rng.random_range(-0.5f32..0.5)).collect())
+                            .collect();
+                        for r in 0..d {
+                            let cols = w[0].len();
+                            w2[b * d + r] = (0..cols)
+                                .map(|c| (0..d).map(|s| m[r][s] * w[a * d + s][c]).sum())
+                                .collect();
+                        }
+                    }
+                }
+                set_rows(&mut ts, &prefix, w2)?;
+            }
+        }
+        candle_core::safetensors::save(&ts, built.join("model.safetensors"))?;
+        let ids = ids(&src)?;
+        let (want, _) = logits(&built, &ids, "full")?;
+        let b = built.to_str().context("path")?;
+        let svd = tmp.path().join("svd");
+        convert(&["--model-dir", b], &svd, &["--kv-heads", to])?;
+        let mean = tmp.path().join("mean");
+        convert(
+            &["--model-dir", b],
+            &mean,
+            &["--kv-heads", to, "--method", "mean"],
+        )?;
+        let d_svd = max_diff(&want, &logits(&svd, &ids, "full")?.0);
+        let d_mean = max_diff(&want, &logits(&mean, &ids, "full")?.0);
+        ensure!(d_svd <= 1e-3, "{name}: svd deviates by {d_svd}");
+        ensure!(
+            d_mean > 1e-1,
+            "{name}: mean pooling deviates by only {d_mean}: the test does not discriminate"
+        );
+    }
     Ok(())
 }
 

@@ -104,6 +104,17 @@ impl ReaderStash {
         Ok(b)
     }
 
+    /// Keeps `unit`, whose tensors were made for this step (not views of a kept buffer), and
+    /// counts their bytes like a copy's; returns them.
+    pub fn keep_owned(&mut self, unit: StashedUnit) -> Result<u64> {
+        let bytes = |t: &Tensor| (t.elem_count() * t.dtype().size_in_bytes()) as u64;
+        let b = bytes(&unit.k) + bytes(&unit.v);
+        let cur = self.current()?;
+        cur.copied += b;
+        cur.units.push(unit);
+        Ok(b)
+    }
+
     /// Device bytes of the copies kept now.
     pub fn copied_bytes(&self) -> u64 {
         self.entries.iter().map(|e| e.copied).sum()

@@ -109,7 +109,8 @@ impl HybridPolicy {
     }
 
     fn device_bytes(&self) -> u64 {
-        self.blocks.device_bytes() + self.stager.bytes()
+        // With MLKV, plus the owner layers' assembled K/V kept for their readers.
+        self.blocks.device_bytes() + self.stager.bytes() + self.stash.copied_bytes()
     }
 
     fn note_device(&mut self) {
@@ -394,9 +395,10 @@ impl KvPolicy for HybridPolicy {
         let out = part.out.to_dtype(step.q.dtype())?;
         self.stash.release(seq);
         if shape.has_readers(layer) {
-            // The layer's K/V as assembled for its attention, for the layers reading it.
+            // The layer's K/V as assembled for its attention, for the layers reading it
+            // (counted on the device until the sequence's next layer step).
             self.stash.begin(step);
-            self.stash.keep_view(StashedUnit {
+            self.stash.keep_owned(StashedUnit {
                 first_head: 0,
                 k,
                 v,

@@ -175,7 +175,11 @@ fn run(
         context,
         args.prefill_chunk,
     ))?;
-    let lossy = policy.stats().lossy;
+    // A LOSSY policy, or a model a conversion made LOSSY (kvpolicy-compress).
+    let lossy = policy.stats().lossy || info.conversion.is_some();
+    if let Some(c) = &info.conversion {
+        eprintln!("LOSSY model: {c}; its logits differ from the original model's");
+    }
     // The fingerprint hashes the weights: only when a cache is asked for.
     let reuse = if args.prefix.wanted() {
         args.prefix

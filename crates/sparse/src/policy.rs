@@ -114,12 +114,14 @@ impl<S: Selector> SparsePolicy<S> {
     }
 
     /// The middle of a global layer at a prefill chunk: all of it, moved over the link;
-    /// the selector then says what each head keeps.
+    /// the selector then says what each head keeps (not for a `reader`: a layer reading
+    /// another's cache leaves that layer's pages and selector as they are).
     fn dense(
         &mut self,
         step: &AttnStep<'_>,
         shape: &PageShape,
         middle: std::ops::Range<usize>,
+        reader: bool,
     ) -> Result<Partial> {
         let layer = step.layer;
         let nkv = step.k.dim(1)?;
@@ -133,7 +135,7 @@ impl<S: Selector> SparsePolicy<S> {
         )?;
         self.note_device(dense.bytes());
         let part = dense.attend(step.q, step.pos, step.spec, self.pages.page)?;
-        if self.selector.persistent() {
+        if self.selector.persistent() && !reader {
             let t = step.q.dim(2)?;
             let rows = t.min(PREFILL_ROWS);
             let q = step.q.narrow(2, t - rows, rows)?;
@@ -155,15 +157,19 @@ impl<S: Selector> SparsePolicy<S> {
         Ok(part)
     }
 
-    /// The middle of a global layer at a decode step: each head's selected pages.
+    /// The middle of a global layer at a decode step: each head's selected pages. A
+    /// `reader` (a layer reading another's cache) selects by Quest's page bounds with its
+    /// own queries into the scratch caches: the owner's resident pages and its selector's
+    /// state (FlexiCache's re-rank clock, CLO's reuse) stay as the owner left them.
     fn sparse(
         &mut self,
         step: &AttnStep<'_>,
         shape: &PageShape,
         middle: std::ops::Range<usize>,
+        reader: bool,
     ) -> Result<Partial> {
         let layer = step.layer;
-        let persistent = self.selector.persistent();
+        let persistent = self.selector.persistent() && !reader;
         let resident = if persistent {
             self.layers[layer]
                 .heads
@@ -177,7 +183,11 @@ impl<S: Selector> SparsePolicy<S> {
         let choices: Vec<HeadChoice> = {
             let l = &self.layers[layer];
             let mut view = DecodeView::new(layer, middle, k, resident, &l.summaries, step.q);
-            self.selector.decode(&mut view)?
+            if reader {
+                crate::quest::Quest.decode(&mut view)?
+            } else {
+                self.selector.decode(&mut view)?
+            }
         };
         let nkv = self.layers[layer].heads.len();
         if choices.len() != nkv {
@@ -279,7 +289,12 @@ impl<S: Selector> SparsePolicy<S> {
     /// `step`'s queries over its layer's pieces, unmerged: the sinks and the recent window
     /// (on the device) and the middle pages (dense for a prefill chunk, the selected pages
     /// for a decode step; global layers only).
-    fn attend_pieces(&mut self, step: &AttnStep<'_>, ps: &PageShape) -> Result<Vec<Partial>> {
+    fn attend_pieces(
+        &mut self,
+        step: &AttnStep<'_>,
+        ps: &PageShape,
+        reader: bool,
+    ) -> Result<Vec<Partial>> {
         let t = step.q.dim(2)?;
         let layer = step.layer;
         let mut parts = Vec::with_capacity(3);
@@ -291,9 +306,9 @@ impl<S: Selector> SparsePolicy<S> {
         let middle = l.middle(&self.pages);
         if global && !middle.is_empty() {
             parts.push(if t > 1 {
-                self.dense(step, ps, middle)?
+                self.dense(step, ps, middle, reader)?
             } else {
-                self.sparse(step, ps, middle)?
+                self.sparse(step, ps, middle, reader)?
             });
         }
         let l = &self.layers[layer];
@@ -340,7 +355,7 @@ impl<S: Selector> KvPolicy for SparsePolicy<S> {
             self.host.advance(layer, t);
         }
         self.layers[layer].append(&self.pages, step.k, step.v, pos)?;
-        let parts = self.attend_pieces(step, &ps)?;
+        let parts = self.attend_pieces(step, &ps, false)?;
         let scratch = parts.iter().map(|p| p.scratch_bytes).max().unwrap_or(0);
         self.stats.note_scratch(scratch, shape.activation_bytes(t));
         let out = merge_partials(&parts)?;
@@ -357,9 +372,10 @@ impl<S: Selector> KvPolicy for SparsePolicy<S> {
         Ok(out.out.to_dtype(step.q.dtype())?)
     }
 
-    /// A layer reading KV layer `step.layer`'s cache (MLKV) attends as that layer does, with
-    /// its own queries: sinks and the recent window on the device, and its own selection
-    /// of the middle pages (fetched for it and counted), storing nothing.
+    /// A layer reading KV layer `step.layer`'s cache (MLKV) attends with its own queries:
+    /// sinks and the recent window on the device, and the middle pages its queries select
+    /// by Quest's bounds (fetched for it into scratch and counted; whatever the policy, the
+    /// owner's resident pages and selector state are left alone), storing nothing.
     fn attend_shared(&mut self, step: &AttnStep<'_>) -> Result<Tensor> {
         let t = step.q.dim(2)?;
         let layer = step.layer;
@@ -369,7 +385,7 @@ impl<S: Selector> KvPolicy for SparsePolicy<S> {
                 "a layer reading layer {layer}'s cache came before that layer's first step"
             )));
         }
-        let parts = self.attend_pieces(step, &ps)?;
+        let parts = self.attend_pieces(step, &ps, true)?;
         let shape = self.host.shape_for(step)?;
         let scratch = parts.iter().map(|p| p.scratch_bytes).max().unwrap_or(0);
         self.stats.note_scratch(scratch, shape.activation_bytes(t));

@@ -32,7 +32,7 @@ pub fn fingerprint(files: &ModelFiles, info: &ModelInfo) -> Result<Fingerprint> 
     let mut b = FingerprintBuilder::new();
     b.field("architecture", info.architecture.as_bytes());
     let dims = format!(
-        "vocab {} positions {} layers {} heads {} kv {} head_dim {} hidden {} ffn {} windows {:?} kv layers {:?}",
+        "vocab {} positions {} layers {} heads {} kv {} head_dim {} hidden {} ffn {} windows {:?}",
         info.vocab_size,
         info.max_positions,
         info.n_layers,
@@ -42,9 +42,13 @@ pub fn fingerprint(files: &ModelFiles, info: &ModelInfo) -> Result<Fingerprint> 
         info.hidden,
         info.intermediate,
         info.windows,
-        info.kv_layer
     );
     b.field("dimensions", dims.as_bytes());
+    if info.shares_kv() {
+        // MLKV: which layers read which cache (absent for other models, whose fingerprints
+        // stay as they were).
+        b.field("kv layers", format!("{:?}", info.kv_layer).as_bytes());
+    }
     b.field("dtype", format!("{:?}", info.dtype).as_bytes());
     let device = if info.device.is_cpu() {
         "cpu"
