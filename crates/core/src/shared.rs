@@ -91,17 +91,11 @@ impl ReaderStash {
     /// Keeps a device copy of `unit` (its buffers will be refilled); returns its bytes, to
     /// be counted on the device.
     pub fn keep_copy(&mut self, unit: StashedUnit) -> Result<u64> {
-        let bytes = |t: &Tensor| (t.elem_count() * t.dtype().size_in_bytes()) as u64;
-        let unit = StashedUnit {
+        self.keep_owned(StashedUnit {
             k: unit.k.copy()?,
             v: unit.v.copy()?,
             ..unit
-        };
-        let b = bytes(&unit.k) + bytes(&unit.v);
-        let cur = self.current()?;
-        cur.copied += b;
-        cur.units.push(unit);
-        Ok(b)
+        })
     }
 
     /// Keeps `unit`, whose tensors were made for this step (not views of a kept buffer), and
