@@ -12,6 +12,9 @@
 # - libcuda.so: the driver is not on PyPI, so a link-time stand-in with SONAME libcuda.so.1
 #   is compiled, one function per driver entry point cudarc declares, each returning
 #   CUDA_ERROR_STUB_LIBRARY (34). On a GPU machine the real driver is loaded at run time.
+# - libnccl.so (feature `nccl`): likewise a link-time stand-in with NCCL's SONAME
+#   libnccl.so.2, every entry point cudarc declares returning ncclSystemError (2); on a GPU
+#   machine the real one comes from PyPI's nvidia-nccl-cu13 (PyTorch's CUDA wheels install it).
 set -euo pipefail
 DIR=${1:-$HOME/.cache/kvpolicy-cuda13}
 PY=$DIR/venv/bin/python
@@ -38,6 +41,16 @@ if [ ! -s "$STUB/libcuda.so" ]; then
       while read -r f; do echo "int $f(void) { return 34; }"; done
   } > "$STUB/stub.c"
   cc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$STUB/libcuda.so" "$STUB/stub.c"
+fi
+if [ ! -s "$STUB/libnccl.so" ]; then
+  SYMS=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-*/src/nccl/sys/mod.rs 2>/dev/null | sort -V | tail -1)
+  [ -n "$SYMS" ] || { echo "cudarc's sources are not fetched yet: run 'cargo fetch' first" >&2; exit 1; }
+  {
+    echo "/* Link-time stand-in for NCCL; returns ncclSystemError. */"
+    grep -o 'fn p\?nccl[A-Za-z0-9_]*\s*(' "$SYMS" | sed -e 's/^fn //' -e 's/\s*($//' | sort -u |
+      while read -r f; do echo "int $f(void) { return 2; }"; done
+  } > "$STUB/nccl-stub.c"
+  cc -shared -fPIC -Wl,-soname,libnccl.so.2 -o "$STUB/libnccl.so" "$STUB/nccl-stub.c"
 fi
 cat <<ENV
 export PATH="$CU/bin:\$PATH"

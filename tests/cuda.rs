@@ -3,7 +3,8 @@
 //! on the GPU against `full` on the fixtures (on the GPU in f32 and bf16, and on the CPU);
 //! the zero-copy page gather (CLO §4) against the copy engine — the same bytes, and each
 //! one's bandwidth on the same pages printed (`scripts/gpu_run.sh` records it); the
-//! approximate policies on the GPU against the same on the CPU.
+//! approximate policies on the GPU against the same on the CPU; with feature `nccl`, a
+//! one-rank NCCL group's all-gather and sum on GPU memory, and `helix` over it against `full`.
 //!
 //! Built without the feature (CI's CPU run) this file is empty. On a GPU machine:
 //! `cargo test --release --features cuda --test cuda` (or build it with `--no-run` here and
@@ -296,6 +297,58 @@ fn approximate_policies_on_the_gpu_equal_the_cpu_and_zero_copy_equals_copies() -
             "{spec}: {} vs {} bytes",
             c.h2d_bytes,
             g.h2d_bytes
+        );
+    }
+    Ok(())
+}
+
+/// One rank's NCCL group (NCCL needs a GPU per rank, so one GPU holds one rank): its
+/// all-gather and sum return the rank's own tensor, from GPU memory (a non-contiguous input
+/// too), and `helix:local=headwise:1` over it equals `full` on every fixture.
+#[cfg(feature = "nccl")]
+#[test]
+fn nccl_group_of_one_gathers_sums_and_carries_helix() -> Result<()> {
+    use kvpolicy::helix::nccl_world::NcclWorld;
+    use kvpolicy::helix::{Collective, HelixPolicy, Solo};
+    use std::sync::Arc;
+
+    let dev = gpu()?;
+    let world = Arc::new(NcclWorld::new(Solo));
+    let t = Tensor::arange(0f32, 24., &dev)?.reshape((2, 3, 4))?;
+    let odd = t.transpose(1, 2)?;
+    let gathered = world.all_gather(&odd)?;
+    assert!(gathered.device().is_cuda(), "the all-gather left the GPU");
+    assert_eq!(gathered.dims(), &[1, 2, 4, 3]);
+    let d = (gathered.squeeze(0)? - &odd)?
+        .abs()?
+        .max_all()?
+        .to_scalar::<f32>()?;
+    assert_eq!(d, 0.0, "a rank's all-gather of itself changed it");
+    let summed = world.all_reduce_sum(&t)?;
+    let d = (summed - &t)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    assert_eq!(d, 0.0, "a rank's sum of itself changed it");
+    assert!(world.group().is_some(), "no NCCL group was founded");
+
+    let opts = PolicyOptions {
+        device: dev.clone(),
+        grow_tokens: 4,
+        ..PolicyOptions::default()
+    };
+    for name in common::hf_fixtures() {
+        let files = resolve(&ModelSpec::Dir(common::fixture(&name)))?;
+        let (prompt, decode) = common::fixture_ids(&name)?;
+        let loaded = load(&files, &dev, DType::F32, None)?;
+        let model = loaded.model.as_ref();
+        let mut full = build_policy("full", &opts)?;
+        let want = common::teacher_forced_logits(model, full.as_mut(), &prompt, &decode, 5)?;
+        let local = build_policy(&common::spec("headwise", HeadGroup::Fixed(1)), &opts)?;
+        let mut helix = HelixPolicy::new(local, world.clone())?;
+        let got = common::teacher_forced_logits(model, &mut helix, &prompt, &decode, 5)?;
+        let d = common::max_abs_diff(&got, &want)?;
+        assert!(d <= 1e-5, "{name} helix over NCCL: max |Δ| = {d}");
+        assert!(
+            helix.counters().decode_calls > 0,
+            "{name}: no decode collective ran"
         );
     }
     Ok(())

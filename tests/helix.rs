@@ -8,8 +8,9 @@ mod common;
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use candle_core::Tensor;
+use candle_core::{Device, Tensor};
 use kvpolicy::helix::{decode_bytes_per_layer, HelixPolicy, Shares, ThreadGroup};
+use kvpolicy::models::engine::generate::kv_shape;
 use kvpolicy::{build_policy, KvPolicy, KvStats, PolicyOptions};
 
 const TOL: f32 = 1e-5;
@@ -178,5 +179,59 @@ fn every_rank_matches_full_on_every_fixture_with_chunks_straddling_shares() -> R
             }
         }
     }
+    Ok(())
+}
+
+/// `auto` as the local policy: without a budget every unit of the share stays on the
+/// device (its device KV is `full`'s for the share, nothing crosses the link); under a
+/// budget holding the streaming buffers, a step's scratch and one unit, that unit stays and
+/// the others stream from the host tier — the logits equal `full`'s on every fixture and
+/// rank either way.
+#[test]
+fn auto_holds_a_share_resident_and_streamed() -> Result<()> {
+    let opts = PolicyOptions {
+        grow_tokens: 1,
+        ..PolicyOptions::default()
+    };
+    let mut mixed = 0;
+    for name in common::hf_fixtures() {
+        let loaded = common::load_fixture(&name)?;
+        let info = loaded.model.info().clone();
+        let (prompt, decode) = common::fixture_ids(&name)?;
+        let want = common::full_logits(loaded.model.as_ref(), &prompt, &decode, 5)?;
+        let per_token = (2 * info.n_kv_heads * info.head_dim * 4) as u64;
+        for ranks in [2, 3] {
+            let share = Shares::for_run(prompt.len() + decode.len(), ranks).share_tokens();
+            let shape = kv_shape(&info, 1, share, 5);
+            let unit = shape.kv_bytes(info.n_kv_heads, share);
+            let streaming =
+                2 * unit + shape.step_scratch_bytes(info.n_kv_heads, share, &Device::Cpu);
+            let one_resident = streaming + unit;
+            for local in ["auto".to_string(), format!("auto:{one_resident}B")] {
+                let runs = run_ranks(&name, &local, &vec![opts.clone(); ranks], 5)?;
+                for (r, run) in runs.iter().enumerate() {
+                    let d = common::max_abs_diff(&run.logits, &want)?;
+                    assert!(
+                        d <= tol(&info),
+                        "{name} ranks {ranks} {local} rank {r}: max |Δlogit| = {d}"
+                    );
+                    let resident = common::metric(&run.stats, "resident_units");
+                    let streamed = common::metric(&run.stats, "streamed_units");
+                    if local == "auto" {
+                        assert_eq!(streamed, 0, "{name} rank {r}: a unit streamed");
+                        assert_eq!(run.stats.h2d_bytes, 0, "{name} rank {r}");
+                        if info.kv_windows().iter().all(Option::is_none) {
+                            let want = info.kv_layers() as u64 * run.held as u64 * per_token;
+                            assert_eq!(run.stats.device_kv_bytes, want, "{name} rank {r}");
+                        }
+                    } else if resident > 0 && streamed > 0 {
+                        mixed += 1;
+                        assert!(run.stats.h2d_bytes > 0, "{name} rank {r}");
+                    }
+                }
+            }
+        }
+    }
+    assert!(mixed > 0, "no rank kept some units and streamed others");
     Ok(())
 }

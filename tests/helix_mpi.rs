@@ -123,6 +123,7 @@ fn rank_zero_matches_full_on_every_fixture_and_each_rank_holds_its_share() -> Re
                 ("full", &[][..]),
                 ("headwise:1", &[][..]),
                 ("headwise:1", &on_disk[..]),
+                ("auto", &[][..]),
             ] {
                 let policy = format!("helix:local={local}");
                 let (got, stats, out) = logits(&name, &policy, ranks, dir.path(), extra)?;
@@ -200,8 +201,8 @@ fn what_several_ranks_cannot_share_is_refused_under_mpirun() -> Result<()> {
         ),
         // A local policy that cannot hold a share; helix inside helix.
         (
-            &["--policy", "helix:local=auto", "--prompt-ids", "1,2,3"][..],
-            "`auto` cannot",
+            &["--policy", "helix:local=recompute", "--prompt-ids", "1,2,3"][..],
+            "`recompute` cannot",
         ),
         (
             &["--policy", "helix:local=helix", "--prompt-ids", "1,2,3"][..],
@@ -322,4 +323,57 @@ fn descends_from(mut pid: u32, root: u32) -> bool {
         }
     }
     false
+}
+
+/// Rank 0 samples and every rank goes on with its token: launched with another `--seed` on
+/// rank 1 (Open MPI's MPMD form, `A : B`), rank 1 samples other tokens, says so once, and
+/// adopts rank 0's — rank 0's tokens are those of a run where both ranks have its seed.
+#[test]
+fn every_rank_goes_on_with_rank_zeros_token() -> Result<()> {
+    let model = common::fixture("llama_gqa").to_string_lossy().into_owned();
+    let dir = tempfile::tempdir()?;
+    let bin = common::example_bin("llama");
+    let generated = |seeds: [&str; 2], out: &str| -> Result<(serde_json::Value, String)> {
+        let path = dir.path().join(out);
+        let path_s = path.to_string_lossy().into_owned();
+        let mut cmd = Command::new("mpirun");
+        cmd.args(["--allow-run-as-root", "--oversubscribe"]);
+        for (i, seed) in seeds.iter().enumerate() {
+            if i > 0 {
+                cmd.arg(":");
+            }
+            cmd.args(["-np", "1"]).arg(&bin).args([
+                "--model-dir",
+                &model,
+                "--policy",
+                "helix:local=full",
+                "--prompt-ids",
+                "1,2,3,4,5",
+                "--max-new-tokens",
+                "16",
+                "--temperature",
+                "1.0",
+                "--seed",
+                seed,
+                "--ids-out",
+                &path_s,
+            ]);
+        }
+        let o = cmd.env("HF_HUB_OFFLINE", "1").output()?;
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        ensure!(o.status.success(), "{seeds:?}: {err}");
+        let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path)?)?;
+        Ok((v["generated_ids"].clone(), err))
+    };
+    let (same, err_same) = generated(["1", "1"], "same.json")?;
+    let (mixed, err_mixed) = generated(["1", "2"], "mixed.json")?;
+    assert_eq!(same.as_array().map(Vec::len), Some(16), "{same}");
+    assert_eq!(mixed, same, "rank 0's tokens changed with rank 1's seed");
+    assert!(!err_same.contains("warning (rank"), "{err_same}");
+    assert_eq!(
+        err_mixed.matches("warning (rank 1)").count(),
+        1,
+        "rank 1 should say once that it adopted rank 0's token: {err_mixed}"
+    );
+    Ok(())
 }

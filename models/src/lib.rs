@@ -22,7 +22,7 @@ pub use arch::decoder::Decoder;
 pub use config::{LlamaConfig, ModelConfig, OptConfig};
 pub use engine::batch::{batch_step, generate_batch, BatchGeneration};
 pub use engine::generate::{
-    generate, prefill, sampling, validate_request, GenerateConfig, Generation,
+    generate, generate_settling, prefill, sampling, validate_request, GenerateConfig, Generation,
 };
 pub use engine::reuse::{generate_reusing, layer_specs, CachedGeneration, ReuseSources};
 pub use error::{Message, ModelError, ModelInput, Result};

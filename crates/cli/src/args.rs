@@ -280,12 +280,18 @@ impl ModelArgs {
         })
     }
 
-    /// The device: the CPU with `--cpu`, else the first GPU when there is one.
+    /// The device: the CPU with `--cpu`, else a GPU when there is one — the first, or under
+    /// `mpirun` the one of this rank's place on its machine (one GPU per rank).
     pub fn device(&self) -> Result<Device> {
-        Ok(if self.cpu {
-            Device::Cpu
-        } else {
-            Device::cuda_if_available(0)?
+        if self.cpu {
+            return Ok(Device::Cpu);
+        }
+        let gpu = kvpolicy::helix::world::launched_local_rank();
+        Device::cuda_if_available(gpu).with_context(|| {
+            format!(
+                "rank {} uses GPU {gpu} (one GPU per rank on each machine): start fewer ranks per machine, or pass --cpu",
+                kvpolicy::helix::world::launched_rank()
+            )
         })
     }
 

@@ -1,8 +1,8 @@
 //! Running as one rank of `mpirun` (the `helix` policy: KV-parallel decoding, Helix §3).
 //! Every rank runs the model on the same tokens and holds a share of the KV; rank 0 alone
-//! prints the text and the summary and writes the output files. Each token a rank chose is
-//! checked against rank 0's, broadcast (they are equal: every rank merges the same partials
-//! in the same order). An error on one rank ends them all (MPI's abort) instead of leaving
+//! prints the text and the summary and writes the output files. Rank 0's sampled token is
+//! broadcast and every rank goes on with it (every rank's own choice is the same on one kind
+//! of machine: every rank merges the same partials in the same order). An error on one rank ends them all (MPI's abort) instead of leaving
 //! the others waiting in a collective.
 use anyhow::{bail, Result};
 use kvpolicy::helix::world;
@@ -75,22 +75,18 @@ impl Ranks {
         Ok(())
     }
 
-    /// Checks `token` (this rank's choice) against rank 0's.
-    pub fn agree(&self, token: u32) -> Result<()> {
+    /// The token every rank goes on with: rank 0's, broadcast (Helix: rank 0 samples).
+    /// Every rank merges the same partials in the same order, so on one kind of machine
+    /// `token` (this rank's own choice) is rank 0's already; where it is not (ranks on
+    /// different hardware rounding differently), this rank adopts rank 0's.
+    pub fn adopt(&self, token: u32) -> Result<u32> {
         if !self.shared() {
-            return Ok(());
+            return Ok(token);
         }
         let comm = world::world()?;
         let mut chosen = [token];
         comm.broadcast_u32(&mut chosen, 0)?;
-        if chosen[0] != token {
-            bail!(
-                "rank {} chose token {token} where rank 0 chose {}: the ranks diverged",
-                self.rank,
-                chosen[0]
-            );
-        }
-        Ok(())
+        Ok(chosen[0])
     }
 
     /// Every rank's KV at the end of the run (a collective: every rank calls it).

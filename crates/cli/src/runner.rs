@@ -4,7 +4,7 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 use clap::{CommandFactory, FromArgMatches};
-use kvpolicy::models::{generate, load, resolve, ModelSpec};
+use kvpolicy::models::{generate_settling, load, resolve, ModelSpec};
 use kvpolicy::PolicySpec;
 
 use crate::applies::warn_slow_link;
@@ -232,11 +232,24 @@ fn run(
         printer = printer.silent();
     }
     let mut on_token = |t| {
-        ranks
-            .agree(t)
-            .map_err(|e| kvpolicy::ModelError::from(kvpolicy::KvError::invariant(e.to_string())))?;
         printer.push(t);
         Ok(())
+    };
+    // Under `helix` across ranks every rank goes on with rank 0's token (said once where
+    // this rank's own choice differed).
+    let mut diverged = false;
+    let mut settle = |t| {
+        let chosen = ranks
+            .adopt(t)
+            .map_err(|e| kvpolicy::ModelError::from(kvpolicy::KvError::invariant(e.to_string())))?;
+        if chosen != t && !diverged {
+            diverged = true;
+            eprintln!(
+                "warning (rank {}): it chose token {t} where rank 0 chose {chosen}; going on with rank 0's",
+                ranks.rank
+            );
+        }
+        Ok(chosen)
     };
     let (gen, reused) = match reusing.as_mut() {
         Some(r) => {
@@ -252,11 +265,12 @@ fn run(
             (c.generation, Some((req, c.session)))
         }
         None => (
-            generate(
+            generate_settling(
                 model.as_ref(),
                 policy.as_mut(),
                 &prompt_ids,
                 &cfg,
+                &mut settle,
                 &mut on_token,
             )?,
             None,

@@ -1,13 +1,18 @@
 //! `kvpolicy-helix`: decoding one sequence across ranks (Helix, arXiv 2507.07120): each
 //! rank keeps a share of the sequence's KV under a local policy and the attention partials
 //! are merged exactly ([`HelixPolicy`], `helix`), over a [`Collective`]: MPI between
-//! processes (feature `mpi`, launched by `mpirun`), threads within one ([`ThreadGroup`]).
+//! processes (feature `mpi`, launched by `mpirun`), GPU tensors over NCCL (feature
+//! `nccl`; across processes with `mpi`), threads within one process ([`ThreadGroup`]).
 #![deny(missing_docs)]
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 pub mod collective;
 #[cfg(feature = "mpi")]
 pub mod mpi_world;
+#[cfg(feature = "nccl")]
+pub mod nccl;
+#[cfg(feature = "nccl")]
+pub mod nccl_world;
 pub mod policy;
 pub mod settings;
 pub mod shares;

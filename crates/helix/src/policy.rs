@@ -56,7 +56,7 @@ impl HelixPolicy {
     pub fn new(mut local: Box<dyn KvPolicy>, comm: Arc<dyn Collective>) -> Result<Self> {
         if local.as_shard().is_none() {
             return Err(KvError::Unsupported(format!(
-                "`helix` keeps each rank's share under a policy that can hold part of a sequence; `{}` cannot (use local=full, layer, headwise or headwise:N)",
+                "`helix` keeps each rank's share under a policy that can hold part of a sequence; `{}` cannot (use local=full, layer, headwise, headwise:N or auto)",
                 local.name()
             )));
         }

@@ -6,7 +6,7 @@ use schemars::JsonSchema;
 #[serde(default, deny_unknown_fields)]
 pub struct HelixSettings {
     /// The lossless policy each rank keeps its share of the sequence under (`full`,
-    /// `layer`, `headwise`, `headwise:1`; a spec without commas; not `auto` yet). The shared options
+    /// `layer`, `headwise`, `headwise:1`, `auto`, `auto:64MiB`; a spec without commas). The shared options
     /// (device and host budgets, disk directory, KV dtype) apply to every rank's share.
     pub local: String,
 }

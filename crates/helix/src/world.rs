@@ -1,5 +1,5 @@
 //! The process's group: MPI's world when the process was launched by `mpirun` (feature
-//! `mpi`), a rank alone otherwise. Initialized on first use, finalized by [`finish`].
+//! `mpi`; with `nccl` too, GPU tensors go over NCCL), a rank alone otherwise. Initialized on first use, finalized by [`finish`].
 use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::collective::{Collective, Solo};
@@ -25,6 +25,19 @@ pub fn launched_rank() -> usize {
         .unwrap_or(0)
 }
 
+/// This process's rank among those the launcher started on this machine (0 outside
+/// `mpirun`): the GPU a rank uses, one GPU per rank.
+pub fn launched_local_rank() -> usize {
+    [
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "MPI_LOCALRANKID",
+        "PMI_LOCAL_RANK",
+    ]
+    .iter()
+    .find_map(|v| std::env::var(v).ok()?.parse().ok())
+    .unwrap_or(0)
+}
+
 /// The process's group (module docs); the same one on every call.
 pub fn world() -> Result<Arc<dyn Collective>, WorldError> {
     if let Some(w) = WORLD.get() {
@@ -35,7 +48,11 @@ pub fn world() -> Result<Arc<dyn Collective>, WorldError> {
         return Ok(w.clone());
     }
     let w: Arc<dyn Collective> = match launched_ranks() {
-        #[cfg(feature = "mpi")]
+        #[cfg(all(feature = "mpi", feature = "nccl"))]
+        Some(_) => Arc::new(crate::nccl_world::NcclWorld::new(
+            crate::mpi_world::MpiWorld::init()?,
+        )),
+        #[cfg(all(feature = "mpi", not(feature = "nccl")))]
         Some(_) => Arc::new(crate::mpi_world::MpiWorld::init()?),
         #[cfg(not(feature = "mpi"))]
         Some(ranks) if ranks > 1 => return Err(WorldError::NotBuilt { ranks }),

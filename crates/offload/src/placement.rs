@@ -3,41 +3,52 @@
 //! growth no longer fits the budget (its history copied back, counted), and room made for
 //! grown streaming buffers by demoting the last-decided units first.
 use candle_core::Tensor;
-use kvpolicy_core::{AttnStep, KvShape, Result};
+use kvpolicy_core::{KvShape, Partial, Result, StashedUnit};
 use kvpolicy_tiered::WriteAt;
 
-use crate::resident::{InPlace, Residency};
+use crate::resident::{InPlace, Residency, UnitAt, UnitId};
 use crate::runtime::OffloadPolicy;
 
 impl OffloadPolicy {
     /// `auto`: decides `unit` on its first run and attends it in place if it is resident
-    /// (its new entries appended to its device buffer). `None` when the unit streams — also
-    /// when it was resident but its growth (and a step's scratch, `reserve`) no longer fits
-    /// the budget: it is demoted here.
+    /// (its new entries appended to its device buffer), returning its partial. `None` when
+    /// the unit streams — also when it was resident but its growth (and a step's scratch,
+    /// `reserve`) no longer fits the budget: it is demoted here. When layers read this one's
+    /// cache (`keep`), what the unit attended is kept for them (a view, nothing copied).
     pub(crate) fn attend_resident(
         &mut self,
-        unit: usize,
+        unit: UnitId,
         (q, kn, vn): (&Tensor, &Tensor, &Tensor),
-        step: &AttnStep<'_>,
-        reserve: u64,
-        act: u64,
-    ) -> Result<Option<Tensor>> {
+        at: &UnitAt<'_>,
+        (reserve, act): (u64, u64),
+        keep: bool,
+    ) -> Result<Option<Partial>> {
         let Some(r) = self.residency.as_mut() else {
             return Ok(None);
         };
-        r.decide(unit, self.plan.grow_tokens());
+        let (layer, g, gs) = (unit.layer, unit.group, kn.dim(1)?);
+        let id = layer * unit.groups + g;
+        r.decide(id, self.plan.grow_tokens());
         let (kd, vd) = (self.device_codec.encode(kn)?, self.device_codec.encode(vn)?);
-        match r.attend(unit, (q, &kd, &vd), step, reserve, &mut self.meter)? {
+        match r.attend(id, (q, &kd, &vd), at, reserve, &mut self.meter)? {
             InPlace::Streams => Ok(None),
             InPlace::Demote => {
-                let gs = kn.dim(1)?;
-                let groups = step.k.dim(1)? / gs;
-                self.demote(unit, step.layer, unit % groups, gs)?;
+                self.demote(id, layer, g, gs)?;
                 Ok(None)
             }
             InPlace::Attended(part) => {
                 self.stats.note_scratch(part.scratch_bytes, act);
-                Ok(Some(part.out.to_dtype(q.dtype())?))
+                if keep {
+                    if let Some(kept) = r.view(id, at)? {
+                        self.stash.keep_view(StashedUnit {
+                            first_head: g * gs,
+                            k: kept.k,
+                            v: kept.v,
+                            k_pos: kept.k_pos,
+                        })?;
+                    }
+                }
+                Ok(Some(part))
             }
         }
     }

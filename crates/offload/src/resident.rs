@@ -15,7 +15,8 @@ use std::collections::HashMap;
 use candle_core::Tensor;
 use kvpolicy_core::Result;
 use kvpolicy_core::{
-    attend_partial, round_up, AttnInputs, AttnStep, DeviceMeter, KvShape, Partial, WindowKv,
+    attend_partial, round_up, AttnInputs, AttnSpec, AttnStep, DeviceMeter, KvShape, Partial,
+    WindowKv,
 };
 
 /// What became of a unit attended in place ([`Residency::attend`]).
@@ -37,6 +38,48 @@ pub(crate) enum Placed {
     Demote,
     /// Appended to its device buffer.
     Appended,
+}
+
+/// One (layer, head group) unit of a step, of `groups` per layer.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct UnitId {
+    pub(crate) layer: usize,
+    pub(crate) group: usize,
+    pub(crate) groups: usize,
+}
+
+/// Where a step's queries and keys sit for a resident unit: its buffer holds positions
+/// counted from `base` (0, or the first of one rank's share under `helix`).
+#[derive(Clone, Copy)]
+pub(crate) struct UnitAt<'a> {
+    /// Absolute position of the step's first query.
+    pub(crate) q_pos: usize,
+    /// The first buffer position the step's first query sees (its window's start, counted
+    /// from `base`): nothing before it is attended, and it may be dropped.
+    pub(crate) keep_from: usize,
+    /// The absolute position of the buffer's position 0.
+    pub(crate) base: usize,
+    pub(crate) spec: &'a AttnSpec,
+}
+
+impl<'a> UnitAt<'a> {
+    /// A step of a whole sequence (not a share): buffer positions are absolute.
+    pub(crate) fn whole(step: &AttnStep<'a>) -> Self {
+        Self {
+            q_pos: step.pos,
+            keep_from: step.spec.window_start(step.pos),
+            base: 0,
+            spec: step.spec,
+        }
+    }
+}
+
+/// Keys and values a resident unit holds for a step ([`Residency::view`]).
+pub(crate) struct KeptView {
+    pub(crate) k: Tensor,
+    pub(crate) v: Tensor,
+    /// Absolute position of the first key.
+    pub(crate) k_pos: usize,
 }
 
 /// Which units stay on the device, and their buffers.
@@ -66,13 +109,13 @@ pub(crate) struct Residency {
 impl Residency {
     /// Appends the step's new entries `kn`, `vn` to `unit`'s device buffer if it is
     /// resident (charged to `meter`). A buffer about to grow first drops the tokens no later
-    /// query sees (before the window). When the growth and a step's scratch (`reserve`) no
+    /// query sees (before `keep_from`, the window's first position in the buffer's). When the growth and a step's scratch (`reserve`) no
     /// longer fit `meter`'s budget nothing is appended: the unit is to be demoted.
     pub(crate) fn append(
         &mut self,
         unit: usize,
         (kn, vn): (&Tensor, &Tensor),
-        step: &AttnStep<'_>,
+        keep_from: usize,
         reserve: u64,
         meter: &mut DeviceMeter,
     ) -> Result<Placed> {
@@ -80,8 +123,11 @@ impl Residency {
         let Some(res) = self.units.get_mut(unit).and_then(Option::as_mut) else {
             return Ok(Placed::Streams);
         };
+        if t == 0 {
+            return Ok(Placed::Appended);
+        }
         // No later query sees the tokens before the window: drop them, not grow.
-        res.make_room(step.spec.window_start(step.pos), t)?;
+        res.make_room(keep_from, t)?;
         let grow = res.growth_bytes(kn)?;
         if grow > 0 && !meter.fits(grow + reserve) {
             return Ok(Placed::Demote);
@@ -91,45 +137,62 @@ impl Residency {
     }
 
     /// Attends `unit` in place if it is resident: the step's new entries appended first
-    /// ([`Residency::append`]), then queries `q` over its window of the buffer.
+    /// ([`Residency::append`]), then queries `q` over what the buffer holds from
+    /// `at.keep_from` on.
     pub(crate) fn attend(
         &mut self,
         unit: usize,
         (q, kn, vn): (&Tensor, &Tensor, &Tensor),
-        step: &AttnStep<'_>,
+        at: &UnitAt<'_>,
         reserve: u64,
         meter: &mut DeviceMeter,
     ) -> Result<InPlace> {
-        match self.append(unit, (kn, vn), step, reserve, meter)? {
+        match self.append(unit, (kn, vn), at.keep_from, reserve, meter)? {
             Placed::Streams => return Ok(InPlace::Streams),
             Placed::Demote => return Ok(InPlace::Demote),
             Placed::Appended => {}
         }
-        let Some(res) = self.units.get(unit).and_then(Option::as_ref) else {
-            return Ok(InPlace::Streams);
+        let Some(kept) = self.view(unit, at)? else {
+            let (b, nh, t, _) = q.dims4()?;
+            return Ok(InPlace::Attended(Partial::empty(
+                b,
+                nh,
+                t,
+                vn.dim(3)?,
+                q.device(),
+            )?));
         };
-        let (pos, t) = (step.pos, kn.dim(2)?);
-        let start = step.spec.window_start(pos);
-        let (k, v) = res.view(start, pos + t)?;
         Ok(InPlace::Attended(attend_partial(
             AttnInputs {
                 q,
-                k: &k,
-                v: &v,
-                q_pos: pos,
-                k_pos: start,
+                k: &kept.k,
+                v: &kept.v,
+                q_pos: at.q_pos,
+                k_pos: kept.k_pos,
             },
-            step.spec,
+            at.spec,
         )?))
     }
 
-    /// The window of resident `unit`'s buffer that `step` attended (its keys from the
-    /// window's start on), for the layers that read this one's cache; `None` if it streams.
-    pub(crate) fn view(&self, unit: usize, step: &AttnStep<'_>) -> Option<(Tensor, Tensor)> {
-        let res = self.units.get(unit).and_then(Option::as_ref)?;
-        let t = step.k.dim(2).ok()?;
-        let start = step.spec.window_start(step.pos);
-        res.view(start, step.pos + t).ok()
+    /// What resident `unit`'s buffer holds from `at.keep_from` on, with its first key's
+    /// absolute position: what a step attends, and what the layers reading this one's cache
+    /// read. `None` if it holds nothing there; an error if the unit streams.
+    pub(crate) fn view(&self, unit: usize, at: &UnitAt<'_>) -> Result<Option<KeptView>> {
+        let res = self
+            .units
+            .get(unit)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| kvpolicy_core::KvError::invariant("a streamed unit has no view"))?;
+        let start = at.keep_from.max(res.base());
+        if start >= res.end() {
+            return Ok(None);
+        }
+        let (k, v) = res.view(start, res.end())?;
+        Ok(Some(KeptView {
+            k,
+            v,
+            k_pos: start + at.base,
+        }))
     }
 
     /// Plans the run at its first step with `avail` bytes for resident units (`None`: no

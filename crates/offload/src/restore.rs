@@ -35,7 +35,8 @@ impl KvRestore for OffloadPolicy {
                     self.device_codec.encode(&kn)?,
                     self.device_codec.encode(&vn)?,
                 );
-                match r.append(unit, (&kd, &vd), step, reserve, &mut self.meter)? {
+                let keep_from = step.spec.window_start(pos);
+                match r.append(unit, (&kd, &vd), keep_from, reserve, &mut self.meter)? {
                     Placed::Appended => continue,
                     Placed::Streams => {}
                     Placed::Demote => self.demote(unit, layer, g, gs)?,

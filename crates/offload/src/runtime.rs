@@ -27,7 +27,7 @@ use kvpolicy_core::{KvCodec, KvRestore};
 use kvpolicy_tiered::{report_device, DiskTier, HostLayers, Link, TransferEngine, WriteAt};
 
 use crate::plan::{Grouping, Plan};
-use crate::resident::Residency;
+use crate::resident::{Residency, UnitAt, UnitId};
 use crate::stream::{StepAt, Streaming, UnitBuffers};
 
 /// Offloaded KV with a ping-pong pair of device buffers (see the module docs).
@@ -336,19 +336,17 @@ impl KvPolicy for OffloadPolicy {
             let kn = step.k.narrow(1, g * gs, gs)?.contiguous()?;
             let vn = step.v.narrow(1, g * gs, gs)?.contiguous()?;
             let q = step.q.narrow(1, g * q_per_group, q_per_group)?;
-            let unit = layer * groups + g;
-            if let Some(out) = self.attend_resident(unit, (&q, &kn, &vn), step, reserve, act)? {
-                if keep {
-                    if let Some((k, v)) = self.residency.as_ref().and_then(|r| r.view(unit, step)) {
-                        self.stash.keep_view(StashedUnit {
-                            first_head: g * gs,
-                            k,
-                            v,
-                            k_pos: start,
-                        })?;
-                    }
-                }
-                outs.push(out);
+            let unit = UnitId {
+                layer,
+                group: g,
+                groups,
+            };
+            let whole = UnitAt::whole(step);
+            let resident = (&q, &kn, &vn);
+            if let Some(part) =
+                self.attend_resident(unit, resident, &whole, (reserve, act), keep)?
+            {
+                outs.push(part.out.to_dtype(q.dtype())?);
                 continue;
             }
             let part = self.attend_streamed(StreamedUnit {
@@ -439,12 +437,6 @@ impl KvPolicy for OffloadPolicy {
     }
 
     fn as_shard(&mut self) -> Option<&mut dyn kvpolicy_core::ShardLocal> {
-        // `auto`'s resident units attend at the sequence's positions; `layer` and
-        // `headwise` stream every unit and can hold a share.
-        if self.residency.is_some() {
-            None
-        } else {
-            Some(self)
-        }
+        Some(self)
     }
 }

@@ -1,6 +1,8 @@
-//! `layer` and `headwise` holding one rank's share of a sequence (`helix`: KV-parallel
-//! decoding, Helix §3). The share's tokens sit on the host tier (RAM or disk) at positions
-//! counted from the share's first, so the tier, its windows and its files work unchanged;
+//! `layer`, `headwise` and `auto` holding one rank's share of a sequence (`helix`:
+//! KV-parallel decoding, Helix §3). The share's tokens sit on the host tier (RAM or disk) —
+//! or, for `auto`'s resident units, in their device buffers — at positions counted from the
+//! share's first, so the tier, its windows, its files and `auto`'s placement (its plan sized
+//! for the share, demotions) work unchanged;
 //! only the attention sees absolute positions (queries at the step's, keys at the share's
 //! first plus their offset), and it returns the partial (output and log-sum-exp) for
 //! `helix` to merge. A step's K/V are stored only for the positions the share takes, and a
@@ -12,6 +14,7 @@ use std::ops::Range;
 use candle_core::Tensor;
 use kvpolicy_core::{AttnStep, Partial, Result, ShardLocal, TokenRange};
 
+use crate::resident::{UnitAt, UnitId};
 use crate::runtime::{OffloadPolicy, StreamedUnit};
 use crate::stream::StepAt;
 
@@ -75,11 +78,32 @@ impl ShardLocal for OffloadPolicy {
         let q_per_group = gs * step.spec.group_size();
         let at = StepAt::new(pos, stored, shape.n_layers, false);
         let act = shape.activation_bytes(t);
+        let reserve = self.plan.scratch_bytes(&shape, gs, widest + stored);
+        // `auto`'s resident units hold the share's positions from its first, as the host
+        // tier does.
+        let resident_at = UnitAt {
+            q_pos: step.pos,
+            keep_from: start,
+            base,
+            spec: step.spec,
+        };
         let mut parts = Vec::with_capacity(groups);
         for g in 0..groups {
             let kg = kn.narrow(1, g * gs, gs)?.contiguous()?;
             let vg = vn.narrow(1, g * gs, gs)?.contiguous()?;
             let q = step.q.narrow(1, g * q_per_group, q_per_group)?;
+            let unit = UnitId {
+                layer,
+                group: g,
+                groups,
+            };
+            let resident = (&q, &kg, &vg);
+            if let Some(part) =
+                self.attend_resident(unit, resident, &resident_at, (reserve, act), keep)?
+            {
+                parts.push(part);
+                continue;
+            }
             parts.push(self.attend_streamed(StreamedUnit {
                 layer,
                 group: g,

@@ -312,9 +312,34 @@ pub fn generate(
     cfg: &GenerateConfig,
     on_token: &mut dyn FnMut(u32) -> Result<()>,
 ) -> Result<Generation> {
+    generate_settling(model, policy, prompt, cfg, &mut Ok, on_token)
+}
+
+/// [`generate`], with each sampled token passed through `settle` before it is used: the
+/// token the run goes on with is what `settle` returns. Under `helix` across ranks every
+/// rank samples, and `settle` hands every rank rank 0's token (a broadcast), so that the
+/// ranks go on with one sequence whatever their floats did. Teacher-forced tokens
+/// (`decode_ids`) are not settled: every caller has them already.
+pub fn generate_settling(
+    model: &dyn CausalLm,
+    policy: &mut dyn KvPolicy,
+    prompt: &[u32],
+    cfg: &GenerateConfig,
+    settle: &mut dyn FnMut(u32) -> Result<u32>,
+    on_token: &mut dyn FnMut(u32) -> Result<()>,
+) -> Result<Generation> {
     begin(model, policy, prompt, cfg)?;
     let prefilled = prefill_phase(model, policy, prompt, 0, cfg)?;
-    decode_phase(model, policy, prompt, cfg, prefilled, on_token)
+    let emit = EmitTokens { settle, on_token };
+    decode_phase(model, policy, prompt, cfg, prefilled, emit)
+}
+
+/// What [`decode_phase`] does with each chosen token: settles a sampled one, then shows it.
+pub(crate) struct EmitTokens<'a> {
+    /// Settles a sampled token ([`generate_settling`]).
+    pub(crate) settle: &'a mut dyn FnMut(u32) -> Result<u32>,
+    /// Sees every token as it is chosen.
+    pub(crate) on_token: &'a mut dyn FnMut(u32) -> Result<()>,
 }
 
 /// Checks the request and prepares `policy` for it (the first step of [`generate`]).
@@ -391,8 +416,9 @@ pub(crate) fn decode_phase(
     prompt: &[u32],
     cfg: &GenerateConfig,
     prefilled: Prefilled,
-    on_token: &mut dyn FnMut(u32) -> Result<()>,
+    emit: EmitTokens<'_>,
 ) -> Result<Generation> {
+    let EmitTokens { settle, on_token } = emit;
     let info = model.info().clone();
     let prefill_stats = policy.stats();
     let Prefilled {
@@ -426,7 +452,7 @@ pub(crate) fn decode_phase(
         None => {
             let mut sampler = LogitsProcessor::from_sampling(cfg.seed, sampling(cfg));
             for i in 0..cfg.max_new_tokens {
-                let tok = sampler.sample(&last)?;
+                let tok = settle(sampler.sample(&last)?)?;
                 on_token(tok)?;
                 generated.push(tok);
                 if (cfg.stop_at_eos && info.eos.contains(&tok)) || i + 1 == cfg.max_new_tokens {

@@ -15,7 +15,7 @@ use kvpolicy_prefix::{
 };
 
 use crate::engine::generate::{
-    begin, chunk_len, decode_phase, prefill_phase, GenerateConfig, Generation,
+    begin, chunk_len, decode_phase, prefill_phase, EmitTokens, GenerateConfig, Generation,
 };
 use crate::error::{ModelError, Result};
 use crate::model::{CausalLm, ModelInfo};
@@ -184,7 +184,11 @@ pub fn generate_reusing(
         capture.clear();
     }
     capture.keeping(save_session.is_some());
-    let generation = decode_phase(model, &mut capture, &ids, cfg, prefilled, on_token)?;
+    let emit = EmitTokens {
+        settle: &mut Ok,
+        on_token,
+    };
+    let generation = decode_phase(model, &mut capture, &ids, cfg, prefilled, emit)?;
     let stored = match (cache, computed) {
         (Some(c), Some(kv)) => store_new(c, &ids, reuse.tokens, &kv)?,
         _ => 0,
