@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on a GPU machine over a copy of the repo, with binaries built here by
-#   CARGO_TARGET_DIR=… cargo build --release --features cuda --example llama --example kvbench
-#   CARGO_TARGET_DIR=… cargo test --release --features cuda --test cuda --no-run
+#   CARGO_TARGET_DIR=… cargo build --release --features nccl --example llama --example kvbench
+#   CARGO_TARGET_DIR=… cargo test --release --features nccl --test cuda --no-run
 # and copied (stripped) into .device-bin/ (the test binary as .device-bin/cuda-tests). Writes results under $OUT (default ./gpu-out).
 # Usage: bash scripts/gpu_run.sh [CONTEXT] [STEPS]
 set -uo pipefail
@@ -9,9 +9,9 @@ OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 CTX=${1:-32768}; STEPS=${2:-4}
 B=.device-bin
 NV=$(python3 -c "import nvidia,os;print(os.path.dirname(nvidia.__file__))" 2>/dev/null)
-export LD_LIBRARY_PATH="$NV/cu13/lib:${LD_LIBRARY_PATH:-}"
+export LD_LIBRARY_PATH="$NV/cu13/lib:$NV/nccl/lib:${LD_LIBRARY_PATH:-}"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-echo "== GPU tests (engine copies, pinned tier, every policy vs full in f32 and bf16)"
+echo "== GPU tests (engine copies, pinned tier, every policy vs full in f32 and bf16, one-rank NCCL group)"
 "$B/cuda-tests" --test-threads 1 > "$OUT/cuda-tests.log" 2>&1
 echo "cuda tests exit $?"; tail -3 "$OUT/cuda-tests.log"
 echo "== zero-copy page gather (CLO) vs the copy engine on the same pages"

@@ -225,6 +225,29 @@ fn what_several_ranks_cannot_share_is_refused_under_mpirun() -> Result<()> {
     Ok(())
 }
 
+/// kvbench runs as one process: launched by `mpirun` as 2 ranks it refuses, naming the
+/// script that measures `helix` across ranks, instead of running the sweep once per rank.
+#[test]
+fn kvbench_refuses_several_ranks() -> Result<()> {
+    let model = common::fixture("llama_gqa").to_string_lossy().into_owned();
+    let args = [
+        "--model-dir",
+        model.as_str(),
+        "--quick",
+        "--policies",
+        "helix",
+    ];
+    let o = launch(2, "kvbench", &args).output()?;
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(
+        err.contains("mpirun launched 2") && err.contains("helix_bench.py"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+    Ok(())
+}
+
 #[test]
 fn a_killed_rank_ends_the_job_within_30_s_naming_it() -> Result<()> {
     // A run long enough to be killed in the middle of: the default model (SmolLM2-135M)

@@ -145,6 +145,10 @@ fn main() -> std::process::ExitCode {
 
 /// The sweep `args` asks for.
 fn run(mut args: Args) -> Result<()> {
+    kvpolicy_cli::ranks::Ranks::launched().refuse_for(
+        "kvbench",
+        "; helix across ranks is measured by scripts/helix_bench.py (mpirun over the llama example)",
+    )?;
     if args.quick {
         args.context = vec![64, 256];
         args.steps = 4;

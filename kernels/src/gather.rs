@@ -38,14 +38,14 @@ pub fn gather_pages(dev: &CudaDevice, g: &PageGather<'_>) -> Result<()> {
     if n == 0 {
         return Ok(());
     }
-    if g.page_bytes % 4 != 0 {
+    if !g.page_bytes.is_multiple_of(4) {
         candle_core::bail!(
             "gather_pages: a page of {} bytes is not whole 4-byte words",
             g.page_bytes
         );
     }
-    let aligned = |x: u64| x % 16 == 0;
-    let wide = g.page_bytes % 16 == 0
+    let aligned = |x: u64| x.is_multiple_of(16);
+    let wide = g.page_bytes.is_multiple_of(16)
         && aligned(g.src)
         && aligned(g.dst)
         && g.src_offsets

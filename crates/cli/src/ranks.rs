@@ -54,6 +54,19 @@ impl Ranks {
         self.size > 1
     }
 
+    /// Refuses a launch by `mpirun` as several ranks of `tool`, a tool that runs as one
+    /// process (kvbench, the server): every rank would run all of it, each on its own.
+    /// There `helix` is one rank (its `Collective` is `Solo`).
+    pub fn refuse_for(&self, tool: &str, instead: &str) -> Result<()> {
+        if self.shared() {
+            bail!(
+                "{tool} runs as one process, but mpirun launched {} of it (every rank would run all of it on its own); run it without mpirun ({tool}'s `helix` is then one rank){instead}",
+                self.size
+            );
+        }
+        Ok(())
+    }
+
     /// Refuses what several ranks cannot share: a policy other than `helix` (every rank
     /// would run the whole job), a prompts file, a prefix cache or a session.
     pub fn check(&self, policy: &str, args: &Args) -> Result<()> {

@@ -126,6 +126,7 @@ fn run(
     reg: &kvpolicy::PolicyRegistry,
     matches: &clap::ArgMatches,
 ) -> Result<()> {
+    kvpolicy_cli::ranks::Ranks::launched().refuse_for("kvpolicy-server", "")?;
     for (n, flag) in [
         (args.max_batch, "--max-batch"),
         (args.prefill_chunk, "--prefill-chunk"),

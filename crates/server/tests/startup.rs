@@ -29,6 +29,22 @@ fn bad_flags_are_refused_naming_the_flag() -> Result<()> {
     Ok(())
 }
 
+/// Launched by `mpirun` as several ranks (its environment says so: Open MPI's
+/// `OMPI_COMM_WORLD_SIZE`), the server refuses to start instead of serving once per rank.
+#[test]
+fn several_mpirun_ranks_are_refused() -> Result<()> {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvpolicy-server"))
+        .args(["--cpu", "--port", "0", "--policy", "helix"])
+        .env("OMPI_COMM_WORLD_SIZE", "2")
+        .env("OMPI_COMM_WORLD_RANK", "0")
+        .output()?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    ensure!(!out.status.success(), "started: {err}");
+    ensure!(err.contains("mpirun launched 2"), "{err}");
+    ensure!(out.stdout.is_empty(), "printed an address");
+    Ok(())
+}
+
 #[test]
 fn the_served_model_name_is_what_clients_see() -> Result<()> {
     let server = Server::start(&["--served-model-name", "smol"])?;
