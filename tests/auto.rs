@@ -158,3 +158,63 @@ fn windowed_layers_are_resident_first_in_window_sized_buffers() -> Result<()> {
     }
     Ok(())
 }
+
+/// Demotion on sliding-window models: `auto` planned for a run of 6 tokens meets a longer
+/// one, so resident units are demoted mid-run — growing streaming buffers push them out, the
+/// last-decided first, down to windowed units whose layer's host tier has already dropped
+/// the tokens before its window; where the grown buffers no longer fit at the planned head
+/// group, the group shrinks, every resident unit is demoted under the old numbering and
+/// the rest of the run streams (before that fix a unit numbered under the old group was
+/// written into another layer's heads: Δ up to 3 on gemma2/gemma3) — under budgets from
+/// none to all units. Every decode step's logits equal `full`'s; some budget demotes on
+/// each model.
+#[test]
+fn units_demoted_mid_run_on_windowed_models_keep_full_logits() -> Result<()> {
+    let (chunk, grow) = (3, 2);
+    for name in ["gemma2", "gemma3", "mistral"] {
+        let loaded = common::load_fixture(name)?;
+        let model = loaded.model.as_ref();
+        let info = model.info().clone();
+        assert!(
+            info.windows.iter().any(Option::is_some),
+            "{name}: no window"
+        );
+        let (prompt, decode) = common::fixture_ids(name)?;
+        let decode_logits = |p: &mut dyn kvpolicy::KvPolicy| -> Result<Vec<Tensor>> {
+            p.prepare(&kv_shape(&info, 1, 6, chunk))?;
+            prefill(model, p, &prompt, chunk, false)?;
+            let mut rows = Vec::new();
+            for (pos, &tok) in (prompt.len()..).zip(decode.iter()) {
+                let ids = Tensor::new(&[tok], &Device::Cpu)?.unsqueeze(0)?;
+                rows.push(model.forward(&ids, pos, p, LogitsMode::Last)?);
+            }
+            Ok(rows)
+        };
+        let opts = |budget: Option<u64>| PolicyOptions {
+            grow_tokens: grow,
+            device_kv_budget: budget,
+            ..PolicyOptions::default()
+        };
+        let want = decode_logits(build_policy("full", &opts(None))?.as_mut())?;
+        let total = prompt.len() + decode.len();
+        let shape = kv_shape(&info, 1, total, chunk);
+        let cap = total.div_ceil(grow) * grow;
+        // The streaming buffers of one KV head at the whole run's capacity and its scratch,
+        // then room for k single-head units of the short plan's capacity.
+        let small = shape.kv_bytes(1, 6usize.div_ceil(grow) * grow);
+        let streaming = 2 * shape.kv_bytes(1, cap) + shape.step_scratch_bytes(1, cap, &Device::Cpu);
+        let mut demoted = 0;
+        for k in 0..=(info.n_layers * info.n_kv_heads) as u64 {
+            let budget = streaming + k * small;
+            let mut p = build_policy("auto", &opts(Some(budget)))?;
+            let got = decode_logits(p.as_mut())?;
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                let d = common::max_abs_diff(g, w)?;
+                assert!(d <= 1e-5, "{name} budget {budget} step {i}: max |Δ| = {d}");
+            }
+            demoted += common::metric(&p.stats(), "demotions");
+        }
+        assert!(demoted > 0, "{name}: no budget demoted a unit");
+    }
+    Ok(())
+}

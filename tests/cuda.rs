@@ -7,8 +7,8 @@
 //! one-rank NCCL group's all-gather and sum on GPU memory, and `helix` over it against `full`.
 //!
 //! Built without the feature (CI's CPU run) this file is empty. On a GPU machine:
-//! `cargo test --release --features cuda --test cuda` (or build it with `--no-run` here and
-//! run the binary there; README, "GPU").
+//! `cargo test --release --features nccl --test cuda` (`nccl` is `cuda` and the NCCL test;
+//! or build it with `--no-run` here and run the binary there; README, "GPU").
 #![cfg(feature = "cuda")]
 mod common;
 

@@ -235,3 +235,81 @@ fn auto_holds_a_share_resident_and_streamed() -> Result<()> {
     assert!(mixed > 0, "no rank kept some units and streamed others");
     Ok(())
 }
+
+/// Decode logits of `policy` prepared for a run of 6 tokens that then goes on: prefill in
+/// chunks of 3, then `decode` one token at a time.
+fn short_plan_logits(
+    model: &dyn kvpolicy::CausalLm,
+    policy: &mut dyn KvPolicy,
+    prompt: &[u32],
+    decode: &[u32],
+) -> Result<Vec<Tensor>> {
+    let mut checked = kvpolicy::core::Checked::new(policy);
+    checked.prepare(&kv_shape(model.info(), 1, 6, 3))?;
+    kvpolicy::models::prefill(model, &mut checked, prompt, 3, false)?;
+    let mut rows = Vec::new();
+    for (pos, &tok) in (prompt.len()..).zip(decode) {
+        let ids = Tensor::new(&[tok], &Device::Cpu)?.unsqueeze(0)?;
+        rows.push(model.forward(&ids, pos, &mut checked, kvpolicy::LogitsMode::Last)?);
+    }
+    Ok(rows)
+}
+
+/// `auto` under `helix` demoting mid-run: prepared for 6 tokens, the run goes on, so the
+/// last rank's share grows past what its plan sized — resident units are demoted to its
+/// host tier at the share's own positions (and where the head group shrinks, all of them)
+/// — under budgets from none to every unit resident; every rank's decode logits equal
+/// `full`'s, and some budget demotes on each model.
+#[test]
+fn auto_shares_demote_mid_run_and_keep_full_logits() -> Result<()> {
+    let opts = |budget: u64| PolicyOptions {
+        grow_tokens: 2,
+        device_kv_budget: Some(budget),
+        ..PolicyOptions::default()
+    };
+    for name in ["llama_gqa", "gemma3", "mistral"] {
+        let loaded = common::load_fixture(name)?;
+        let info = loaded.model.info().clone();
+        let (prompt, decode) = common::fixture_ids(name)?;
+        let mut full = build_policy("full", &PolicyOptions::default())?;
+        let want = short_plan_logits(loaded.model.as_ref(), full.as_mut(), &prompt, &decode)?;
+        let total = prompt.len() + decode.len();
+        let shape = kv_shape(&info, 1, total, 3);
+        let streaming =
+            2 * shape.kv_bytes(1, total) + shape.step_scratch_bytes(1, total, &Device::Cpu);
+        let unit = shape.kv_bytes(1, 6);
+        let mut demoted = 0;
+        for k in 0..=(info.kv_layers() * info.n_kv_heads) as u64 {
+            let budget = streaming + k * unit;
+            let ranks: Vec<_> = ThreadGroup::new(2)
+                .into_iter()
+                .map(|group| {
+                    let name = name.to_string();
+                    std::thread::spawn(move || -> Result<(Vec<Tensor>, u64)> {
+                        let loaded = common::load_fixture(&name)?;
+                        let (prompt, decode) = common::fixture_ids(&name)?;
+                        let local = build_policy("auto", &opts(budget))?;
+                        let mut p = HelixPolicy::new(local, Arc::new(group))?;
+                        let rows =
+                            short_plan_logits(loaded.model.as_ref(), &mut p, &prompt, &decode)?;
+                        Ok((rows, common::metric(&p.stats(), "demotions")))
+                    })
+                })
+                .collect();
+            for (r, h) in ranks.into_iter().enumerate() {
+                let (rows, demotions) =
+                    h.join().map_err(|_| anyhow::anyhow!("a rank panicked"))??;
+                for (i, (g, w)) in rows.iter().zip(&want).enumerate() {
+                    let d = common::max_abs_diff(g, w)?;
+                    assert!(
+                        d <= TOL,
+                        "{name} budget {budget} rank {r} step {i}: max |Δ| = {d}"
+                    );
+                }
+                demoted += demotions;
+            }
+        }
+        assert!(demoted > 0, "{name}: no budget demoted a unit");
+    }
+    Ok(())
+}

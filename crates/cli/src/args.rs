@@ -281,15 +281,24 @@ impl ModelArgs {
     }
 
     /// The device: the CPU with `--cpu`, else a GPU when there is one — the first, or under
-    /// `mpirun` the one of this rank's place on its machine (one GPU per rank).
+    /// `mpirun` the one of this rank's place on its machine (one GPU per rank; modulo the
+    /// GPUs it sees, so a launcher that gives each rank one GPU of its own works too).
     pub fn device(&self) -> Result<Device> {
         if self.cpu {
             return Ok(Device::Cpu);
         }
-        let gpu = kvpolicy::helix::world::launched_local_rank();
-        Device::cuda_if_available(gpu).with_context(|| {
+        let Some(ranks) = kvpolicy::helix::world::launched_ranks() else {
+            return Ok(Device::cuda_if_available(0)?);
+        };
+        let local = kvpolicy::helix::world::launched_local_rank();
+        #[cfg(feature = "cuda")]
+        let local = match candle_core::cuda::cudarc::driver::CudaContext::device_count() {
+            Ok(n) if n > 0 => local % n as usize,
+            _ => local,
+        };
+        Device::cuda_if_available(local).with_context(|| {
             format!(
-                "rank {} uses GPU {gpu} (one GPU per rank on each machine): start fewer ranks per machine, or pass --cpu",
+                "rank {} of {ranks} could not open GPU {local}",
                 kvpolicy::helix::world::launched_rank()
             )
         })

@@ -5,6 +5,9 @@
 //! [`NcclId`] that one rank creates and every rank receives by some other channel (MPI's
 //! broadcast in [`crate::nccl_world`]); with one rank it needs no channel at all.
 //!
+//! The collectives are queued on the stream like any candle op; the host does not wait for
+//! them, so `helix`'s `collective_s` counts the host's time to queue them, not the GPU's.
+//!
 //! NCCL itself is loaded at run time (`libnccl.so.2`: PyPI's `nvidia-nccl-cu13`, which
 //! PyTorch's CUDA wheels install); it needs one GPU per rank.
 use std::sync::Mutex;
@@ -58,6 +61,15 @@ impl NcclId {
     }
 }
 
+/// Makes `device`'s context current on this thread.
+fn bind(device: &CudaDevice) -> CollectiveResult<()> {
+    device
+        .cuda_stream()
+        .context()
+        .bind_to_thread()
+        .map_err(|e| CollectiveError::Backend(format!("CUDA could not bind the GPU: {e:?}")))
+}
+
 fn nccl_err(what: &str, e: candle_core::cuda::cudarc::nccl::result::NcclError) -> CollectiveError {
     CollectiveError::Backend(format!("NCCL failed {what}: {:?}", e.0))
 }
@@ -78,13 +90,17 @@ unsafe impl Sync for NcclGroup {}
 
 impl NcclGroup {
     /// Joins the group `id` names as `rank` of `size`, on `device` (every rank calls this
-    /// together: it returns once all have). Each rank needs its own GPU.
+    /// together: it returns once all have — a rank that fails to join leaves the others
+    /// waiting, so a caller ends the job then, as the runner does with MPI's abort). Each
+    /// rank needs its own GPU.
     pub fn join(
         device: &CudaDevice,
         rank: usize,
         size: usize,
         id: &NcclId,
     ) -> CollectiveResult<Self> {
+        // NCCL binds the communicator to the calling thread's current device.
+        bind(device)?;
         let comm = Comm::from_rank(device.cuda_stream(), rank, size, id.id()).map_err(|e| {
             nccl_err(
                 &format!("joining the group as rank {rank} of {size} on GPU {:?} (each rank needs a GPU of its own)", device.location()),
@@ -134,6 +150,7 @@ impl NcclGroup {
             )));
         }
         let local = local.to_dtype(candle_core::DType::F32)?.contiguous()?;
+        bind(&self.device)?;
         let comm = self
             .comm
             .lock()
@@ -184,14 +201,16 @@ impl CustomOp1 for DeviceExchange<'_> {
         };
         match self.kind {
             Exchange::Gather => {
-                let mut dst = dev.alloc_zeros::<f32>(n * self.ranks)?;
+                // SAFETY: the all-gather writes every element before anything reads it.
+                let mut dst = unsafe { dev.alloc::<f32>(n * self.ranks) }?;
                 self.comm.all_gather(&src, &mut dst).map_err(failed)?;
                 let mut dims = vec![self.ranks];
                 dims.extend_from_slice(l.dims());
                 Ok((CudaStorage::wrap_cuda_slice(dst, dev), Shape::from(dims)))
             }
             Exchange::Sum => {
-                let mut dst = dev.alloc_zeros::<f32>(n)?;
+                // SAFETY: the sum writes every element before anything reads it.
+                let mut dst = unsafe { dev.alloc::<f32>(n) }?;
                 self.comm
                     .all_reduce(&src, &mut dst, &ReduceOp::Sum)
                     .map_err(failed)?;

@@ -1,10 +1,11 @@
 //! [`Collective`] for ranks on GPUs (feature `nccl`): a host collective carries what lives
 //! on the host (the NCCL id, token ids, counters, the barrier) — MPI's world when `mpirun`
 //! launched the ranks (with feature `mpi`), [`Solo`](crate::Solo) for one rank — and NCCL
-//! the tensors on the GPU ([`crate::nccl::NcclGroup`]). The NCCL group is
-//! founded on the first tensor collective over GPU memory — every rank makes the same
-//! collectives in the same order, so every rank founds it at the same call, on the GPU the
-//! tensor lives on. CPU tensors (`--cpu` runs) go through the host collective.
+//! the tensors on the GPU ([`crate::nccl::NcclGroup`]). The first tensor collective settles
+//! where they run — every rank makes the same collectives in the same order, so every rank
+//! settles at the same call: the ranks agree that all of them are on GPUs (the NCCL group
+//! is founded then, on the GPU the tensor lives on) or all on the CPU (`--cpu` runs: the
+//! host collective); a mix fails on every rank instead of pairing mismatched collectives.
 use std::sync::{Arc, Mutex};
 
 use candle_core::{Device, Tensor};
@@ -15,7 +16,18 @@ use crate::nccl::{NcclGroup, NcclId};
 /// A host collective for the host, NCCL for GPU tensors (module docs).
 pub struct NcclWorld<H> {
     host: H,
-    group: Mutex<Option<Arc<NcclGroup>>>,
+    tensors: Mutex<Tensors>,
+}
+
+/// Where the group's tensor collectives run, settled by the first one.
+#[derive(Clone)]
+enum Tensors {
+    /// Not settled yet.
+    Unsettled,
+    /// Every rank's tensors are on the CPU: the host collective.
+    Host,
+    /// Every rank's tensors are on a GPU: this NCCL group.
+    Gpu(Arc<NcclGroup>),
 }
 
 impl<H: Collective> NcclWorld<H> {
@@ -24,31 +36,53 @@ impl<H: Collective> NcclWorld<H> {
     pub fn new(host: H) -> Self {
         Self {
             host,
-            group: Mutex::new(None),
+            tensors: Mutex::new(Tensors::Unsettled),
         }
     }
 
-    /// The group founded, once there is one.
+    /// The NCCL group founded, once there is one.
     pub fn group(&self) -> Option<Arc<NcclGroup>> {
-        self.group.lock().ok()?.clone()
+        match &*self.tensors.lock().ok()? {
+            Tensors::Gpu(g) => Some(g.clone()),
+            _ => None,
+        }
     }
 
-    /// The NCCL group on `t`'s GPU, founding it on first use: rank 0 makes the id and
-    /// broadcasts it over the host collective with a word saying whether it could (so that
-    /// a failure there fails every rank instead of leaving them waiting).
-    fn group_for(&self, t: &Tensor) -> CollectiveResult<Arc<NcclGroup>> {
-        let Device::Cuda(dev) = t.device() else {
-            return Err(CollectiveError::Backend(
-                "an NCCL group is founded on a GPU tensor".into(),
-            ));
-        };
+    /// Where tensor collectives run, settled at the first one (module docs): the ranks
+    /// agree over the host collective that every rank's tensor is on a GPU, or that none
+    /// is; a mix is an error on every rank naming the ranks on the CPU.
+    fn settle(&self, t: &Tensor) -> CollectiveResult<Tensors> {
         let mut slot = self
-            .group
+            .tensors
             .lock()
             .map_err(|_| CollectiveError::Backend("a thread panicked inside NCCL".into()))?;
-        if let Some(g) = slot.as_ref() {
-            return Ok(g.clone());
+        if !matches!(*slot, Tensors::Unsettled) {
+            return Ok(slot.clone());
         }
+        let on_gpu = self
+            .host
+            .all_gather_u64(&[u64::from(t.device().is_cuda())])?;
+        let cpu: Vec<usize> = (0..on_gpu.len()).filter(|&r| on_gpu[r] == 0).collect();
+        let settled = if cpu.len() == on_gpu.len() {
+            Tensors::Host
+        } else if !cpu.is_empty() {
+            return Err(CollectiveError::Backend(format!(
+                "ranks {cpu:?} run on the CPU and the others on GPUs; give every rank a GPU, or pass --cpu to every rank"
+            )));
+        } else {
+            let Device::Cuda(dev) = t.device() else {
+                return Err(CollectiveError::Backend("a GPU tensor left its GPU".into()));
+            };
+            Tensors::Gpu(Arc::new(self.found(dev)?))
+        };
+        *slot = settled.clone();
+        Ok(settled)
+    }
+
+    /// Founds the NCCL group on `dev`: rank 0 makes the id and broadcasts it over the host
+    /// collective with a word saying whether it could (so that a failure there fails every
+    /// rank instead of leaving them waiting).
+    fn found(&self, dev: &candle_core::CudaDevice) -> CollectiveResult<NcclGroup> {
         let mut words = [0u32; NcclId::WORDS + 1];
         let mut made = None;
         if self.host.rank() == 0 {
@@ -72,14 +106,12 @@ impl<H: Collective> NcclWorld<H> {
         }
         let mut id = [0u32; NcclId::WORDS];
         id.copy_from_slice(&words[1..]);
-        let group = Arc::new(NcclGroup::join(
+        NcclGroup::join(
             dev,
             self.host.rank(),
             self.host.size(),
             &NcclId::from_words(&id),
-        )?);
-        *slot = Some(group.clone());
-        Ok(group)
+        )
     }
 }
 
@@ -91,17 +123,15 @@ impl<H: Collective> Collective for NcclWorld<H> {
         self.host.size()
     }
     fn all_gather(&self, local: &Tensor) -> CollectiveResult<Tensor> {
-        if local.device().is_cuda() {
-            self.group_for(local)?.all_gather(local)
-        } else {
-            self.host.all_gather(local)
+        match self.settle(local)? {
+            Tensors::Gpu(g) => g.all_gather(local),
+            _ => self.host.all_gather(local),
         }
     }
     fn all_reduce_sum(&self, local: &Tensor) -> CollectiveResult<Tensor> {
-        if local.device().is_cuda() {
-            self.group_for(local)?.all_reduce_sum(local)
-        } else {
-            self.host.all_reduce_sum(local)
+        match self.settle(local)? {
+            Tensors::Gpu(g) => g.all_reduce_sum(local),
+            _ => self.host.all_reduce_sum(local),
         }
     }
     fn all_gather_u64(&self, local: &[u64]) -> CollectiveResult<Vec<u64>> {

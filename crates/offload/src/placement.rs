@@ -6,7 +6,7 @@ use candle_core::Tensor;
 use kvpolicy_core::{KvShape, Partial, Result, StashedUnit};
 use kvpolicy_tiered::WriteAt;
 
-use crate::resident::{InPlace, Residency, UnitAt, UnitId};
+use crate::resident::{InPlace, KeptView, Residency, UnitAt, UnitId};
 use crate::runtime::OffloadPolicy;
 
 impl OffloadPolicy {
@@ -39,14 +39,22 @@ impl OffloadPolicy {
             InPlace::Attended(part) => {
                 self.stats.note_scratch(part.scratch_bytes, act);
                 if keep {
-                    if let Some(kept) = r.view(id, at)? {
-                        self.stash.keep_view(StashedUnit {
-                            first_head: g * gs,
-                            k: kept.k,
-                            v: kept.v,
-                            k_pos: kept.k_pos,
-                        })?;
-                    }
+                    // What the unit attended (nothing, for a share that holds none of the
+                    // window: the readers' view of these heads is then empty too).
+                    let kept = match r.view(id, at)? {
+                        Some(kept) => kept,
+                        None => KeptView {
+                            k: kd.narrow(2, 0, 0)?,
+                            v: vd.narrow(2, 0, 0)?,
+                            k_pos: at.base + at.keep_from,
+                        },
+                    };
+                    self.stash.keep_view(StashedUnit {
+                        first_head: g * gs,
+                        k: kept.k,
+                        v: kept.v,
+                        k_pos: kept.k_pos,
+                    })?;
                 }
                 Ok(Some(part))
             }
@@ -83,6 +91,16 @@ impl OffloadPolicy {
             }
         }
         self.meter.free(kv.allocated_bytes());
+        Ok(())
+    }
+
+    /// Takes every resident unit off the device, numbered by a head group of `gs` heads (a
+    /// new group size renumbers the units, so none may stay under the old numbering).
+    pub(crate) fn demote_all(&mut self, shape: &KvShape, gs: usize) -> Result<()> {
+        let groups = shape.n_kv_heads / gs.max(1);
+        while let Some(unit) = self.residency.as_ref().and_then(Residency::last_resident) {
+            self.demote(unit, unit / groups, unit % groups, gs)?;
+        }
         Ok(())
     }
 

@@ -206,7 +206,10 @@ impl Residency {
         plan_cap: usize,
         avail: Option<u64>,
     ) {
+        // Demotions count since the last reset, across plans (a new head group plans again).
+        let demotions = self.demotions;
         self.clear();
+        self.demotions = demotions;
         self.planned = true;
         self.plan_cap = plan_cap;
         self.unit_bytes = shape.kv_bytes(group, plan_cap).max(1);

@@ -132,12 +132,25 @@ impl OffloadPolicy {
         let group = self
             .plan
             .choose_group(&self.host, &self.meter, shape, cap, context)?;
-        if self.stream.group() == 0 {
+        let now = self.stream.group();
+        let regroup = now != 0 && now != group && self.residency.is_some();
+        if regroup {
+            // `auto` changing its head group (a run past the length it planned for, whose
+            // buffers no longer fit at the old group): units are numbered by head group, so
+            // the resident ones go to the host tier under the old numbering.
+            self.demote_all(shape, now)?;
+        }
+        if now == 0 || regroup {
             // The run's first step: plan the resident units for the capacity it will reach.
+            // After a new head group every unit streams: a unit made resident now would start
+            // empty, its history on the host tier.
             let plan_cap = self.plan.capacity_for(shape.max_tokens.max(tokens));
-            let avail = self
-                .plan
-                .resident_bytes(&self.host, &self.meter, shape, group, plan_cap);
+            let avail = if regroup {
+                Some(0)
+            } else {
+                self.plan
+                    .resident_bytes(&self.host, &self.meter, shape, group, plan_cap)
+            };
             // Resident units hold K/V as the device stores them (`kv_dtype`).
             let stored = KvShape {
                 dtype: self.device_codec.stored(shape.dtype, shape.head_dim).0,
