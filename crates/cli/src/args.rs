@@ -290,11 +290,9 @@ impl ModelArgs {
         let Some(ranks) = kvpolicy::helix::world::launched_ranks() else {
             return Ok(Device::cuda_if_available(0)?);
         };
-        let local = kvpolicy::helix::world::launched_local_rank();
-        #[cfg(feature = "cuda")]
-        let local = match candle_core::cuda::cudarc::driver::CudaContext::device_count() {
-            Ok(n) if n > 0 => local % n as usize,
-            _ => local,
+        let local = match kvpolicy::helix::world::visible_gpus() {
+            0 => kvpolicy::helix::world::launched_local_rank(),
+            n => kvpolicy::helix::world::launched_local_rank() % n,
         };
         Device::cuda_if_available(local).with_context(|| {
             format!(

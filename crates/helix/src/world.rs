@@ -38,6 +38,15 @@ pub fn launched_local_rank() -> usize {
     .unwrap_or(0)
 }
 
+/// GPUs this process sees (0 without feature `cuda`, or without a driver).
+pub fn visible_gpus() -> usize {
+    #[cfg(feature = "cuda")]
+    if let Ok(n) = candle_core::cuda::cudarc::driver::CudaContext::device_count() {
+        return usize::try_from(n).unwrap_or(0);
+    }
+    0
+}
+
 /// The process's group (module docs); the same one on every call.
 pub fn world() -> Result<Arc<dyn Collective>, WorldError> {
     if let Some(w) = WORLD.get() {
