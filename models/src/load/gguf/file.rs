@@ -280,7 +280,13 @@ impl GgufFile {
             return Err(self.corrupt(format!("lacks the tensor `{name}`")));
         }
         let mut r = self.reader.borrow_mut();
-        self.content.tensor(&mut *r, name, device).map_err(|e| {
+        let read = match (device, self.content.tensor_infos.get(name)) {
+            (Device::Cpu, Some(info)) => {
+                super::blocks::read_cpu(&mut *r, info, self.content.tensor_data_offset)
+            }
+            _ => self.content.tensor(&mut *r, name, device),
+        };
+        read.map_err(|e| {
             self.corrupt(format!(
                 "cannot read tensor `{name}`: {}",
                 crate::error::candle_message(&e)
