@@ -9,6 +9,7 @@ process per cell, so a row's memory is that run's alone.
 
     python3 scripts/perf_table.py --python python3 --out bench-results/perf-table.json
     python3 scripts/perf_table.py --quick   # SmolLM2 Q4_1 at 512 only
+    python3 scripts/perf_table.py --only Gemma:512   # one model's rows at one context
 
 Models: the default SmolLM2-135M Q4_1 and its Q4_0 / Q8_0 requantizations (scripts/requantize.py,
 llama.cpp's quantizer) at 512, 4K and 8K; Gemma 3 270M Q4_K_M at 512, 4K, 16K and 30K.
@@ -70,6 +71,8 @@ def main():
     ap.add_argument("--out", type=pathlib.Path, help="write every cell as JSON here")
     ap.add_argument("--quick", action="store_true", help="SmolLM2 Q4_1 at 512 only")
     ap.add_argument("--skip-build", action="store_true", help="use the built kvbench as it is")
+    ap.add_argument("--only", metavar="TEXT:CONTEXT", help="the rows of models whose name contains TEXT "
+                    "at CONTEXT only (e.g. Gemma:512)")
     a = ap.parse_args()
     if not a.skip_build:
         subprocess.run(["cargo", "build", "--release", "--example", "kvbench", "--example", "llama"], cwd=ROOT,
@@ -91,6 +94,9 @@ def main():
         models.append(("Gemma 3 270M Q4_K_M", GEMMA, [512, 4096, 16384, 30000]))
     else:
         models[0] = (models[0][0], SMOL, [512])
+    if a.only:
+        text, n = a.only.rsplit(":", 1)
+        models = [(m, f, [int(n)]) for m, f, c in models if text in m and int(n) in c]
     cells = []
     print("| model | context | KV | kvpolicy prefill / decode tok/s, peak RSS | llama.cpp | prefill ratio | decode ratio | RSS ratio |")
     print("|---|---:|---|---|---|---:|---:|---:|")

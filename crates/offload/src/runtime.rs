@@ -129,6 +129,10 @@ impl OffloadPolicy {
         if cap <= self.stream.cap() && self.stream.group() != 0 {
             return Ok(());
         }
+        if self.stream.group() != 0 && self.residency.as_ref().is_some_and(Residency::unbounded) {
+            // No budget: every unit is resident and nothing streams, whatever the group.
+            return Ok(());
+        }
         let group = self
             .plan
             .choose_group(&self.host, &self.meter, shape, cap, context)?;

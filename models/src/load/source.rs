@@ -402,9 +402,10 @@ pub fn load(
         }
         ModelFiles::Gguf(path) => {
             let g = GgufFile::open(path)?;
-            // The tokenizer first: building it holds transient merge lists (~29 MB for
-            // Gemma 3's 262,144 pieces) that are freed before the weights arrive, so they
-            // do not add to the load's peak.
+            crate::load::gguf::build::check(&g)?;
+            // The tokenizer before the weights: building it holds transient merge lists
+            // (~29 MB for Gemma 3's 262,144 pieces) that are freed before the weights arrive,
+            // so they do not add to the load's peak.
             let tokenizer = match tokenizer_override {
                 Some(p) => Some(TextTokenizer::from_files(p, None)?),
                 None => Some(TextTokenizer::from_gguf(&g)?),

@@ -8,13 +8,14 @@ use std::io::{Read, Seek, SeekFrom};
 use candle_core::quantized::gguf_file::TensorInfo;
 use candle_core::quantized::k_quants::{
     BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K,
-    BlockQ8K, BlockQ8_0, BlockQ8_1,
+    BlockQ8_0,
 };
 use candle_core::quantized::{GgmlDType, GgmlType, QStorage, QTensor};
 
 /// Reads tensor `info` (its data at `data_offset + info.offset`) from `r` into a CPU
-/// [`QTensor`], its blocks' final buffer filled in place.
-pub fn read_cpu<R: Read + Seek>(
+/// [`QTensor`], its blocks' final buffer filled in place. The caller has checked the
+/// tensor's extent against the file ([`GgufFile::open`](super::file::GgufFile::open) does).
+pub(crate) fn read_cpu<R: Read + Seek>(
     r: &mut R,
     info: &TensorInfo,
     data_offset: u64,
@@ -38,13 +39,15 @@ pub fn read_cpu<R: Read + Seek>(
         GgmlDType::Q5_0 => blocks::<BlockQ5_0>(r, n, dtype)?,
         GgmlDType::Q5_1 => blocks::<BlockQ5_1>(r, n, dtype)?,
         GgmlDType::Q8_0 => blocks::<BlockQ8_0>(r, n, dtype)?,
-        GgmlDType::Q8_1 => blocks::<BlockQ8_1>(r, n, dtype)?,
         GgmlDType::Q2K => blocks::<BlockQ2K>(r, n, dtype)?,
         GgmlDType::Q3K => blocks::<BlockQ3K>(r, n, dtype)?,
         GgmlDType::Q4K => blocks::<BlockQ4K>(r, n, dtype)?,
         GgmlDType::Q5K => blocks::<BlockQ5K>(r, n, dtype)?,
         GgmlDType::Q6K => blocks::<BlockQ6K>(r, n, dtype)?,
-        GgmlDType::Q8K => blocks::<BlockQ8K>(r, n, dtype)?,
+        // candle's reader does not take these either (they are activation formats).
+        GgmlDType::Q8_1 | GgmlDType::Q8K => {
+            candle_core::bail!("quantized type {dtype:?} is not supported yet")
+        }
     };
     QTensor::new(storage, info.shape.clone())
 }
@@ -86,6 +89,7 @@ mod tests {
         let types = [
             GgmlDType::F32,
             GgmlDType::F16,
+            GgmlDType::BF16,
             GgmlDType::Q4_0,
             GgmlDType::Q4_1,
             GgmlDType::Q5_0,

@@ -24,6 +24,16 @@ use crate::load::gguf::file::GgufFile;
 use crate::load::gguf::hparams::Hparams;
 use crate::load::gguf::rules::{arch_rules, rope_scaling, Arch};
 
+/// Checks what the metadata alone says before anything large is read: the hyperparameters
+/// and the architecture's rules against the tensors present (what [`from_gguf`] checks
+/// first; the loader runs it before building the tokenizer, so a file that is not a model
+/// we run is named as such, not for its vocabulary).
+pub fn check(g: &GgufFile) -> Result<()> {
+    let hp = Hparams::read(g)?;
+    arch_rules(g, &hp.arch, hp.n_layers, hp.hidden, hp.n_heads)?;
+    Ok(())
+}
+
 /// Builds the model from a GGUF file (see the module docs for the architectures).
 pub fn from_gguf(g: &GgufFile, device: &Device) -> Result<Decoder> {
     let hp = Hparams::read(g)?;
