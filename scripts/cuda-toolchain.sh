@@ -31,27 +31,23 @@ CU=$(echo "$DIR"/venv/lib/python3*/site-packages/nvidia/cu13)
 for lib in cublas cublasLt cudart nvrtc; do ln -sf "lib$lib.so.13" "$CU/lib/lib$lib.so"; done
 ln -sf libcurand.so.10 "$CU/lib/libcurand.so"
 STUB=$DIR/libcuda-stub
-if [ ! -s "$STUB/libcuda.so" ]; then
+# stub LIB SONAME SYS PATTERN CODE: $STUB/LIB.so, one function per entry point cudarc
+# declares in its SYS bindings (names matching PATTERN), each returning CODE.
+stub() {
+  [ -s "$STUB/$1.so" ] && return
   mkdir -p "$STUB"
-  SYMS=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-*/src/driver/sys/mod.rs 2>/dev/null | sort -V | tail -1)
-  [ -n "$SYMS" ] || { echo "cudarc's sources are not fetched yet: run 'cargo fetch' first" >&2; exit 1; }
+  local syms
+  syms=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-*/src/"$3"/sys/mod.rs 2>/dev/null | sort -V | tail -1)
+  [ -n "$syms" ] || { echo "cudarc's sources are not fetched yet: run 'cargo fetch' first" >&2; exit 1; }
   {
-    echo "/* Link-time stand-in for the CUDA driver; returns CUDA_ERROR_STUB_LIBRARY. */"
-    grep -o 'fn cu[A-Za-z0-9_]*\s*(' "$SYMS" | sed -e 's/^fn //' -e 's/\s*($//' | sort -u |
-      while read -r f; do echo "int $f(void) { return 34; }"; done
-  } > "$STUB/stub.c"
-  cc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$STUB/libcuda.so" "$STUB/stub.c"
-fi
-if [ ! -s "$STUB/libnccl.so" ]; then
-  SYMS=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-*/src/nccl/sys/mod.rs 2>/dev/null | sort -V | tail -1)
-  [ -n "$SYMS" ] || { echo "cudarc's sources are not fetched yet: run 'cargo fetch' first" >&2; exit 1; }
-  {
-    echo "/* Link-time stand-in for NCCL; returns ncclSystemError. */"
-    grep -o 'fn p\?nccl[A-Za-z0-9_]*\s*(' "$SYMS" | sed -e 's/^fn //' -e 's/\s*($//' | sort -u |
-      while read -r f; do echo "int $f(void) { return 2; }"; done
-  } > "$STUB/nccl-stub.c"
-  cc -shared -fPIC -Wl,-soname,libnccl.so.2 -o "$STUB/libnccl.so" "$STUB/nccl-stub.c"
-fi
+    echo "/* Link-time stand-in for $2; every entry point returns $5. */"
+    grep -o "fn $4[A-Za-z0-9_]*\s*(" "$syms" | sed -e 's/^fn //' -e 's/\s*($//' | sort -u |
+      while read -r f; do echo "int $f(void) { return $5; }"; done
+  } > "$STUB/$1.c"
+  cc -shared -fPIC -Wl,-soname,"$2" -o "$STUB/$1.so" "$STUB/$1.c"
+}
+stub libcuda libcuda.so.1 driver cu 34      # CUDA_ERROR_STUB_LIBRARY
+stub libnccl libnccl.so.2 nccl 'p\?nccl' 2  # ncclSystemError
 cat <<ENV
 export PATH="$CU/bin:\$PATH"
 export CUDA_ROOT="$CU" CUDA_HOME="$CU" CUDA_PATH="$CU"
