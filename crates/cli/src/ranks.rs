@@ -2,8 +2,8 @@
 //! Every rank runs the model on the same tokens and holds a share of the KV; rank 0 alone
 //! prints the text and the summary and writes the output files. Rank 0's sampled token is
 //! broadcast and every rank goes on with it (every rank's own choice is the same on one kind
-//! of machine: every rank merges the same partials in the same order). An error on one rank ends them all (MPI's abort) instead of leaving
-//! the others waiting in a collective.
+//! of machine: every rank merges the same partials in the same order). An error on one rank
+//! ends them all (MPI's abort) instead of leaving the others waiting in a collective.
 use anyhow::{bail, Result};
 use kvpolicy::helix::world;
 use kvpolicy::KvStats;
