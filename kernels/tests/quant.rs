@@ -161,3 +161,60 @@ fn simd_and_portable_dots_agree() -> Result<()> {
     }
     Ok(())
 }
+
+/// The decode path's multi-row kernel: for every format and row counts around its
+/// four-row step, each result is bit for bit the one-row dot product's — on every SIMD path
+/// this CPU has and the portable one.
+#[test]
+fn row_ranges_equal_single_rows_bit_for_bit() -> Result<()> {
+    use kvpolicy_kernels::quant::dot_rows;
+    for fmt in FORMATS {
+        let f =
+            kvpolicy_kernels::quant::format_of(fmt).ok_or_else(|| anyhow::anyhow!("{fmt:?}"))?;
+        for (rows, blocks_per_row) in [(1, 1), (3, 5), (4, 2), (7, 20), (9, 3)] {
+            let k = blocks_per_row * QK;
+            let q = QTensor::quantize(&random((rows, k), 5 + rows as u64, 1.0)?, fmt)?;
+            let data = q.data()?;
+            let x = random((1, k), 13, 2.0)?.flatten_all()?.to_vec1::<f32>()?;
+            let zero = blocks::ActBlock {
+                qs: [0; QK],
+                d: 0.0,
+                s: 0.0,
+            };
+            let mut xq = vec![zero; blocks_per_row];
+            blocks::quantize_row(&x, &mut xq);
+            let row_bytes = blocks_per_row * f.block_bytes();
+            let row = |r: usize| &data[r * row_bytes..(r + 1) * row_bytes];
+            let mut got = vec![0f32; rows];
+            dot_rows(f, &data, &xq, &mut got);
+            for (r, g) in got.iter().enumerate() {
+                let want = kvpolicy_kernels::quant::dot(f, row(r), &xq);
+                assert_eq!(g.to_bits(), want.to_bits(), "{fmt:?} {rows}×{k} row {r}");
+            }
+            #[cfg(target_arch = "x86_64")]
+            {
+                use kvpolicy_kernels::quant::avx2;
+                let mut got = vec![0f32; rows];
+                if avx2::available() {
+                    // SAFETY: `available` checked AVX2, FMA and F16C; `data` holds the rows.
+                    unsafe { avx2::dot_rows(f, &data, &xq, &mut got) };
+                    for (r, g) in got.iter().enumerate() {
+                        // SAFETY: as above.
+                        let want = unsafe { avx2::dot(f, row(r), &xq) };
+                        assert_eq!(g.to_bits(), want.to_bits(), "{fmt:?} AVX2 row {r}");
+                    }
+                }
+                if avx2::vnni() {
+                    // SAFETY: `vnni` checked AVX2, FMA, F16C and AVX-VNNI.
+                    unsafe { avx2::dot_rows_vnni(f, &data, &xq, &mut got) };
+                    for (r, g) in got.iter().enumerate() {
+                        // SAFETY: as above.
+                        let want = unsafe { avx2::dot_vnni(f, row(r), &xq) };
+                        assert_eq!(g.to_bits(), want.to_bits(), "{fmt:?} VNNI row {r}");
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}

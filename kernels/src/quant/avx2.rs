@@ -175,6 +175,110 @@ unsafe fn dot_fmt<const F: u8, const V: bool>(bytes: usize, row: &[u8], x: &[Act
     hsum(_mm256_add_ps(a0, a1)) + o0 + o1
 }
 
+/// [`dot_fmt`] for four rows against the same activations: each activation block is
+/// loaded once for the four, and every row keeps [`dot_fmt`]'s two accumulators and its
+/// order of additions, so each result is bit for bit the one row's [`dot_fmt`].
+#[inline(always)]
+unsafe fn dot4_fmt<const F: u8, const V: bool>(
+    bytes: usize,
+    rows: [*const u8; 4],
+    x: &[ActBlock],
+) -> [f32; 4] {
+    let n = x.len();
+    let mut a0 = [_mm256_setzero_ps(); 4];
+    let mut a1 = [_mm256_setzero_ps(); 4];
+    let (mut o0, mut o1) = ([0f32; 4], [0f32; 4]);
+    let mut i = 0;
+    while i + 1 < n {
+        for j in 0..4 {
+            let (acc, off) = block::<F, V>(rows[j].add(i * bytes), &x[i], a0[j]);
+            a0[j] = acc;
+            o0[j] += off;
+            let (acc, off) = block::<F, V>(rows[j].add((i + 1) * bytes), &x[i + 1], a1[j]);
+            a1[j] = acc;
+            o1[j] += off;
+        }
+        i += 2;
+    }
+    if i < n {
+        for j in 0..4 {
+            let (acc, off) = block::<F, V>(rows[j].add(i * bytes), &x[i], a0[j]);
+            a0[j] = acc;
+            o0[j] += off;
+        }
+    }
+    let mut out = [0f32; 4];
+    for j in 0..4 {
+        out[j] = hsum(_mm256_add_ps(a0[j], a1[j])) + o0[j] + o1[j];
+    }
+    out
+}
+
+/// Consecutive rows of `data` (`row_bytes` each, `out.len()` of them) dotted with `x`
+/// into `out` in one call (one dispatch for all of them); Q4_0 and Q4_1 rows four at a
+/// time. Measured on SmolLM2 decode at 512 tokens (2-core Xeon, AVX-VNNI): four rows at a
+/// time took Q4_1 from 59.5 to 73.4 tok/s and Q4_0 from 62.0 to 73.8, but Q8_0 from 61.0
+/// to 56.0 (its 34-byte blocks are a wider stream per row), so the other formats go a row
+/// at a time (Q5_0/Q5_1 not measured: no such model here).
+#[inline(always)]
+unsafe fn rows_fmt<const F: u8, const V: bool>(
+    bytes: usize,
+    data: &[u8],
+    x: &[ActBlock],
+    out: &mut [f32],
+) {
+    let row_bytes = x.len() * bytes;
+    let p = data.as_ptr();
+    let four = F == Q4_0 || F == Q4_1;
+    let mut r = 0;
+    while four && r + 4 <= out.len() {
+        let rows = [0, 1, 2, 3].map(|j| p.add((r + j) * row_bytes));
+        out[r..r + 4].copy_from_slice(&dot4_fmt::<F, V>(bytes, rows, x));
+        r += 4;
+    }
+    while r < out.len() {
+        out[r] = dot_fmt::<F, V>(bytes, &data[r * row_bytes..(r + 1) * row_bytes], x);
+        r += 1;
+    }
+}
+
+/// [`dot`] for `out.len()` consecutive weight rows of `data` (each `x.len()` blocks), into
+/// `out`: each result bit for bit [`dot`]'s.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C ([`available`]); `data` holds at least
+/// `out.len()` rows.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_rows(fmt: WeightFormat, data: &[u8], x: &[ActBlock], out: &mut [f32]) {
+    debug_assert!(data.len() >= out.len() * x.len() * fmt.block_bytes());
+    let bytes = fmt.block_bytes();
+    match fmt {
+        WeightFormat::Q4_0 => rows_fmt::<Q4_0, false>(bytes, data, x, out),
+        WeightFormat::Q4_1 => rows_fmt::<Q4_1, false>(bytes, data, x, out),
+        WeightFormat::Q5_0 => rows_fmt::<Q5_0, false>(bytes, data, x, out),
+        WeightFormat::Q5_1 => rows_fmt::<Q5_1, false>(bytes, data, x, out),
+        WeightFormat::Q8_0 => rows_fmt::<Q8_0, false>(bytes, data, x, out),
+    }
+}
+
+/// [`dot_rows`] with AVX-VNNI: each result bit for bit [`dot_vnni`]'s.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA, F16C and AVX-VNNI ([`vnni`]); `data` holds at least
+/// `out.len()` rows.
+#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+pub unsafe fn dot_rows_vnni(fmt: WeightFormat, data: &[u8], x: &[ActBlock], out: &mut [f32]) {
+    debug_assert!(data.len() >= out.len() * x.len() * fmt.block_bytes());
+    let bytes = fmt.block_bytes();
+    match fmt {
+        WeightFormat::Q4_0 => rows_fmt::<Q4_0, true>(bytes, data, x, out),
+        WeightFormat::Q4_1 => rows_fmt::<Q4_1, true>(bytes, data, x, out),
+        WeightFormat::Q5_0 => rows_fmt::<Q5_0, true>(bytes, data, x, out),
+        WeightFormat::Q5_1 => rows_fmt::<Q5_1, true>(bytes, data, x, out),
+        WeightFormat::Q8_0 => rows_fmt::<Q8_0, true>(bytes, data, x, out),
+    }
+}
+
 /// [`super::blocks::dot_scalar`] with AVX2: the same per-block integer sums, blocks taken
 /// two at a time.
 ///

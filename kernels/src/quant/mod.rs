@@ -31,6 +31,15 @@ impl Disjoint {
     unsafe fn write(&self, i: usize, v: f32) {
         self.0.add(i).write(v)
     }
+
+    /// Elements `range` as a slice.
+    ///
+    /// # Safety
+    /// `range` is in bounds, and no other thread reads or writes it while the slice lives.
+    #[allow(clippy::mut_from_ref)] // disjoint ranges per thread: the point of the type
+    unsafe fn slice(&self, range: std::ops::Range<usize>) -> &mut [f32] {
+        std::slice::from_raw_parts_mut(self.0.add(range.start), range.len())
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -68,6 +77,32 @@ pub fn dot(fmt: WeightFormat, row: &[u8], x: &[ActBlock]) -> f32 {
         return unsafe { avx2::dot(fmt, row, x) };
     }
     blocks::dot_scalar(fmt, row, x)
+}
+
+/// [`dot`] for `out.len()` consecutive weight rows of `data` (each `x.len()` blocks of
+/// `fmt`), into `out` — a decode step's whole range of rows in one call; each result bit
+/// for bit [`dot`]'s.
+pub fn dot_rows(fmt: WeightFormat, data: &[u8], x: &[ActBlock], out: &mut [f32]) {
+    let row_bytes = x.len() * fmt.block_bytes();
+    assert!(
+        data.len() >= out.len() * row_bytes,
+        "dot_rows: {} bytes hold fewer than {} rows of {row_bytes}",
+        data.len(),
+        out.len()
+    );
+    #[cfg(target_arch = "x86_64")]
+    if avx2::vnni() {
+        // SAFETY: `vnni` checked AVX2, FMA, F16C and AVX-VNNI; `data` holds the rows.
+        return unsafe { avx2::dot_rows_vnni(fmt, data, x, out) };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if avx2::available() {
+        // SAFETY: `available` checked AVX2, FMA and F16C; `data` holds the rows.
+        return unsafe { avx2::dot_rows(fmt, data, x, out) };
+    }
+    for (r, o) in out.iter_mut().enumerate() {
+        *o = blocks::dot_scalar(fmt, &data[r * row_bytes..(r + 1) * row_bytes], x);
+    }
 }
 
 /// `x·Wᵀ` for a quantized `W` of a format this module handles.
@@ -143,6 +178,20 @@ impl CustomOp1 for QuantMatMul {
         let fmt = self.fmt;
         candle_core::utils::barrier_pool().execute_chunked(n.div_ceil(ROWS_PER_TASK), |tasks| {
             let rows = tasks.start * ROWS_PER_TASK..(tasks.end * ROWS_PER_TASK).min(n);
+            if m == 1 {
+                // A decode step: the task's rows in one call, four at a time.
+                // SAFETY: `execute_chunked` hands each range of rows to one worker, so
+                // elements `rows` of `yt` (length n·1) are written by this thread alone, and
+                // `yt` outlives the call, which returns when every worker is done.
+                let mine = unsafe { out.slice(rows.clone()) };
+                dot_rows(
+                    fmt,
+                    &data[rows.start * row_bytes..rows.end * row_bytes],
+                    &xq,
+                    mine,
+                );
+                return;
+            }
             for r in rows {
                 let w = &data[r * row_bytes..(r + 1) * row_bytes];
                 for (i, xr) in xq.chunks_exact(blocks).enumerate() {
