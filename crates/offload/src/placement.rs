@@ -97,11 +97,19 @@ impl OffloadPolicy {
     /// Takes every resident unit off the device, numbered by a head group of `gs` heads (a
     /// new group size renumbers the units, so none may stay under the old numbering).
     pub(crate) fn demote_all(&mut self, shape: &KvShape, gs: usize) -> Result<()> {
-        let groups = shape.n_kv_heads / gs.max(1);
-        while let Some(unit) = self.residency.as_ref().and_then(Residency::last_resident) {
-            self.demote(unit, unit / groups, unit % groups, gs)?;
-        }
+        while self.demote_last(shape, gs)? {}
         Ok(())
+    }
+
+    /// Takes the last-decided resident unit (numbered by a head group of `gs` heads) off
+    /// the device; `false` when none is left.
+    fn demote_last(&mut self, shape: &KvShape, gs: usize) -> Result<bool> {
+        let Some(unit) = self.residency.as_ref().and_then(Residency::last_resident) else {
+            return Ok(false);
+        };
+        let groups = shape.n_kv_heads / gs.max(1);
+        self.demote(unit, unit / groups, unit % groups, gs)?;
+        Ok(true)
     }
 
     /// `auto` growing its streaming buffers from `old` to `pingpong` bytes (at `group`
@@ -119,12 +127,9 @@ impl OffloadPolicy {
         };
         let scratch = self.plan.scratch_bytes(shape, group, cap);
         while self.meter.current() - old.min(self.meter.current()) + pingpong + scratch > budget {
-            let Some(unit) = self.residency.as_ref().and_then(Residency::last_resident) else {
+            if !self.demote_last(shape, self.stream.group())? {
                 break;
-            };
-            let gs = self.stream.group();
-            let groups = shape.n_kv_heads / gs.max(1);
-            self.demote(unit, unit / groups, unit % groups, gs)?;
+            }
         }
         Ok(())
     }
