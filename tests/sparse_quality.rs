@@ -8,6 +8,12 @@
 //! 2-core CPU (the test prints them), doubled for another CPU's rounding. They are also
 //! above zero: at these budgets the policies are approximate, not `full` by another name.
 //!
+//! Since prefill runs as the integer GEMM (activations quantized to Q8 per 32 values, as
+//! decode always did and llama.cpp does), a small change to the cache flips some of the
+//! next layers' activation roundings, so two runs differ more than under the old f32
+//! prefill: the measured values below are the GEMM's (the old ones in brackets); on a CPU
+//! without AVX-512 VNNI prefill stays f32 and lands under the old values.
+//!
 //! Gemma 3 270M selects only in its 3 global layers (its 15 sliding-window layers keep their
 //! windows); SmolLM2-135M selects in all 30.
 //!
@@ -148,9 +154,10 @@ fn gemma3_keeps_the_needle_within_its_measured_kl() -> Result<()> {
         None,
     )?;
     let (_, prompt) = needle()?;
-    // Measured: quest 0.00171 / 0.01022, flexicache 0.01571 / 0.14688, clo 0.00171 /
-    // 0.01022 (mean / max KL over 10 steps); K/V stored as f16 0.00023 / 0.00068, as q8_0
-    // on the host tier 0.00037 / 0.00083.
+    // Measured: quest 0.00196 / 0.00942 [0.00171 / 0.01022], flexicache 0.01491 / 0.13994
+    // [0.01571 / 0.14688], clo as quest (mean / max KL over 10 steps); K/V stored as f16
+    // 0.00054 / 0.00266 [0.00023 / 0.00068], as q8_0 on the host tier 0.00139 / 0.00921
+    // [0.00037 / 0.00083]. Bounds: twice the larger.
     held_to(
         &loaded,
         &prompt,
@@ -159,7 +166,7 @@ fn gemma3_keeps_the_needle_within_its_measured_kl() -> Result<()> {
             Bound {
                 spec: "quest:budget=256",
                 kv: EXACT,
-                mean_kl: 0.0035,
+                mean_kl: 0.004,
                 max_kl: 0.021,
             },
             Bound {
@@ -171,20 +178,20 @@ fn gemma3_keeps_the_needle_within_its_measured_kl() -> Result<()> {
             Bound {
                 spec: "clo:budget=256",
                 kv: EXACT,
-                mean_kl: 0.0035,
+                mean_kl: 0.004,
                 max_kl: 0.021,
             },
             Bound {
                 spec: "full",
                 kv: F16,
-                mean_kl: 0.00046,
-                max_kl: 0.0014,
+                mean_kl: 0.0011,
+                max_kl: 0.0054,
             },
             Bound {
                 spec: "headwise",
                 kv: KvCodec::Q8_0,
-                mean_kl: 0.00074,
-                max_kl: 0.0017,
+                mean_kl: 0.0028,
+                max_kl: 0.019,
             },
         ],
     )
@@ -202,9 +209,10 @@ fn smollm2_keeps_the_needle_within_its_measured_kl() -> Result<()> {
         .as_ref()
         .context("tokenizer")?
         .encode(&text)?;
-    // Measured: quest 0.00132 / 0.00729, flexicache 0.00108 / 0.00362, clo 0.00570 /
-    // 0.01789 (mean / max KL over 10 steps); K/V stored as f16 0.00026 / 0.00156, as bf16
-    // 0.00041 / 0.00298.
+    // Measured: quest 0.00240 / 0.01313 [0.00132 / 0.00729], flexicache 0.01566 / 0.14001
+    // [0.00108 / 0.00362], clo 0.00526 / 0.02648 [0.00570 / 0.01789] (mean / max KL over 10
+    // steps); K/V stored as f16 0.00118 / 0.00388 [0.00026 / 0.00156], as bf16 0.00130 /
+    // 0.00787 [0.00041 / 0.00298]. Bounds: twice the larger.
     held_to(
         &loaded,
         &prompt,
@@ -213,32 +221,32 @@ fn smollm2_keeps_the_needle_within_its_measured_kl() -> Result<()> {
             Bound {
                 spec: "quest:budget=1024",
                 kv: EXACT,
-                mean_kl: 0.0027,
-                max_kl: 0.015,
+                mean_kl: 0.0048,
+                max_kl: 0.027,
             },
             Bound {
                 spec: "flexicache:budget=1024",
                 kv: EXACT,
-                mean_kl: 0.0022,
-                max_kl: 0.0075,
+                mean_kl: 0.032,
+                max_kl: 0.28,
             },
             Bound {
                 spec: "clo:budget=1024",
                 kv: EXACT,
                 mean_kl: 0.012,
-                max_kl: 0.036,
+                max_kl: 0.053,
             },
             Bound {
                 spec: "full",
                 kv: F16,
-                mean_kl: 0.00052,
-                max_kl: 0.0031,
+                mean_kl: 0.0024,
+                max_kl: 0.0078,
             },
             Bound {
                 spec: "full",
                 kv: BF16,
-                mean_kl: 0.00082,
-                max_kl: 0.006,
+                mean_kl: 0.0026,
+                max_kl: 0.016,
             },
         ],
     )

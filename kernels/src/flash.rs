@@ -29,6 +29,7 @@ use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 mod cpu;
 mod plan;
 mod small;
+pub mod softmax;
 mod workspace;
 use cpu::compute;
 pub use plan::{scratch_bytes, threads, CallShape, FlashParams, TILE_KEYS, TILE_ROWS};

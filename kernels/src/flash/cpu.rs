@@ -281,11 +281,7 @@ impl<Q: Elem, T: Elem> Kernel<'_, Q, T> {
                     row.fill(0.0);
                     continue;
                 }
-                let mut sum = 0f32;
-                for x in row.iter_mut() {
-                    *x = (*x - m_new).exp();
-                    sum += *x;
-                }
+                let sum = super::softmax::exp_shifted(row, m_new);
                 let corr = (m_old - m_new).exp();
                 ws.l.buf[r] = ws.l.buf[r] * corr + sum;
                 ws.m.buf[r] = m_new;

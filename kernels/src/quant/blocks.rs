@@ -92,7 +92,7 @@ pub fn fields(fmt: WeightFormat, b: &[u8]) -> (f32, f32, u32, &[u8]) {
 /// for Q4_0 and 16 for Q5_0; element `j < 16` from the low nibble of `qs[j]`, `j + 16` from
 /// its high one. Q8_0's are its signed bytes.
 #[inline(always)]
-fn values(fmt: WeightFormat, qh: u32, qs: &[u8]) -> [i32; QK] {
+pub(crate) fn values(fmt: WeightFormat, qh: u32, qs: &[u8]) -> [i32; QK] {
     let mut v = [0i32; QK];
     if fmt == WeightFormat::Q8_0 {
         for (x, q) in v.iter_mut().zip(qs) {

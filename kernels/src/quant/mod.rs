@@ -18,35 +18,23 @@ use std::sync::Arc;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 
-/// The output buffer, written at disjoint indices from candle's worker threads.
-struct Disjoint(*mut f32);
-// SAFETY: every index is written by one thread only (see the write in `cpu_fwd`).
-unsafe impl Sync for Disjoint {}
-
-impl Disjoint {
-    /// Writes `v` at index `i`.
-    ///
-    /// # Safety
-    /// `i` is in bounds, and no other thread reads or writes index `i` meanwhile.
-    unsafe fn write(&self, i: usize, v: f32) {
-        self.0.add(i).write(v)
-    }
-
-    /// Elements `range` as a slice.
-    ///
-    /// # Safety
-    /// `range` is in bounds, and no other thread reads or writes it while the slice lives.
-    #[allow(clippy::mut_from_ref)] // disjoint ranges per thread: the point of the type
-    unsafe fn slice(&self, range: std::ops::Range<usize>) -> &mut [f32] {
-        std::slice::from_raw_parts_mut(self.0.add(range.start), range.len())
-    }
-}
-
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;
+#[cfg(target_arch = "x86_64")]
+pub mod avx512;
 pub mod blocks;
+mod disjoint;
+pub mod gemm;
+pub mod panel;
 
 pub use blocks::{ActBlock, WeightFormat, QK};
+pub use panel::PanelFormat;
+
+use disjoint::Disjoint;
+
+/// Activation rows from which a call runs as the integer GEMM ([`gemm`]) where the CPU
+/// has it; fewer rows are dotted against the weight's blocks row by row.
+pub const GEMM_MIN_ROWS: usize = 32;
 
 /// Output rows per work item.
 const ROWS_PER_TASK: usize = 16;
@@ -60,6 +48,15 @@ pub fn format_of(dtype: GgmlDType) -> Option<WeightFormat> {
         GgmlDType::Q5_1 => Some(WeightFormat::Q5_1),
         GgmlDType::Q8_0 => Some(WeightFormat::Q8_0),
         _ => None,
+    }
+}
+
+/// The panel format of `dtype` if the integer GEMM packs it.
+pub fn panel_format_of(dtype: GgmlDType) -> Option<PanelFormat> {
+    match dtype {
+        GgmlDType::Q4K => Some(PanelFormat::Q4K),
+        GgmlDType::Q6K => Some(PanelFormat::Q6K),
+        _ => format_of(dtype).map(PanelFormat::Block),
     }
 }
 
@@ -109,7 +106,7 @@ pub fn dot_rows(fmt: WeightFormat, data: &[u8], x: &[ActBlock], out: &mut [f32])
 #[derive(Debug, Clone)]
 pub struct QuantMatMul {
     w: Arc<QTensor>,
-    fmt: WeightFormat,
+    fmt: PanelFormat,
     n: usize,
     k: usize,
 }
@@ -118,14 +115,21 @@ impl QuantMatMul {
     /// The op for `w` `(n, k)`, or `None` when its format is not one handled here (candle's
     /// own kernels then apply), it is not on the CPU, or `k` is not whole blocks.
     pub fn new(w: Arc<QTensor>) -> Option<Self> {
-        let fmt = format_of(w.dtype())?;
+        let fmt = panel_format_of(w.dtype())?;
         let (n, k) = w.shape().dims2().ok()?;
-        (k % QK == 0 && matches!(w.device(), candle_core::Device::Cpu)).then_some(Self {
-            w,
-            fmt,
-            n,
-            k,
-        })
+        (k % fmt.block_elems() == 0 && matches!(w.device(), candle_core::Device::Cpu))
+            .then_some(Self { w, fmt, n, k })
+    }
+
+    /// Whether a call with `rows` activation rows runs here: as the integer GEMM from
+    /// [`GEMM_MIN_ROWS`] rows where the CPU has it, else as row dot products for the
+    /// 32-element formats (K-quant decode stays candle's).
+    pub fn handles(&self, rows: usize) -> bool {
+        if rows >= GEMM_MIN_ROWS {
+            gemm::available()
+        } else {
+            matches!(self.fmt, PanelFormat::Block(_))
+        }
     }
 
     /// Applies the op to `x` `(…, k)`, f32.
@@ -154,6 +158,25 @@ impl CustomOp1 for QuantMatMul {
             candle_core::bail!("quantized matmul: x is {dims:?}, the weight takes {k} inputs");
         }
         let m = x.len() / k;
+        let data = self.w.data()?;
+        let row_bytes = k / self.fmt.block_elems() * self.fmt.block_bytes();
+        if data.len() != n * row_bytes {
+            candle_core::bail!(
+                "quantized matmul: weight holds {} bytes, expected {n} rows of {row_bytes}",
+                data.len()
+            );
+        }
+        let mut out_dims = dims.to_vec();
+        if let Some(last) = out_dims.last_mut() {
+            *last = n;
+        }
+        if m >= GEMM_MIN_ROWS && gemm::available() {
+            let y = gemm::gemm(self.fmt, &data, n, k, x);
+            return Ok((CpuStorage::F32(y), Shape::from(out_dims)));
+        }
+        let PanelFormat::Block(fmt) = self.fmt else {
+            candle_core::bail!("quantized matmul: {:?} runs only as the GEMM", self.fmt);
+        };
         let blocks = k / QK;
         let zero = ActBlock {
             qs: [0; QK],
@@ -164,18 +187,9 @@ impl CustomOp1 for QuantMatMul {
         for (row, out) in x.chunks_exact(k).zip(xq.chunks_exact_mut(blocks)) {
             blocks::quantize_row(row, out);
         }
-        let data = self.w.data()?;
-        let row_bytes = blocks * self.fmt.block_bytes();
-        if data.len() != n * row_bytes {
-            candle_core::bail!(
-                "quantized matmul: weight holds {} bytes, expected {n} rows of {row_bytes}",
-                data.len()
-            );
-        }
         // Output transposed, (n, m): each work item owns whole weight rows.
         let mut yt = vec![0f32; n * m];
         let out = Disjoint(yt.as_mut_ptr());
-        let fmt = self.fmt;
         candle_core::utils::barrier_pool().execute_chunked(n.div_ceil(ROWS_PER_TASK), |tasks| {
             let rows = tasks.start * ROWS_PER_TASK..(tasks.end * ROWS_PER_TASK).min(n);
             if m == 1 {
@@ -213,10 +227,6 @@ impl CustomOp1 for QuantMatMul {
             }
             y
         };
-        let mut out_dims = dims.to_vec();
-        if let Some(last) = out_dims.last_mut() {
-            *last = n;
-        }
         Ok((CpuStorage::F32(y), Shape::from(out_dims)))
     }
 }

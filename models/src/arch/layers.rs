@@ -125,6 +125,15 @@ impl Linear {
             Self::Dense(l) => l.forward(x)?,
             Self::Quant { w, fast, bias, .. } => {
                 let y = match w {
+                    // Ours: row dot products for a few rows, the integer GEMM for a chunk
+                    // where the CPU has it (`QuantMatMul::handles`).
+                    _ if fast
+                        .as_ref()
+                        .is_some_and(|op| quant::applies(x) && op.handles(rows(x))) =>
+                    {
+                        fast.as_ref()
+                            .map_or_else(|| w.forward(x), |op| op.forward(x))?
+                    }
                     QMatMul::QTensor(q) if x.device().is_cpu() && rows(x) >= DEQUANT_MIN_ROWS => {
                         // candle's CPU quantized matmul dots one activation row at a time
                         // against the quantized blocks (~10 GFLOP/s here); a prefill chunk
@@ -133,10 +142,7 @@ impl Linear {
                         let dense = q.dequantize(x.device())?.to_dtype(x.dtype())?;
                         x.broadcast_matmul(&dense.t()?)?
                     }
-                    _ => match fast {
-                        Some(op) if quant::applies(x) => op.forward(x)?,
-                        _ => w.forward(x)?,
-                    },
+                    _ => w.forward(x)?,
                 };
                 match bias {
                     Some(b) => y.broadcast_add(b)?,

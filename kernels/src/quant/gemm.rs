@@ -1,0 +1,238 @@
+//! Quantized prefill without dequantizing: `y = x·Wᵀ` for a chunk of activation rows as
+//! an integer GEMM, llama.cpp's way (`ggml_compute_forward_mul_mat` with `vec_dot_type`
+//! Q8 and its repacked GEMMs): the activations are quantized once per row block to Q8
+//! (the blocks [`super::blocks::quantize_row`] makes for the decode path, so a row gets the
+//! same integer sums whether it is decoded or prefilled), the weight is repacked a 16-column
+//! [`Panel`] at a time, and every block is an exact integer dot product scaled in f32.
+//!
+//! Work is split over panels on candle's CPU worker pool; each task packs its panel once
+//! (it stays in L1) and runs every activation row against it, `MR` rows per micro-kernel
+//! call. The AVX-512 VNNI kernel ([`super::avx512`]) runs where the CPU has it; elsewhere
+//! callers keep the dequantize-and-f32-GEMM path ([`available`] says which), since a
+//! portable integer GEMM would be slower than the f32 one. [`reference`] is the same math
+//! in scalar code, for the tests.
+use super::blocks::{quantize_row, ActBlock, QK};
+use super::disjoint::Disjoint;
+use super::panel::{Panel, PanelFormat, NR};
+
+/// Activation rows per micro-kernel call.
+const MR: usize = 8;
+
+/// Whether the integer GEMM runs on this CPU.
+pub fn available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        super::avx512::available()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// A chunk's activations, quantized: `m` rows of `blocks` blocks, per sub-block the
+/// integer zero term `−z·Σq` of the weight's format, and per block `d·Σq` in f32 for the
+/// formats with an offset (the decode path's `ActBlock::s` is rounded through f16 as
+/// candle's Q8_1 is; here it is not).
+pub struct QuantizedRows {
+    /// Row-major blocks.
+    pub x: Vec<ActBlock>,
+    /// Row-major `−z·Σq`, `blocks · subs` per row.
+    pub zsum: Vec<i32>,
+    /// Row-major `d·Σq` per block (empty for formats without an offset).
+    pub sx: Vec<f32>,
+    /// Blocks per row.
+    pub blocks: usize,
+}
+
+impl QuantizedRows {
+    /// Quantizes `x` (`m` rows of `k`) for weights of `fmt`, rows spread over the pool.
+    pub fn new(fmt: PanelFormat, x: &[f32], k: usize) -> Self {
+        let blocks = k / QK;
+        let m = x.len() / k;
+        let subs = fmt.subs();
+        let zero = ActBlock {
+            qs: [0; QK],
+            d: 0.0,
+            s: 0.0,
+        };
+        let mut xq = vec![zero; m * blocks];
+        let mut zsum = vec![0i32; m * blocks * subs];
+        let off = fmt.has_offset();
+        let mut sx = vec![0f32; if off { m * blocks } else { 0 }];
+        let (xo, zo, so) = (
+            Disjoint(xq.as_mut_ptr()),
+            Disjoint(zsum.as_mut_ptr()),
+            Disjoint(sx.as_mut_ptr()),
+        );
+        let z = fmt.zero();
+        candle_core::utils::barrier_pool().execute_chunked(m, |rows| {
+            for r in rows {
+                // SAFETY: each row index is handed to one worker only, so its ranges of
+                // `xq` and `zsum` are written by one thread; both outlive the call.
+                let (out, zs) = unsafe {
+                    (
+                        xo.slice(r * blocks..(r + 1) * blocks),
+                        zo.slice(r * blocks * subs..(r + 1) * blocks * subs),
+                    )
+                };
+                quantize_row(&x[r * k..(r + 1) * k], out);
+                for (i, (b, zb)) in out.iter().zip(zs.chunks_exact_mut(subs)).enumerate() {
+                    let mut total = 0;
+                    for (s, v) in b.qs.chunks_exact(QK / subs).zip(zb.iter_mut()) {
+                        let sum = s.iter().map(|q| *q as i32).sum::<i32>();
+                        *v = -z * sum;
+                        total += sum;
+                    }
+                    if off {
+                        // SAFETY: as above; element (r, i) of `sx` is this row's.
+                        unsafe { so.write(r * blocks + i, b.d * total as f32) };
+                    }
+                }
+            }
+        });
+        Self {
+            x: xq,
+            zsum,
+            sx,
+            blocks,
+        }
+    }
+
+    /// Rows `r0 .. r0 + count` for the micro-kernel.
+    #[cfg(target_arch = "x86_64")]
+    fn tile_rows(&self, r0: usize, count: usize, subs: usize) -> super::avx512::TileRows<'_> {
+        let b = self.blocks;
+        super::avx512::TileRows {
+            x: &self.x[r0 * b..(r0 + count) * b],
+            zsum: &self.zsum[r0 * b * subs..(r0 + count) * b * subs],
+            sx: self.sx.get(r0 * b..(r0 + count) * b).unwrap_or(&[]),
+            blocks: b,
+        }
+    }
+}
+
+/// `x·Wᵀ`, `(m, n)` row-major, for `x` `(m, k)` and the `(n, k)` weight `data` of `fmt`.
+/// Call only where [`available`]; `k` is a multiple of the format's block.
+pub fn gemm(fmt: PanelFormat, data: &[u8], n: usize, k: usize, x: &[f32]) -> Vec<f32> {
+    let m = x.len() / k;
+    let rows = QuantizedRows::new(fmt, x, k);
+    let mut y = vec![0f32; m * n];
+    let out = Disjoint(y.as_mut_ptr());
+    candle_core::utils::barrier_pool().execute_chunked(n.div_ceil(NR), |panels| {
+        let mut panel = Panel::default();
+        for p in panels {
+            panel.pack(fmt, data, n, k, p);
+            let cols = NR.min(n - NR * p);
+            let mut r0 = 0;
+            while r0 < m {
+                let count = MR.min(m - r0);
+                // SAFETY: panel p's columns are written by this task alone (one worker per
+                // panel), `y` outlives the call, and `tile` writes `cols` columns of `count`
+                // rows from (r0, NR·p), all inside `y`.
+                unsafe {
+                    tile(
+                        fmt,
+                        &panel,
+                        &rows,
+                        r0,
+                        count,
+                        out.at(r0 * n + NR * p),
+                        n,
+                        cols,
+                    )
+                };
+                r0 += count;
+            }
+        }
+    });
+    y
+}
+
+/// Dispatches one micro-kernel call by row count and format shape.
+///
+/// # Safety
+/// As [`super::avx512::tile`], for `count` rows from `r0`.
+#[allow(clippy::too_many_arguments)]
+#[cfg(target_arch = "x86_64")]
+unsafe fn tile(
+    fmt: PanelFormat,
+    panel: &Panel,
+    rows: &QuantizedRows,
+    r0: usize,
+    count: usize,
+    out: *mut f32,
+    ldo: usize,
+    cols: usize,
+) {
+    use super::avx512::tile as t;
+    let tr = rows.tile_rows(r0, count, fmt.subs());
+    macro_rules! by_rows {
+        ($s:literal, $o:literal) => {
+            match count {
+                8 => t::<8, $s, $o>(panel, &tr, out, ldo, cols),
+                7 => t::<7, $s, $o>(panel, &tr, out, ldo, cols),
+                6 => t::<6, $s, $o>(panel, &tr, out, ldo, cols),
+                5 => t::<5, $s, $o>(panel, &tr, out, ldo, cols),
+                4 => t::<4, $s, $o>(panel, &tr, out, ldo, cols),
+                3 => t::<3, $s, $o>(panel, &tr, out, ldo, cols),
+                2 => t::<2, $s, $o>(panel, &tr, out, ldo, cols),
+                _ => t::<1, $s, $o>(panel, &tr, out, ldo, cols),
+            }
+        };
+    }
+    match (fmt.subs(), fmt.has_offset()) {
+        (2, _) => by_rows!(2, false),
+        (_, true) => by_rows!(1, true),
+        _ => by_rows!(1, false),
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile(
+    _: PanelFormat,
+    _: &Panel,
+    _: &QuantizedRows,
+    _: usize,
+    _: usize,
+    _: *mut f32,
+    _: usize,
+    _: usize,
+) {
+    unreachable!("the integer GEMM runs only where `available`")
+}
+
+/// The GEMM's math in scalar code, from the same panels and quantized rows: the reference
+/// the SIMD kernel is tested against (integer sums exact; f32 accumulation per block).
+pub fn reference(fmt: PanelFormat, data: &[u8], n: usize, k: usize, x: &[f32]) -> Vec<f32> {
+    let m = x.len() / k;
+    let rows = QuantizedRows::new(fmt, x, k);
+    let (blocks, subs, z) = (rows.blocks, fmt.subs(), fmt.zero());
+    let mut y = vec![0f32; m * n];
+    let mut panel = Panel::default();
+    for p in 0..n.div_ceil(NR) {
+        panel.pack(fmt, data, n, k, p);
+        for c in 0..NR.min(n - NR * p) {
+            for r in 0..m {
+                let mut acc = 0f32;
+                for b in 0..blocks {
+                    let xb = &rows.x[r * blocks + b];
+                    for s in 0..subs {
+                        let mut sum = 0i32;
+                        for e in s * QK / subs..(s + 1) * QK / subs {
+                            let q = panel.qs[b * QK * NR + (e / 4) * 4 * NR + 4 * c + e % 4];
+                            sum += (q as i32 - z) * xb.qs[e] as i32;
+                        }
+                        acc += sum as f32 * (panel.scales[(b * subs + s) * NR + c] * xb.d);
+                    }
+                    if fmt.has_offset() {
+                        acc += panel.offsets[b * NR + c] * rows.sx[r * blocks + b];
+                    }
+                }
+                y[r * n + NR * p + c] = acc;
+            }
+        }
+    }
+    y
+}

@@ -1,0 +1,200 @@
+//! Column panels: a quantized weight's rows repacked, 16 output columns at a time, into the
+//! layout the integer GEMM ([`super::gemm`]) multiplies — llama.cpp's "repack" idea
+//! (`ggml-cpu/repack.cpp`, weights interleaved so that one vector instruction computes many
+//! output columns), done per call into a buffer the size of one panel instead of kept
+//! beside the weight, so the model's memory does not grow.
+//!
+//! Every format becomes the same thing: per column and 32-element block, 32 unsigned bytes
+//! `q`, one f32 scale per sub-block (32 or 16 elements) and one f32 offset, with the value
+//! `scale·(q − z) + offset` for the format's zero `z`. `z` stays an integer so that
+//! `Σ (q − z)·x` is exact (it is folded into the integer accumulator as `−z·Σx`).
+//! Bytes are interleaved for `vpdpbusd`: group `g` of a block holds, for each of the 16
+//! columns, that column's elements `4g … 4g+3` — one 64-byte load feeds 16 columns.
+//!
+//! Formats: GGML's 32-element Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (ggml-common.h, via
+//! [`super::blocks`]) and the K-quants Gemma 3's GGUF uses, Q4_K (256-element super-blocks,
+//! eight 32-element sub-blocks with 6-bit scales and mins) and Q6_K (sixteen 16-element
+//! sub-blocks, 8-bit scales, values `q − 32`).
+use half::f16;
+
+use super::blocks::{self, WeightFormat, QK};
+
+/// Output columns per panel (one 512-bit register of i32 lanes).
+pub const NR: usize = 16;
+
+/// Bytes of one block's quantized values in a panel (32 elements × 16 columns).
+pub const BLOCK_QS: usize = QK * NR;
+
+/// A weight format the integer GEMM packs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PanelFormat {
+    /// One of the 32-element block formats.
+    Block(WeightFormat),
+    /// GGML's Q4_K: 144 bytes per 256 elements.
+    Q4K,
+    /// GGML's Q6_K: 210 bytes per 256 elements.
+    Q6K,
+}
+
+impl PanelFormat {
+    /// Elements per stored block (32, or 256 for the K-quants).
+    pub const fn block_elems(self) -> usize {
+        match self {
+            Self::Block(_) => QK,
+            Self::Q4K | Self::Q6K => 256,
+        }
+    }
+
+    /// Bytes per stored block.
+    pub const fn block_bytes(self) -> usize {
+        match self {
+            Self::Block(f) => f.block_bytes(),
+            Self::Q4K => 144,
+            Self::Q6K => 210,
+        }
+    }
+
+    /// Scales per 32-element block: 2 for Q6_K's 16-element sub-blocks, else 1.
+    pub const fn subs(self) -> usize {
+        match self {
+            Self::Q6K => 2,
+            _ => 1,
+        }
+    }
+
+    /// The integer zero `z` subtracted from every unsigned value.
+    pub const fn zero(self) -> i32 {
+        match self {
+            Self::Block(WeightFormat::Q4_0) => 8,
+            Self::Block(WeightFormat::Q5_0) => 16,
+            Self::Block(WeightFormat::Q8_0) => 128,
+            Self::Q6K => 32,
+            _ => 0,
+        }
+    }
+
+    /// Whether values carry an f32 offset (Q4_1, Q5_1, Q4_K's mins).
+    pub const fn has_offset(self) -> bool {
+        matches!(
+            self,
+            Self::Block(WeightFormat::Q4_1) | Self::Block(WeightFormat::Q5_1) | Self::Q4K
+        )
+    }
+}
+
+/// One 32-element block of one column, decoded: unsigned values, sub-block scales, offset.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Decoded {
+    /// Unsigned values, `q − z` being the integer value.
+    pub q: [u8; QK],
+    /// Scale of each sub-block (only the first [`PanelFormat::subs`] are used).
+    pub scale: [f32; 2],
+    /// Offset added to every element (0 without one).
+    pub offset: f32,
+}
+
+/// One panel: [`NR`] columns of a weight, all of `k`.
+#[derive(Debug, Default)]
+pub struct Panel {
+    /// `blocks × 8 groups × NR columns × 4` bytes.
+    pub qs: Vec<u8>,
+    /// `blocks × subs × NR` scales.
+    pub scales: Vec<f32>,
+    /// `blocks × NR` offsets (empty without them).
+    pub offsets: Vec<f32>,
+}
+
+fn f16_at(b: &[u8], at: usize) -> f32 {
+    f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
+}
+
+/// Q4_K's 6-bit scale and min of sub-block `j` (ggml's `get_scale_min_k4`).
+fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (s[j] & 63, s[j + 4] & 63)
+    } else {
+        (
+            (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4),
+            (s[j + 4] >> 4) | ((s[j] >> 6) << 4),
+        )
+    }
+}
+
+/// Decodes 32-element block `j` (within its stored block `b`) of `fmt`.
+pub fn decode(fmt: PanelFormat, b: &[u8], j: usize) -> Decoded {
+    let mut out = Decoded::default();
+    match fmt {
+        PanelFormat::Block(f) => {
+            let (d, m, qh, qs) = blocks::fields(f, b);
+            let z = fmt.zero();
+            for (o, v) in out.q.iter_mut().zip(blocks::values(f, qh, qs)) {
+                *o = (v + z) as u8;
+            }
+            out.scale = [d, 0.0];
+            out.offset = m;
+        }
+        PanelFormat::Q4K => {
+            let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+            let (sc, mn) = scale_min_k4(j, &b[4..16]);
+            // Sub-blocks 2c and 2c+1 are the low and high nibbles of qs[32c .. 32c+32].
+            let qs = &b[16 + 32 * (j / 2)..16 + 32 * (j / 2) + 32];
+            let shift = 4 * (j % 2);
+            for (o, q) in out.q.iter_mut().zip(qs) {
+                *o = (q >> shift) & 0x0F;
+            }
+            out.scale = [d * sc as f32, 0.0];
+            out.offset = -(dmin * mn as f32);
+        }
+        PanelFormat::Q6K => {
+            let (ql, qh, sc) = (&b[0..128], &b[128..192], &b[192..208]);
+            let d = f16_at(b, 208);
+            for (e, o) in out.q.iter_mut().enumerate() {
+                // Element i of the 256: half h, then l and t with i = 128h + 32t + l.
+                let i = 32 * j + e;
+                let (h, t, l) = (i / 128, (i % 128) / 32, i % 32);
+                let low = ql[64 * h + l + 32 * (t % 2)];
+                let low = if t < 2 { low & 0x0F } else { low >> 4 };
+                let high = (qh[32 * h + l] >> (2 * t)) & 3;
+                *o = low | (high << 4);
+            }
+            out.scale = [d * sc[2 * j] as i8 as f32, d * sc[2 * j + 1] as i8 as f32];
+        }
+    }
+    out
+}
+
+impl Panel {
+    /// Packs columns `NR·p ..` of the `(n, k)` weight `data` (columns past `n` zero).
+    pub fn pack(&mut self, fmt: PanelFormat, data: &[u8], n: usize, k: usize, p: usize) {
+        let blocks = k / QK;
+        let subs = fmt.subs();
+        self.qs.clear();
+        self.qs.resize(blocks * BLOCK_QS, 0);
+        self.scales.clear();
+        self.scales.resize(blocks * subs * NR, 0.0);
+        self.offsets.clear();
+        if fmt.has_offset() {
+            self.offsets.resize(blocks * NR, 0.0);
+        }
+        let per_stored = fmt.block_elems() / QK;
+        let row_bytes = k / fmt.block_elems() * fmt.block_bytes();
+        for c in 0..NR.min(n.saturating_sub(NR * p)) {
+            let row = &data[(NR * p + c) * row_bytes..(NR * p + c + 1) * row_bytes];
+            for blk in 0..blocks {
+                let stored = blk / per_stored;
+                let b = &row[stored * fmt.block_bytes()..(stored + 1) * fmt.block_bytes()];
+                let dec = decode(fmt, b, blk % per_stored);
+                let qs = &mut self.qs[blk * BLOCK_QS..(blk + 1) * BLOCK_QS];
+                for (g, four) in dec.q.chunks_exact(4).enumerate() {
+                    qs[g * 4 * NR + 4 * c..g * 4 * NR + 4 * c + 4].copy_from_slice(four);
+                }
+                for s in 0..subs {
+                    self.scales[(blk * subs + s) * NR + c] = dec.scale[s];
+                }
+                if fmt.has_offset() {
+                    self.offsets[blk * NR + c] = dec.offset;
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,68 @@
+//! The online softmax's vector `exp` (`flash::softmax`) on every path this CPU has, against
+//! f64's `exp`: within 2 ulp (relative 2.4e-7) where the result is a normal f32, within
+//! the smallest normal below that; `exp(−∞) = 0` exactly (masked scores); the returned sum
+//! is the sum of what was written. Row lengths cover the vector tails.
+use kvpolicy_kernels::flash::softmax;
+
+fn inputs(len: usize) -> Vec<f32> {
+    // From −120 (far below underflow) to +5, plus −∞ (a masked score), repeated.
+    (0..len)
+        .map(|i| match i % 97 {
+            13 => f32::NEG_INFINITY,
+            j => -120.0 + 125.0 * j as f32 / 96.0 + (i as f32 * 0.001).sin(),
+        })
+        .collect()
+}
+
+fn check(name: &str, f: impl Fn(&mut [f32], f32) -> f32) {
+    for len in [1, 7, 8, 15, 16, 17, 33, 256, 1000] {
+        let m = 1.5f32;
+        let x = inputs(len);
+        let mut y = x.clone();
+        let sum = f(&mut y, m);
+        let mut total = 0f64;
+        for (i, (a, b)) in x.iter().zip(&y).enumerate() {
+            let want = ((*a - m) as f64).exp();
+            total += *b as f64;
+            if a.is_infinite() {
+                assert_eq!(*b, 0.0, "{name}: exp(−∞) at {i}");
+            } else if want >= f32::MIN_POSITIVE as f64 {
+                let rel = ((*b as f64 - want) / want).abs();
+                assert!(
+                    rel <= 2.4e-7,
+                    "{name}: exp({}) = {b}, want {want} ({rel})",
+                    a - m
+                );
+            } else {
+                assert!(
+                    (*b as f64 - want).abs() <= f32::MIN_POSITIVE as f64,
+                    "{name}: exp({}) = {b}, want {want}",
+                    a - m
+                );
+            }
+        }
+        assert!(
+            (sum as f64 - total).abs() <= 1e-6 * total + 1e-37,
+            "{name} len {len}: sum {sum} vs {total}"
+        );
+    }
+}
+
+#[test]
+fn vector_exp_matches_f64_on_every_path() {
+    check("dispatch", softmax::exp_shifted);
+    check("scalar", softmax::exp_shifted_scalar);
+    #[cfg(target_arch = "x86_64")]
+    {
+        if softmax::avx512() {
+            // SAFETY: `avx512` checked AVX-512 F.
+            check("avx512", |r, m| unsafe {
+                softmax::exp_shifted_avx512(r, m)
+            });
+        }
+        if kvpolicy_kernels::quant::avx2::available() {
+            // SAFETY: `available` checked AVX2 and FMA.
+            check("avx2", |r, m| unsafe { softmax::exp_shifted_avx2(r, m) });
+        }
+    }
+}
