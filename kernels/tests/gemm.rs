@@ -1,7 +1,7 @@
 //! The integer GEMM of quantized prefill (`quant::gemm`):
 //! - every panel holds exactly candle's dequantized weight (`scale·(q − z) + offset` at
 //!   each column and element), for the seven formats it packs;
-//! - the scalar reference and the SIMD kernel (where this CPU has it) equal the exact
+//! - the scalar reference and every SIMD kernel this CPU runs equal the exact
 //!   product of the dequantized weight and the quantized activations, computed in f64 from
 //!   candle's dequantization: ≤ 1e-5 of Σ|w·x| per output (only f32 rounding differs);
 //! - `QuantMatMul` on a chunk of rows gives the GEMM's result (its dispatch), K-quants too.
@@ -10,7 +10,7 @@ use std::sync::Arc;
 use anyhow::{anyhow, Result};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
-use kvpolicy_kernels::quant::gemm::{self, QuantizedRows};
+use kvpolicy_kernels::quant::gemm::{self, Kernel, QuantizedRows};
 use kvpolicy_kernels::quant::panel::{Panel, NR};
 use kvpolicy_kernels::quant::{panel_format_of, QuantMatMul, GEMM_MIN_ROWS, QK};
 use proptest::prelude::*;
@@ -119,10 +119,13 @@ fn check(dtype: GgmlDType, m: usize, n: usize, k: usize, seed: u64) -> Result<()
         dev <= 1e-5,
         "{dtype:?} ({m}, {k})·({n}, {k})ᵀ reference: {dev}"
     );
-    if gemm::available() {
-        let got = gemm::gemm(fmt, &w.data, n, k, &x);
+    for kernel in Kernel::ALL.into_iter().filter(|k| k.runs(fmt)) {
+        let got = gemm::gemm(kernel, fmt, &w.data, n, k, &x);
         let dev = deviation(&w, n, k, &x, &rows, &got);
-        anyhow::ensure!(dev <= 1e-5, "{dtype:?} ({m}, {k})·({n}, {k})ᵀ SIMD: {dev}");
+        anyhow::ensure!(
+            dev <= 1e-5,
+            "{dtype:?} ({m}, {k})·({n}, {k})ᵀ {kernel:?}: {dev}"
+        );
     }
     Ok(())
 }
@@ -166,16 +169,53 @@ fn quant_matmul_runs_a_chunk_as_the_gemm() -> Result<()> {
         let fmt = panel_format_of(dtype).ok_or_else(|| anyhow!("{dtype:?}"))?;
         let w = weight(dtype, n, k, 9)?;
         let op = QuantMatMul::new(w.q.clone()).ok_or_else(|| anyhow!("{dtype:?} not handled"))?;
-        assert_eq!(op.handles(m), gemm::available(), "{dtype:?}");
-        if !op.handles(m) {
+        let kernel = gemm::kernel_for(fmt);
+        assert_eq!(op.handles(m), kernel.is_some(), "{dtype:?}");
+        let Some(kernel) = kernel else {
             continue;
-        }
+        };
         let x = random(m * k, 21, 2.0);
         let got = op
             .forward(&Tensor::from_vec(x.clone(), (m, k), &Device::Cpu)?)?
             .flatten_all()?
             .to_vec1::<f32>()?;
-        assert_eq!(got, gemm::gemm(fmt, &w.data, n, k, &x), "{dtype:?}");
+        assert_eq!(got, gemm::gemm(kernel, fmt, &w.data, n, k, &x), "{dtype:?}");
+    }
+    Ok(())
+}
+
+#[test]
+fn k_quant_activations_are_candles_q8k() -> Result<()> {
+    use kvpolicy_kernels::quant::blocks::{quantize_row_q8k, ActBlock};
+    let k = 1024;
+    let mut x = random(k, 5, 4.0);
+    x[256..512].fill(0.0); // an all-zero block
+    let theirs = QTensor::quantize(
+        &Tensor::from_vec(x.clone(), (1, k), &Device::Cpu)?,
+        GgmlDType::Q8K,
+    )?;
+    let bytes = theirs.data()?;
+    let zero = ActBlock {
+        qs: [0; QK],
+        d: 0.0,
+        s: 0.0,
+    };
+    let mut ours = vec![zero; k / QK];
+    quantize_row_q8k(&x, &mut ours);
+    // BlockQ8K: d (f32), 256 values, 16 sums (i16).
+    for (sb, block) in bytes.chunks_exact(4 + 256 + 32).enumerate() {
+        let d = f32::from_le_bytes([block[0], block[1], block[2], block[3]]);
+        for (j, b) in ours[sb * 8..(sb + 1) * 8].iter().enumerate() {
+            assert_eq!(b.d, d, "super-block {sb}");
+            for (e, q) in b.qs.iter().enumerate() {
+                assert_eq!(
+                    *q,
+                    block[4 + 32 * j + e] as i8,
+                    "super-block {sb} element {}",
+                    32 * j + e
+                );
+            }
+        }
     }
     Ok(())
 }

@@ -1,7 +1,7 @@
 //! GGML's 32-element block formats — Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 — read from a weight's
 //! raw bytes, the activation side quantized to Q8_0/Q8_1 the way candle does it (so integer
-//! sums match candle's exactly), and the portable reference dot products the SIMD paths are
-//! checked against.
+//! sums match candle's exactly; Q8_K's one scale per 256 for the K-quants), and the portable
+//! reference dot products the SIMD paths are checked against.
 //!
 //! Layouts (ggml-common.h): element `j < 16` of a 4/5-bit block is the low nibble of
 //! `qs[j]`, element `j + 16` its high nibble; Q5's fifth bit of element `j` is bit `j` of
@@ -67,6 +67,31 @@ pub fn quantize_row(x: &[f32], out: &mut [ActBlock]) {
         let d16 = f16::from_f32(d);
         b.d = d16.to_f32();
         b.s = (f16::from_f32(sum as f32) * d16).to_f32();
+    }
+}
+
+/// Quantizes `x` (a multiple of 256 long) as candle's `BlockQ8K::from_float` (and
+/// ggml's `quantize_row_q8_K`) do, the activation side of the K-quants: one scale per 256
+/// values, `d = max/−127` from the value of largest magnitude, `q = round(x/d)`; each
+/// 256 fill eight blocks of `out` sharing `d` (`s` left 0).
+pub fn quantize_row_q8k(x: &[f32], out: &mut [ActBlock]) {
+    for (xs, bs) in x.chunks_exact(256).zip(out.chunks_exact_mut(256 / QK)) {
+        let (mut max, mut amax) = (0f32, 0f32);
+        for v in xs {
+            if amax < v.abs() {
+                amax = v.abs();
+                max = *v;
+            }
+        }
+        let iscale = if amax == 0.0 { 0.0 } else { -127.0 / max };
+        let d = if amax == 0.0 { 0.0 } else { 1.0 / iscale };
+        for (x32, b) in xs.chunks_exact(QK).zip(bs.iter_mut()) {
+            for (q, v) in b.qs.iter_mut().zip(x32) {
+                *q = (iscale * v).round().clamp(-128.0, 127.0) as i8;
+            }
+            b.d = d;
+            b.s = 0.0;
+        }
     }
 }
 

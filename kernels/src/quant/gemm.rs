@@ -1,33 +1,69 @@
 //! Quantized prefill without dequantizing: `y = x·Wᵀ` for a chunk of activation rows as
 //! an integer GEMM, llama.cpp's way (`ggml_compute_forward_mul_mat` with `vec_dot_type`
-//! Q8 and its repacked GEMMs): the activations are quantized once per row block to Q8
-//! (the blocks [`super::blocks::quantize_row`] makes for the decode path, so a row gets the
-//! same integer sums whether it is decoded or prefilled), the weight is repacked a 16-column
-//! [`Panel`] at a time, and every block is an exact integer dot product scaled in f32.
+//! Q8 and its repacked GEMMs): the activations are quantized once per call as the decode
+//! path quantizes them (Q8_0/Q8_1 per 32 values, [`super::blocks::quantize_row`]; Q8_K's one
+//! scale per 256 for the K-quants, as candle's and llama.cpp's K-quant dots do), so a row
+//! gets the same integer values whether it is decoded or prefilled; the weight is repacked
+//! a 16-column [`Panel`] at a time, and every block is an exact integer dot product scaled
+//! in f32.
 //!
 //! Work is split over panels on candle's CPU worker pool; each task packs its panel once
-//! (it stays in L1) and runs every activation row against it, `MR` rows per micro-kernel
-//! call. The AVX-512 VNNI kernel ([`super::avx512`]) runs where the CPU has it; elsewhere
-//! callers keep the dequantize-and-f32-GEMM path ([`available`] says which), since a
-//! portable integer GEMM would be slower than the f32 one. [`reference`] is the same math
-//! in scalar code, for the tests.
-use super::blocks::{quantize_row, ActBlock, QK};
+//! (it stays in L1) and runs every activation row against it, a few rows per micro-kernel
+//! call. Micro-kernels ([`Kernel`], runtime detection): AVX-512 VNNI ([`super::avx512`]),
+//! AVX-VNNI and AVX2 at 256 bits ([`super::avx2_tile`]; plain AVX2 not for Q8_0). Where
+//! none applies, callers keep the dequantize-and-f32-GEMM path ([`kernel_for`] says which),
+//! since a portable integer GEMM would be slower than the f32 one. [`reference`] is the
+//! same math in scalar code, for the tests.
+use super::blocks::{quantize_row, quantize_row_q8k, ActBlock, QK};
 use super::disjoint::Disjoint;
 use super::panel::{Panel, PanelFormat, NR};
 
-/// Activation rows per micro-kernel call.
-const MR: usize = 8;
+/// A micro-kernel of the integer GEMM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kernel {
+    /// AVX-512 F/BW/VNNI: 8 rows × 16 columns per call.
+    Avx512,
+    /// AVX2 + FMA + AVX-VNNI: 3 rows × 16 columns.
+    AvxVnni,
+    /// AVX2 + FMA (`maddubs`): 3 rows × 16 columns; not Q8_0.
+    Avx2,
+}
 
-/// Whether the integer GEMM runs on this CPU.
-pub fn available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        super::avx512::available()
+impl Kernel {
+    /// Every kernel, fastest first.
+    pub const ALL: [Kernel; 3] = [Kernel::Avx512, Kernel::AvxVnni, Kernel::Avx2];
+
+    /// Whether this CPU runs this kernel for `fmt`.
+    pub fn runs(self, fmt: PanelFormat) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            match self {
+                Kernel::Avx512 => super::avx512::available(),
+                Kernel::AvxVnni => super::avx2::vnni(),
+                Kernel::Avx2 => {
+                    super::avx2::available() && super::avx2_tile::exact_without_vnni(fmt)
+                }
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = fmt;
+            false
+        }
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
+
+    /// Activation rows per call.
+    fn rows(self) -> usize {
+        match self {
+            Kernel::Avx512 => 8,
+            Kernel::AvxVnni | Kernel::Avx2 => 3,
+        }
     }
+}
+
+/// The fastest kernel this CPU runs for `fmt`, if any.
+pub fn kernel_for(fmt: PanelFormat) -> Option<Kernel> {
+    Kernel::ALL.into_iter().find(|k| k.runs(fmt))
 }
 
 /// A chunk's activations, quantized: `m` rows of `blocks` blocks, per sub-block the
@@ -76,7 +112,11 @@ impl QuantizedRows {
                         zo.slice(r * blocks * subs..(r + 1) * blocks * subs),
                     )
                 };
-                quantize_row(&x[r * k..(r + 1) * k], out);
+                if fmt.block_elems() == 256 {
+                    quantize_row_q8k(&x[r * k..(r + 1) * k], out);
+                } else {
+                    quantize_row(&x[r * k..(r + 1) * k], out);
+                }
                 for (i, (b, zb)) in out.iter().zip(zs.chunks_exact_mut(subs)).enumerate() {
                     let mut total = 0;
                     for (s, v) in b.qs.chunks_exact(QK / subs).zip(zb.iter_mut()) {
@@ -112,9 +152,24 @@ impl QuantizedRows {
     }
 }
 
-/// `x·Wᵀ`, `(m, n)` row-major, for `x` `(m, k)` and the `(n, k)` weight `data` of `fmt`.
-/// Call only where [`available`]; `k` is a multiple of the format's block.
-pub fn gemm(fmt: PanelFormat, data: &[u8], n: usize, k: usize, x: &[f32]) -> Vec<f32> {
+/// `x·Wᵀ`, `(m, n)` row-major, for `x` `(m, k)` and the `(n, k)` weight `data` of `fmt`,
+/// on `kernel`; `k` is a multiple of the format's block.
+///
+/// # Panics
+/// If this CPU does not run `kernel` for `fmt` ([`Kernel::runs`]).
+pub fn gemm(
+    kernel: Kernel,
+    fmt: PanelFormat,
+    data: &[u8],
+    n: usize,
+    k: usize,
+    x: &[f32],
+) -> Vec<f32> {
+    assert!(
+        kernel.runs(fmt),
+        "{kernel:?} does not run {fmt:?} on this CPU"
+    );
+    let mr = kernel.rows();
     let m = x.len() / k;
     let rows = QuantizedRows::new(fmt, x, k);
     let mut y = vec![0f32; m * n];
@@ -126,22 +181,17 @@ pub fn gemm(fmt: PanelFormat, data: &[u8], n: usize, k: usize, x: &[f32]) -> Vec
             let cols = NR.min(n - NR * p);
             let mut r0 = 0;
             while r0 < m {
-                let count = MR.min(m - r0);
-                // SAFETY: panel p's columns are written by this task alone (one worker per
-                // panel), `y` outlives the call, and `tile` writes `cols` columns of `count`
-                // rows from (r0, NR·p), all inside `y`.
-                unsafe {
-                    tile(
-                        fmt,
-                        &panel,
-                        &rows,
-                        r0,
-                        count,
-                        out.at(r0 * n + NR * p),
-                        n,
-                        cols,
-                    )
+                let count = mr.min(m - r0);
+                let at = TileAt {
+                    r0,
+                    count,
+                    cols,
+                    ldo: n,
                 };
+                // SAFETY: `kernel` runs here (asserted); panel p's columns are written by
+                // this task alone (one worker per panel), `y` outlives the call, and `tile`
+                // writes `cols` columns of `count` rows from (r0, NR·p), all inside `y`.
+                unsafe { tile(kernel, fmt, &panel, &rows, at, out.at(r0 * n + NR * p)) };
                 r0 += count;
             }
         }
@@ -149,35 +199,51 @@ pub fn gemm(fmt: PanelFormat, data: &[u8], n: usize, k: usize, x: &[f32]) -> Vec
     y
 }
 
-/// Dispatches one micro-kernel call by row count and format shape.
+/// Where one micro-kernel call reads and writes: rows `r0 .. r0 + count`, `cols` of the
+/// panel's columns, output row stride `ldo`.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+struct TileAt {
+    r0: usize,
+    count: usize,
+    cols: usize,
+    ldo: usize,
+}
+
+/// Dispatches one micro-kernel call by kernel, row count and format shape.
 ///
 /// # Safety
-/// As [`super::avx512::tile`], for `count` rows from `r0`.
-#[allow(clippy::too_many_arguments)]
+/// `kernel` runs on this CPU for `fmt`; otherwise as [`super::avx512::tile`], for the rows
+/// of `at`.
 #[cfg(target_arch = "x86_64")]
 unsafe fn tile(
+    kernel: Kernel,
     fmt: PanelFormat,
     panel: &Panel,
     rows: &QuantizedRows,
-    r0: usize,
-    count: usize,
+    at: TileAt,
     out: *mut f32,
-    ldo: usize,
-    cols: usize,
 ) {
-    use super::avx512::tile as t;
-    let tr = rows.tile_rows(r0, count, fmt.subs());
+    use super::avx2_tile::{tile_avx2, tile_vnni};
+    use super::avx512::tile as t512;
+    let tr = rows.tile_rows(at.r0, at.count, fmt.subs());
+    let (ldo, cols) = (at.ldo, at.cols);
     macro_rules! by_rows {
         ($s:literal, $o:literal) => {
-            match count {
-                8 => t::<8, $s, $o>(panel, &tr, out, ldo, cols),
-                7 => t::<7, $s, $o>(panel, &tr, out, ldo, cols),
-                6 => t::<6, $s, $o>(panel, &tr, out, ldo, cols),
-                5 => t::<5, $s, $o>(panel, &tr, out, ldo, cols),
-                4 => t::<4, $s, $o>(panel, &tr, out, ldo, cols),
-                3 => t::<3, $s, $o>(panel, &tr, out, ldo, cols),
-                2 => t::<2, $s, $o>(panel, &tr, out, ldo, cols),
-                _ => t::<1, $s, $o>(panel, &tr, out, ldo, cols),
+            match (kernel, at.count) {
+                (Kernel::Avx512, 8) => t512::<8, $s, $o>(panel, &tr, out, ldo, cols),
+                (Kernel::Avx512, 7) => t512::<7, $s, $o>(panel, &tr, out, ldo, cols),
+                (Kernel::Avx512, 6) => t512::<6, $s, $o>(panel, &tr, out, ldo, cols),
+                (Kernel::Avx512, 5) => t512::<5, $s, $o>(panel, &tr, out, ldo, cols),
+                (Kernel::Avx512, 4) => t512::<4, $s, $o>(panel, &tr, out, ldo, cols),
+                (Kernel::Avx512, 3) => t512::<3, $s, $o>(panel, &tr, out, ldo, cols),
+                (Kernel::Avx512, 2) => t512::<2, $s, $o>(panel, &tr, out, ldo, cols),
+                (Kernel::Avx512, _) => t512::<1, $s, $o>(panel, &tr, out, ldo, cols),
+                (Kernel::AvxVnni, 3) => tile_vnni::<3, $s, $o>(panel, &tr, out, ldo, cols),
+                (Kernel::AvxVnni, 2) => tile_vnni::<2, $s, $o>(panel, &tr, out, ldo, cols),
+                (Kernel::AvxVnni, _) => tile_vnni::<1, $s, $o>(panel, &tr, out, ldo, cols),
+                (Kernel::Avx2, 3) => tile_avx2::<3, $s, $o>(panel, &tr, out, ldo, cols),
+                (Kernel::Avx2, 2) => tile_avx2::<2, $s, $o>(panel, &tr, out, ldo, cols),
+                (Kernel::Avx2, _) => tile_avx2::<1, $s, $o>(panel, &tr, out, ldo, cols),
             }
         };
     }
@@ -189,18 +255,8 @@ unsafe fn tile(
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-#[allow(clippy::too_many_arguments)]
-unsafe fn tile(
-    _: PanelFormat,
-    _: &Panel,
-    _: &QuantizedRows,
-    _: usize,
-    _: usize,
-    _: *mut f32,
-    _: usize,
-    _: usize,
-) {
-    unreachable!("the integer GEMM runs only where `available`")
+unsafe fn tile(_: Kernel, _: PanelFormat, _: &Panel, _: &QuantizedRows, _: TileAt, _: *mut f32) {
+    unreachable!("no kernel runs off x86-64 (`Kernel::runs`)")
 }
 
 /// The GEMM's math in scalar code, from the same panels and quantized rows: the reference

@@ -21,6 +21,8 @@ use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;
 #[cfg(target_arch = "x86_64")]
+pub mod avx2_tile;
+#[cfg(target_arch = "x86_64")]
 pub mod avx512;
 pub mod blocks;
 mod disjoint;
@@ -126,7 +128,7 @@ impl QuantMatMul {
     /// 32-element formats (K-quant decode stays candle's).
     pub fn handles(&self, rows: usize) -> bool {
         if rows >= GEMM_MIN_ROWS {
-            gemm::available()
+            gemm::kernel_for(self.fmt).is_some()
         } else {
             matches!(self.fmt, PanelFormat::Block(_))
         }
@@ -170,8 +172,8 @@ impl CustomOp1 for QuantMatMul {
         if let Some(last) = out_dims.last_mut() {
             *last = n;
         }
-        if m >= GEMM_MIN_ROWS && gemm::available() {
-            let y = gemm::gemm(self.fmt, &data, n, k, x);
+        if let Some(kernel) = gemm::kernel_for(self.fmt).filter(|_| m >= GEMM_MIN_ROWS) {
+            let y = gemm::gemm(kernel, self.fmt, &data, n, k, x);
             return Ok((CpuStorage::F32(y), Shape::from(out_dims)));
         }
         let PanelFormat::Block(fmt) = self.fmt else {
