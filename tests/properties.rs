@@ -405,6 +405,17 @@ fn shrunk_failures() -> Result<(), TestCaseError> {
         block: 5,
         share: Some(0.0),
         act_slots: Some(1),
+        ..base.clone()
+    })?;
+    // auto under a budget over the disk tier, a window of 9: a demoted resident unit wrote
+    // its history past a gap in the tier ("a disk write of tokens 7..8 would leave a gap").
+    check(&Case {
+        n_kv: 4,
+        head_dim: 8,
+        layers: 2,
+        window: Some(9),
+        chunks: vec![6, 5, 4, 5, 1, 1, 1],
+        seed: 4458955066769276610,
         ..base
     })
 }

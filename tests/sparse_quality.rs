@@ -8,11 +8,13 @@
 //! 2-core CPU (the test prints them), doubled for another CPU's rounding. They are also
 //! above zero: at these budgets the policies are approximate, not `full` by another name.
 //!
-//! Since prefill runs as the integer GEMM (activations quantized to Q8 per 32 values, as
-//! decode always did and llama.cpp does), a small change to the cache flips some of the
-//! next layers' activation roundings, so two runs differ more than under the old f32
-//! prefill: the measured values below are the GEMM's (the old ones in brackets); on a CPU
-//! without AVX-512 VNNI prefill stays f32 and lands under the old values.
+//! Since prefill runs as the integer GEMM (activations quantized to Q8, as decode always
+//! did and llama.cpp does), a small change to the cache flips some of the next layers'
+//! activation roundings, so the KL moves by up to ~3× with any change in the last bits
+//! anywhere (a kernel's summation order, an exp one ulp off): each bound is twice the
+//! largest of four measurements — the f32 prefill's and three builds of the GEMM's (its
+//! first version, then a vector exp, then Q8_K activations for the K-quants and the exp
+//! rounded once from f64: the last is the code here) — listed in that order below.
 //!
 //! Gemma 3 270M selects only in its 3 global layers (its 15 sliding-window layers keep their
 //! windows); SmolLM2-135M selects in all 30.
@@ -154,10 +156,12 @@ fn gemma3_keeps_the_needle_within_its_measured_kl() -> Result<()> {
         None,
     )?;
     let (_, prompt) = needle()?;
-    // Measured: quest 0.00196 / 0.00942 [0.00171 / 0.01022], flexicache 0.01491 / 0.13994
-    // [0.01571 / 0.14688], clo as quest (mean / max KL over 10 steps); K/V stored as f16
-    // 0.00054 / 0.00266 [0.00023 / 0.00068], as q8_0 on the host tier 0.00139 / 0.00921
-    // [0.00037 / 0.00083]. Bounds: twice the larger.
+    // Measured, mean / max KL over 10 steps: quest 0.00171 / 0.01022, 0.00166 / 0.00887,
+    // 0.00196 / 0.00942, 0.00256 / 0.01503; flexicache 0.01571 / 0.14688, 0.02012 /
+    // 0.19269, 0.01491 / 0.13994, 0.01501 / 0.14290; clo as quest; K/V stored as f16
+    // 0.00023 / 0.00068, 0.00099 / 0.00620, 0.00054 / 0.00266, 0.00114 / 0.00396; as q8_0
+    // on the host tier 0.00037 / 0.00083, 0.00073 / 0.00270, 0.00139 / 0.00921, 0.00046 /
+    // 0.00194.
     held_to(
         &loaded,
         &prompt,
@@ -166,26 +170,26 @@ fn gemma3_keeps_the_needle_within_its_measured_kl() -> Result<()> {
             Bound {
                 spec: "quest:budget=256",
                 kv: EXACT,
-                mean_kl: 0.004,
-                max_kl: 0.021,
+                mean_kl: 0.0052,
+                max_kl: 0.031,
             },
             Bound {
                 spec: "flexicache:budget=256",
                 kv: EXACT,
-                mean_kl: 0.032,
-                max_kl: 0.30,
+                mean_kl: 0.041,
+                max_kl: 0.39,
             },
             Bound {
                 spec: "clo:budget=256",
                 kv: EXACT,
-                mean_kl: 0.004,
-                max_kl: 0.021,
+                mean_kl: 0.0052,
+                max_kl: 0.031,
             },
             Bound {
                 spec: "full",
                 kv: F16,
-                mean_kl: 0.0011,
-                max_kl: 0.0054,
+                mean_kl: 0.0023,
+                max_kl: 0.0124,
             },
             Bound {
                 spec: "headwise",
@@ -209,10 +213,12 @@ fn smollm2_keeps_the_needle_within_its_measured_kl() -> Result<()> {
         .as_ref()
         .context("tokenizer")?
         .encode(&text)?;
-    // Measured: quest 0.00240 / 0.01313 [0.00132 / 0.00729], flexicache 0.01566 / 0.14001
-    // [0.00108 / 0.00362], clo 0.00526 / 0.02648 [0.00570 / 0.01789] (mean / max KL over 10
-    // steps); K/V stored as f16 0.00118 / 0.00388 [0.00026 / 0.00156], as bf16 0.00130 /
-    // 0.00787 [0.00041 / 0.00298]. Bounds: twice the larger.
+    // Measured, mean / max KL over 10 steps: quest 0.00132 / 0.00729, 0.00354 / 0.01991,
+    // 0.00240 / 0.01313, 0.00533 / 0.02268; flexicache 0.00108 / 0.00362, 0.01472 /
+    // 0.13221, 0.01566 / 0.14001, 0.00388 / 0.01848; clo 0.00570 / 0.01789, 0.00446 /
+    // 0.01190, 0.00526 / 0.02648, 0.00445 / 0.01238; K/V stored as f16 0.00026 / 0.00156,
+    // 0.00083 / 0.00310, 0.00118 / 0.00388, 0.00105 / 0.00611; as bf16 0.00041 / 0.00298,
+    // 0.00114 / 0.00493, 0.00130 / 0.00787, 0.00155 / 0.00984.
     held_to(
         &loaded,
         &prompt,
@@ -221,8 +227,8 @@ fn smollm2_keeps_the_needle_within_its_measured_kl() -> Result<()> {
             Bound {
                 spec: "quest:budget=1024",
                 kv: EXACT,
-                mean_kl: 0.0048,
-                max_kl: 0.027,
+                mean_kl: 0.011,
+                max_kl: 0.046,
             },
             Bound {
                 spec: "flexicache:budget=1024",
@@ -240,13 +246,13 @@ fn smollm2_keeps_the_needle_within_its_measured_kl() -> Result<()> {
                 spec: "full",
                 kv: F16,
                 mean_kl: 0.0024,
-                max_kl: 0.0078,
+                max_kl: 0.0123,
             },
             Bound {
                 spec: "full",
                 kv: BF16,
-                mean_kl: 0.0026,
-                max_kl: 0.016,
+                mean_kl: 0.0031,
+                max_kl: 0.020,
             },
         ],
     )

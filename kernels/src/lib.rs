@@ -12,9 +12,11 @@
 //!   per-tile masks from positions, GQA without repeating K/V, soft-cap, windows), returning
 //!   each row's log-sum-exp; every policy's attention runs through it.
 //!
-//! * [`quant`] — CPU quantized matmul for the GGML formats candle dots with a scalar loop
-//!   (Q4_1, Q5_0, Q5_1): AVX2 integer dot products with runtime detection, a portable
-//!   fallback, candle's CPU worker pool over output rows.
+//! * [`quant`] — CPU quantized matmul for GGML's formats: integer dot products per block
+//!   for a few activation rows (Q4_0 … Q8_0; AVX2/AVX-VNNI with runtime detection, a
+//!   portable fallback) and, for a prefill chunk, an integer GEMM over weight panels
+//!   repacked per call (those and Q4_K/Q6_K; AVX-512 VNNI, AVX-VNNI or AVX2 micro-kernels),
+//!   on candle's CPU worker pool.
 //!
 //! * `gather` (feature `cuda`) — CLO §4's zero-copy transfer: a kernel gathers pages
 //!   from page-locked host memory mapped into the device's address space.

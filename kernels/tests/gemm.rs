@@ -47,7 +47,16 @@ struct Weight {
 }
 
 fn weight(dtype: GgmlDType, n: usize, k: usize, seed: u64) -> Result<Weight> {
-    let w = Tensor::from_vec(random(n * k, seed, 1.0), (n, k), &Device::Cpu)?;
+    // Every 32 values scaled and shifted at random, so that block scales (and Q4_K's 6-bit
+    // sub-block scales and mins, Q6_K's 8-bit ones) span their ranges instead of
+    // clustering near the top.
+    let spread = random(2 * n * k / QK, seed ^ 0x51, 1.0);
+    let mut v = random(n * k, seed, 1.0);
+    for (i, chunk) in v.chunks_mut(QK).enumerate() {
+        let (scale, shift) = (spread[2 * i].abs() * 4.0 + 0.01, spread[2 * i + 1]);
+        chunk.iter_mut().for_each(|x| *x = *x * scale + shift);
+    }
+    let w = Tensor::from_vec(v, (n, k), &Device::Cpu)?;
     let q = Arc::new(QTensor::quantize(&w, dtype)?);
     let data = q.data()?.to_vec();
     let deq = q
@@ -139,6 +148,22 @@ proptest! {
         // K-quants come in 256-element blocks.
         let k = if f >= 5 { kb.div_ceil(4) * 256 } else { kb * QK };
         check(FORMATS[f], m, n, k, seed).map_err(|e| TestCaseError::fail(e.to_string()))?;
+    }
+}
+
+#[test]
+fn kernels_this_cpu_runs() {
+    // Which SIMD kernels the tests above checked on this machine (the others are not
+    // exercised here: runtime detection picks by CPU).
+    for dtype in FORMATS {
+        let kernels = panel_format_of(dtype).map(|f| {
+            Kernel::ALL
+                .into_iter()
+                .filter(|k| k.runs(f))
+                .collect::<Vec<_>>()
+        });
+        println!("{dtype:?}: {kernels:?}");
+        assert!(kernels.is_some(), "{dtype:?} has no panel format");
     }
 }
 

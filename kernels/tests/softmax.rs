@@ -44,6 +44,25 @@ fn check(name: &str, exact: bool, f: impl Fn(&mut [f32], f32) -> f32) {
     }
 }
 
+/// Scores past the ordinary: NaN stays NaN, an overflowing argument gives +∞, on every path.
+#[test]
+fn nan_and_overflow_are_kept() {
+    type Path = Box<dyn Fn(&mut [f32], f32) -> f32>;
+    let paths: Vec<(&str, Path)> = vec![
+        ("dispatch", Box::new(softmax::exp_shifted)),
+        ("scalar", Box::new(softmax::exp_shifted_scalar)),
+    ];
+    for (name, f) in paths {
+        let mut row = vec![0.5f32; 11];
+        row[2] = f32::NAN;
+        row[9] = 200.0;
+        let sum = f(&mut row, 0.0);
+        assert!(row[2].is_nan(), "{name}: exp(NaN) = {}", row[2]);
+        assert_eq!(row[9], f32::INFINITY, "{name}: exp(200)");
+        assert!(sum.is_nan(), "{name}: a NaN's row sums to {sum}");
+    }
+}
+
 #[test]
 fn vector_exp_matches_f64_on_every_path() {
     #[cfg(target_arch = "x86_64")]

@@ -57,8 +57,9 @@ pub struct ModelInfo {
     /// its owner's. Empty: every layer its own.
     pub kv_layer: Vec<usize>,
     /// Rows of a forward pass from which its matmuls take another kernel, with other
-    /// rounding: quantized weights on the CPU dequantize for a pass of this many tokens or
-    /// more and dot quantized activations below it ([`DEQUANT_MIN_ROWS`](crate::arch::layers::DEQUANT_MIN_ROWS)).
+    /// rounding: quantized weights on the CPU run the integer GEMM (or dequantize) for a
+    /// pass of this many tokens or more and dot row by row below it
+    /// ([`DEQUANT_MIN_ROWS`](crate::arch::layers::DEQUANT_MIN_ROWS)).
     /// `None`: a token's numbers do not depend on how many tokens share its pass. A prefill
     /// resumed after restored K/V splits its passes so that each token takes the kernel a
     /// fresh prefill would ([`crate::engine::reuse`]).

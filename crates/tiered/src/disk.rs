@@ -180,8 +180,11 @@ impl DiskKv {
     }
 
     /// Writes `k`, `v` `(batch, g, t, head_dim)` (CPU) into heads `first_head..` at token
-    /// `offset`. A block's written tokens stay one range: a write must touch or overlap it.
-    /// Returns the bytes written.
+    /// `offset`. A block's written tokens stay one range: a write touching or overlapping it
+    /// extends it; one past its end starts it over (the tokens before are dropped, as a
+    /// windowed layer's front: `auto` demoting a resident unit writes only the window it
+    /// kept, after the tier may have been given the layer's older tokens), and reading them
+    /// is then an error; one before its start is refused. Returns the bytes written.
     pub fn write(
         &mut self,
         k: &Tensor,
@@ -204,9 +207,9 @@ impl DiskKv {
                         let idx = self.block(c, kv, b, first_head + j);
                         let (lo, hi) = self.written[idx];
                         let (lo, hi) = (lo as usize, hi as usize);
-                        let now = if lo == hi {
+                        let now = if lo == hi || within > hi {
                             (within, within + n)
-                        } else if within <= hi && within + n >= lo {
+                        } else if within + n >= lo {
                             (lo.min(within), hi.max(within + n))
                         } else {
                             return Err(KvError::invariant(format!(
@@ -401,10 +404,19 @@ mod tests {
         d.write(&k, &v, 0, 0)?;
         // Head 0 holds 5 tokens: the 6th was never written.
         assert!(matches!(d.read((0, 1), 0, 6), Err(KvError::Disk { .. })));
-        // A write that would leave a gap is refused.
-        assert!(d
-            .write(&k.narrow(2, 0, 1)?, &v.narrow(2, 0, 1)?, 0, 7)
-            .is_err());
+        // A write past a gap starts the block's range over: the tokens before it are
+        // dropped (reading them is an error), those written read back.
+        let (k1, v1) = (
+            k.narrow(1, 0, 1)?.narrow(2, 0, 1)?,
+            v.narrow(1, 0, 1)?.narrow(2, 0, 1)?,
+        );
+        // (Blocks are chunks of 4 tokens: tokens 4 and 5 of head 0 go, 0..4 stay.)
+        d.write(&k1, &v1, 0, 7)?;
+        assert!(matches!(d.read((0, 1), 4, 2), Err(KvError::Disk { .. })));
+        assert!(d.read((0, 1), 7, 1).is_ok());
+        assert!(d.read((0, 1), 0, 4).is_ok());
+        // A write before the range, leaving a gap, is refused.
+        assert!(d.write(&k1, &v1, 0, 4).is_err());
         // A damaged header (here: the first block's token range) is caught on read.
         d.file
             .write_all_at(&[9, 0, 0, 0], 4)

@@ -3,7 +3,7 @@
 //! 8–15), `MR` rows at a time. With AVX-VNNI (`V`) each group is one `vpdpbusd` per half;
 //! with plain AVX2 it is `maddubs` (u8 × i8 → pairs of i16) and `madd` (pairs → i32), which
 //! saturates a pair beyond 32767 — so plain AVX2 takes only formats whose unsigned values
-//! stay below 64 (2·63·127 < 32767): every one here but Q8_0 ([`exact_without_vnni`]).
+//! stay below 64 (2·63·128 < 32767): every one here but Q8_0 ([`exact_without_vnni`]).
 #![allow(unsafe_code)]
 
 use std::arch::x86_64::*;

@@ -40,7 +40,8 @@ impl WeightFormat {
     }
 }
 
-/// One activation block, Q8_0 or Q8_1: `x ≈ d·q`; `s = d·Σq` (Q8_1 only, else 0).
+/// One activation block, Q8_0 or Q8_1 (`x ≈ d·q`; `s = d·Σq`, Q8_1 only, else 0), or a
+/// 32-value eighth of a Q8_K block (its `d` shared by the eight, `s` 0).
 #[derive(Debug, Clone, Copy)]
 #[repr(C, align(32))]
 pub struct ActBlock {
@@ -70,8 +71,9 @@ pub fn quantize_row(x: &[f32], out: &mut [ActBlock]) {
     }
 }
 
-/// Quantizes `x` (a multiple of 256 long) as candle's `BlockQ8K::from_float` (and
-/// ggml's `quantize_row_q8_K`) do, the activation side of the K-quants: one scale per 256
+/// Quantizes `x` (a multiple of 256 long) as candle's `BlockQ8K::from_float` does (ggml's
+/// `quantize_row_q8_K` too, but for ties, which it rounds to even), the activation side of
+/// the K-quants: one scale per 256
 /// values, `d = max/−127` from the value of largest magnitude, `q = round(x/d)`; each
 /// 256 fill eight blocks of `out` sharing `d` (`s` left 0).
 pub fn quantize_row_q8k(x: &[f32], out: &mut [ActBlock]) {

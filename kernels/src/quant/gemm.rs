@@ -11,9 +11,10 @@
 //! (it stays in L1) and runs every activation row against it, a few rows per micro-kernel
 //! call. Micro-kernels ([`Kernel`], runtime detection): AVX-512 VNNI ([`super::avx512`]),
 //! AVX-VNNI and AVX2 at 256 bits ([`super::avx2_tile`]; plain AVX2 not for Q8_0). Where
-//! none applies, callers keep the dequantize-and-f32-GEMM path ([`kernel_for`] says which),
-//! since a portable integer GEMM would be slower than the f32 one. [`reference`] is the
-//! same math in scalar code, for the tests.
+//! none applies (other architectures; Q8_0 on plain AVX2) callers keep the
+//! dequantize-and-f32-GEMM path ([`kernel_for`] says which) rather than a portable integer
+//! GEMM, which would be slower than that f32 one; [`reference`] is the integer math in
+//! scalar code, for the tests.
 use super::blocks::{quantize_row, quantize_row_q8k, ActBlock, QK};
 use super::disjoint::Disjoint;
 use super::panel::{Panel, PanelFormat, NR};
@@ -146,7 +147,11 @@ impl QuantizedRows {
         super::avx512::TileRows {
             x: &self.x[r0 * b..(r0 + count) * b],
             zsum: &self.zsum[r0 * b * subs..(r0 + count) * b * subs],
-            sx: self.sx.get(r0 * b..(r0 + count) * b).unwrap_or(&[]),
+            sx: if self.sx.is_empty() {
+                &[]
+            } else {
+                &self.sx[r0 * b..(r0 + count) * b]
+            },
             blocks: b,
         }
     }
@@ -168,6 +173,16 @@ pub fn gemm(
     assert!(
         kernel.runs(fmt),
         "{kernel:?} does not run {fmt:?} on this CPU"
+    );
+    let row_bytes = k / fmt.block_elems() * fmt.block_bytes();
+    assert!(
+        k > 0
+            && k.is_multiple_of(fmt.block_elems())
+            && data.len() == n * row_bytes
+            && x.len().is_multiple_of(k),
+        "gemm: {} weight bytes, x of {} values, are not (n = {n}, k = {k}) of {fmt:?}",
+        data.len(),
+        x.len()
     );
     let mr = kernel.rows();
     let m = x.len() / k;
@@ -248,7 +263,8 @@ unsafe fn tile(
         };
     }
     match (fmt.subs(), fmt.has_offset()) {
-        (2, _) => by_rows!(2, false),
+        (2, false) => by_rows!(2, false),
+        (2, true) => unreachable!("no format has 16-element sub-blocks and offsets"),
         (_, true) => by_rows!(1, true),
         _ => by_rows!(1, false),
     }

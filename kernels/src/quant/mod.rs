@@ -12,7 +12,11 @@
 //! otherwise ([`blocks::dot_scalar`]). Work is split over output rows on candle's own CPU
 //! worker pool (`utils::barrier_pool`, the one its other quantized matmuls and our attention
 //! run on, so no two pools compete for the cores); each task walks its weight rows once for
-//! all activation rows (a short prefill chunk reuses a weight row from L1 for every row).
+//! all activation rows (a short chunk reuses a weight row from L1 for every row).
+//!
+//! From [`GEMM_MIN_ROWS`] activation rows (a prefill chunk) a call is the integer GEMM
+//! ([`gemm`]) where the CPU runs one of its micro-kernels — for these formats and Gemma 3's
+//! K-quants (Q4_K, Q6_K), whose fewer rows stay candle's.
 use std::sync::Arc;
 
 use candle_core::quantized::{GgmlDType, QTensor};

@@ -19,8 +19,9 @@ pub enum Linear {
     Quant {
         /// The quantized matmul.
         w: QMatMul,
-        /// Our CPU kernel for GGML's 32-element formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; see
-        /// `kvpolicy_kernels::quant`), used for activation rows below [`DEQUANT_MIN_ROWS`].
+        /// Our CPU kernels (`kvpolicy_kernels::quant`): row dot products for GGML's
+        /// 32-element formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) below [`DEQUANT_MIN_ROWS`]
+        /// rows, the integer GEMM for those and Q4_K/Q6_K from there where the CPU runs it.
         fast: Option<QuantMatMul>,
         /// Bias `(out,)`.
         bias: Option<Tensor>,
@@ -77,9 +78,10 @@ impl Embedding {
     }
 }
 
-/// Activation rows from which a quantized layer on the CPU dequantizes its weight for the
-/// call and multiplies densely (see [`Linear::forward`]).
-pub const DEQUANT_MIN_ROWS: usize = 32;
+/// Activation rows from which a quantized layer on the CPU runs as the integer GEMM
+/// (`kvpolicy_kernels::quant::gemm`), or, on a CPU without one of its kernels, dequantizes
+/// its weight for the call and multiplies densely (see [`Linear::forward`]).
+pub const DEQUANT_MIN_ROWS: usize = quant::GEMM_MIN_ROWS;
 
 /// Rows of `x` `(…, in)`: the product of every dimension but the last.
 fn rows(x: &Tensor) -> usize {
@@ -124,21 +126,17 @@ impl Linear {
         Ok(match self {
             Self::Dense(l) => l.forward(x)?,
             Self::Quant { w, fast, bias, .. } => {
-                let y = match w {
+                let y = match (w, fast) {
                     // Ours: row dot products for a few rows, the integer GEMM for a chunk
-                    // where the CPU has it (`QuantMatMul::handles`).
-                    _ if fast
-                        .as_ref()
-                        .is_some_and(|op| quant::applies(x) && op.handles(rows(x))) =>
+                    // where the CPU runs one of its kernels (`QuantMatMul::handles`).
+                    (_, Some(op)) if quant::applies(x) && op.handles(rows(x)) => op.forward(x)?,
+                    (QMatMul::QTensor(q), _)
+                        if x.device().is_cpu() && rows(x) >= DEQUANT_MIN_ROWS =>
                     {
-                        fast.as_ref()
-                            .map_or_else(|| w.forward(x), |op| op.forward(x))?
-                    }
-                    QMatMul::QTensor(q) if x.device().is_cpu() && rows(x) >= DEQUANT_MIN_ROWS => {
-                        // candle's CPU quantized matmul dots one activation row at a time
-                        // against the quantized blocks (~10 GFLOP/s here); a prefill chunk
-                        // of many rows pays far less for dequantizing the weight once
-                        // (out × in work) and one f32 gemm.
+                        // No integer GEMM here: candle's CPU quantized matmul dots one
+                        // activation row at a time against the quantized blocks (~10
+                        // GFLOP/s); a prefill chunk of many rows pays far less for
+                        // dequantizing the weight once (out × in work) and one f32 gemm.
                         let dense = q.dequantize(x.device())?.to_dtype(x.dtype())?;
                         x.broadcast_matmul(&dense.t()?)?
                     }
