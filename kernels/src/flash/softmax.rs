@@ -77,7 +77,6 @@ const HIGH: f64 = 89.0;
 #[target_feature(enable = "avx512f")]
 pub unsafe fn exp_shifted_avx512(row: &mut [f32], m: f32) -> f32 {
     use std::arch::x86_64::*;
-    let mv = _mm256_set1_ps(m);
     let exp = |x: __m256| {
         // Exact in f64; max/min return their second operand for a NaN, so it stays.
         let x = _mm512_cvtps_pd(x);
@@ -94,24 +93,7 @@ pub unsafe fn exp_shifted_avx512(row: &mut [f32], m: f32) -> f32 {
         }
         _mm512_cvtpd_ps(_mm512_scalef_pd(p, n))
     };
-    let mut acc = _mm256_setzero_ps();
-    let mut chunks = row.chunks_exact_mut(8);
-    for c in &mut chunks {
-        let v = exp(_mm256_sub_ps(_mm256_loadu_ps(c.as_ptr()), mv));
-        _mm256_storeu_ps(c.as_mut_ptr(), v);
-        acc = _mm256_add_ps(acc, v);
-    }
-    let tail = chunks.into_remainder();
-    if !tail.is_empty() {
-        // Padded with −∞, whose exponential is 0: the tail rounds as the rest does.
-        let mut pad = [f32::NEG_INFINITY; 8];
-        pad[..tail.len()].copy_from_slice(tail);
-        let v = exp(_mm256_sub_ps(_mm256_loadu_ps(pad.as_ptr()), mv));
-        _mm256_storeu_ps(pad.as_mut_ptr(), v);
-        tail.copy_from_slice(&pad[..tail.len()]);
-        acc = _mm256_add_ps(acc, v);
-    }
-    hsum(acc)
+    over_row(row, m, exp)
 }
 
 /// [`exp_shifted`] with AVX2 + FMA, four lanes of f64 per step, `2ⁿ` built in the
@@ -123,7 +105,6 @@ pub unsafe fn exp_shifted_avx512(row: &mut [f32], m: f32) -> f32 {
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn exp_shifted_avx2(row: &mut [f32], m: f32) -> f32 {
     use std::arch::x86_64::*;
-    let mv = _mm256_set1_ps(m);
     let exp4 = |x: __m128| {
         let x = _mm256_cvtps_pd(x);
         let x = _mm256_max_pd(_mm256_set1_pd(LOW as f64), x);
@@ -149,6 +130,23 @@ pub unsafe fn exp_shifted_avx2(row: &mut [f32], m: f32) -> f32 {
             exp4(_mm256_castps256_ps128(x)),
         )
     };
+    over_row(row, m, exp)
+}
+
+/// `row[i] = exp(row[i] − m)` eight at a time with `exp`, and their sum; the tail padded
+/// with −∞ (whose exponential is 0), so it rounds as the rest does.
+///
+/// # Safety
+/// The CPU has AVX; `exp` is safe to call on it.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn over_row(
+    row: &mut [f32],
+    m: f32,
+    exp: impl Fn(std::arch::x86_64::__m256) -> std::arch::x86_64::__m256,
+) -> f32 {
+    use std::arch::x86_64::*;
+    let mv = _mm256_set1_ps(m);
     let mut acc = _mm256_setzero_ps();
     let mut chunks = row.chunks_exact_mut(8);
     for c in &mut chunks {
@@ -158,7 +156,6 @@ pub unsafe fn exp_shifted_avx2(row: &mut [f32], m: f32) -> f32 {
     }
     let tail = chunks.into_remainder();
     if !tail.is_empty() {
-        // Padded with −∞, whose exponential is 0: the tail rounds as the rest does.
         let mut pad = [f32::NEG_INFINITY; 8];
         pad[..tail.len()].copy_from_slice(tail);
         let v = exp(_mm256_sub_ps(_mm256_loadu_ps(pad.as_ptr()), mv));
@@ -166,14 +163,7 @@ pub unsafe fn exp_shifted_avx2(row: &mut [f32], m: f32) -> f32 {
         tail.copy_from_slice(&pad[..tail.len()]);
         acc = _mm256_add_ps(acc, v);
     }
-    hsum(acc)
-}
-
-/// The sum of `acc`'s lanes.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx")]
-unsafe fn hsum(acc: std::arch::x86_64::__m256) -> f32 {
     let mut lanes = [0f32; 8];
-    std::arch::x86_64::_mm256_storeu_ps(lanes.as_mut_ptr(), acc);
+    _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
     lanes.iter().sum()
 }
