@@ -13,7 +13,7 @@
 //! AVX-VNNI and AVX2 at 256 bits ([`super::avx2_tile`]; plain AVX2 not for Q8_0). Where
 //! none applies (other architectures; Q8_0 on plain AVX2) callers keep the
 //! dequantize-and-f32-GEMM path ([`kernel_for`] says which) rather than a portable integer
-//! GEMM, which would be slower than that f32 one; [`reference`] is the integer math in
+//! GEMM, which would be slower than that f32 one; [`reference()`] is the integer math in
 //! scalar code, for the tests.
 use super::blocks::{quantize_row, quantize_row_q8k, ActBlock, QK};
 use super::disjoint::Disjoint;
