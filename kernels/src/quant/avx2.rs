@@ -231,16 +231,35 @@ unsafe fn rows_fmt<const F: u8, const V: bool>(
     let p = data.as_ptr();
     let four = F == Q4_0 || F == Q4_1;
     let mut r = 0;
+    let n_rows = out.len();
+    let prefetch = |r: usize, n: usize| {
+        // Rows `r + PREFETCH_ROWS ..` (as many as this pass takes), asked of the cache.
+        let end = (r + PREFETCH_ROWS + n).min(n_rows);
+        let from = (r + PREFETCH_ROWS).min(end);
+        let mut at = from * row_bytes;
+        while at < end * row_bytes {
+            _mm_prefetch::<_MM_HINT_T0>(p.add(at) as *const i8);
+            at += 64;
+        }
+    };
     while four && r + 4 <= out.len() {
+        prefetch(r, 4);
         let rows = [0, 1, 2, 3].map(|j| p.add((r + j) * row_bytes));
         out[r..r + 4].copy_from_slice(&dot4_fmt::<F, V>(bytes, rows, x));
         r += 4;
     }
     while r < out.len() {
+        prefetch(r, 1);
         out[r] = dot_fmt::<F, V>(bytes, &data[r * row_bytes..(r + 1) * row_bytes], x);
         r += 1;
     }
 }
+
+/// Rows ahead whose bytes a pass asks the cache for (`prefetcht0`): a decode step reads
+/// each weight once, so the hardware prefetcher alone left the loads waiting on memory
+/// (perf: two thirds of Gemma 3's decode in this loop, most of it on the weight load);
+/// with it Gemma 3 270M decodes at 42 tok/s instead of 32 here.
+const PREFETCH_ROWS: usize = 8;
 
 /// [`dot`] for `out.len()` consecutive weight rows of `data` (each `x.len()` blocks), into
 /// `out`: each result bit for bit [`dot`]'s.
