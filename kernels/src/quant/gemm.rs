@@ -174,7 +174,7 @@ pub fn gemm(
         kernel.runs(fmt),
         "{kernel:?} does not run {fmt:?} on this CPU"
     );
-    let row_bytes = k / fmt.block_elems() * fmt.block_bytes();
+    let row_bytes = fmt.row_bytes(k);
     assert!(
         k > 0
             && k.is_multiple_of(fmt.block_elems())

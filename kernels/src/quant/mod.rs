@@ -165,7 +165,7 @@ impl CustomOp1 for QuantMatMul {
         }
         let m = x.len() / k;
         let data = self.w.data()?;
-        let row_bytes = k / self.fmt.block_elems() * self.fmt.block_bytes();
+        let row_bytes = self.fmt.row_bytes(k);
         if data.len() != n * row_bytes {
             candle_core::bail!(
                 "quantized matmul: weight holds {} bytes, expected {n} rows of {row_bytes}",

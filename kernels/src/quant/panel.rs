@@ -54,6 +54,11 @@ impl PanelFormat {
         }
     }
 
+    /// Bytes of one weight row of `k` elements (`k` a multiple of [`Self::block_elems`]).
+    pub const fn row_bytes(self, k: usize) -> usize {
+        k / self.block_elems() * self.block_bytes()
+    }
+
     /// Scales per 32-element block: 2 for Q6_K's 16-element sub-blocks, else 1.
     pub const fn subs(self) -> usize {
         match self {
@@ -177,7 +182,7 @@ impl Panel {
             self.offsets.resize(blocks * NR, 0.0);
         }
         let per_stored = fmt.block_elems() / QK;
-        let row_bytes = k / fmt.block_elems() * fmt.block_bytes();
+        let row_bytes = fmt.row_bytes(k);
         for c in 0..NR.min(n.saturating_sub(NR * p)) {
             let row = &data[(NR * p + c) * row_bytes..(NR * p + c + 1) * row_bytes];
             for blk in 0..blocks {
