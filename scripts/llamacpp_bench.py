@@ -7,7 +7,8 @@ Protocol (as examples/kvbench/sweep.rs `measure`): prompt ids `(i * 7919 + 13) %
 i < context, prefilled in batches of `--chunk`; then `--steps` decode steps of one token
 each, ids continuing the same formula; the KV cache is cleared between repeats. Prefill and
 decode tokens per second are the medians over `--repeats`. llama.cpp's KV cache is f32
-(`type_k/type_v = 0`) like kvpolicy's on the CPU, unless `--f16-kv`.
+(`type_k/type_v = 0`) like kvpolicy's on the CPU, unless `--kv-type` says f16 (its default),
+bf16 or q8_0 (`--cache-type-k/v q8_0`; a quantized V cache needs `--flash-attn`).
 
 Prints one JSON object: {"prefill_tok_s": …, "decode_tok_s": …, "llama_cpp_python": …}.
 
@@ -23,6 +24,8 @@ import time
 import llama_cpp
 
 PINNED = "0.3.36"
+# ggml's type ids (ggml.h `enum ggml_type`) of the KV cache types compared.
+GGML_TYPES = {"f32": 0, "f16": 1, "q8_0": 8, "bf16": 30}
 
 
 def ids(n, offset, vocab):
@@ -37,13 +40,16 @@ def main():
     ap.add_argument("--repeats", type=int, default=3, help="runs (medians reported)")
     ap.add_argument("--threads", type=int, required=True, help="threads for prefill and decode")
     ap.add_argument("--chunk", type=int, default=256, help="prefill batch (tokens per pass)")
-    ap.add_argument("--f16-kv", action="store_true", help="llama.cpp's default f16 KV cache instead of f32")
+    ap.add_argument("--kv-type", choices=sorted(GGML_TYPES), default="f32",
+                    help="llama.cpp's KV cache type (f16 is its own default)")
+    ap.add_argument("--f16-kv", action="store_true", help="the same as --kv-type f16")
     ap.add_argument("--flash-attn", action="store_true", help="llama.cpp's flash attention on (off unless given)")
     ap.add_argument("--any-version", action="store_true", help="allow another llama-cpp-python version")
     a = ap.parse_args()
     if llama_cpp.__version__ != PINNED and not a.any_version:
         sys.exit(f"pinned to llama-cpp-python {PINNED}, this is {llama_cpp.__version__}")
-    kv = {} if a.f16_kv else {"type_k": 0, "type_v": 0}
+    t = GGML_TYPES["f16" if a.f16_kv else a.kv_type]
+    kv = {"type_k": t, "type_v": t}
     llm = llama_cpp.Llama(model_path=a.gguf, n_ctx=a.context + a.steps + 1, n_batch=max(a.chunk, 1),
                           n_ubatch=max(a.chunk, 1), n_threads=a.threads, n_threads_batch=a.threads,
                           verbose=False, flash_attn=a.flash_attn, **kv)

@@ -4,7 +4,7 @@ llama.cpp (llama-cpp-python 0.3.36, flash attention on) on the same GGUF, the sa
 and the same decode ids (kvbench's protocol: ids `(i * 7919 + 13) % vocab`, prefill in
 chunks of 256, `--steps` decode steps), at each context, with both KV types: f32 (ours
 `--kv-dtype f32`, llama.cpp `type_k/type_v` f32) and f16 (ours `--kv-dtype f16`, llama.cpp's
-default). Peak RSS is the kernel's (`ru_maxrss` of each measured process from `wait4`), one
+default; `--kv q8_0` adds both sides' q8_0 cache). Peak RSS is the kernel's (`ru_maxrss` of each measured process from `wait4`), one
 process per cell, so a row's memory is that run's alone.
 
     python3 scripts/perf_table.py --python python3 --out bench-results/perf-table.json
@@ -58,7 +58,7 @@ def ours(gguf, context, steps, kv):
 def llamacpp(python, gguf, context, steps, kv):
     cmd = [python, ROOT / "scripts/llamacpp_bench.py", "--gguf", gguf, "--context", str(context),
            "--steps", str(steps), "--repeats", "1", "--threads", str(os.cpu_count()), "--chunk", "256",
-           "--flash-attn"] + (["--f16-kv"] if kv == "f16" else [])
+           "--flash-attn", "--kv-type", kv]
     out, _, rss = run(cmd)
     t = json.loads(out)
     return {"prefill_tok_s": t["prefill_tok_s"], "decode_tok_s": t["decode_tok_s"], "peak_rss_mib": rss}
@@ -71,6 +71,8 @@ def main():
     ap.add_argument("--out", type=pathlib.Path, help="write every cell as JSON here")
     ap.add_argument("--quick", action="store_true", help="SmolLM2 Q4_1 at 512 only")
     ap.add_argument("--skip-build", action="store_true", help="use the built kvbench as it is")
+    ap.add_argument("--kv", default="f32,f16", help="KV types, comma-separated (f32, f16, bf16, q8_0): "
+                    "ours --kv-dtype, llama.cpp's cache type")
     ap.add_argument("--only", metavar="TEXT:CONTEXT", help="the rows of models whose name contains TEXT "
                     "at CONTEXT only (e.g. Gemma:512)")
     a = ap.parse_args()
@@ -102,7 +104,7 @@ def main():
     print("|---|---:|---|---|---|---:|---:|---:|")
     for name, gguf, contexts in models:
         for n in contexts:
-            for kv in ["f32", "f16"]:
+            for kv in a.kv.split(","):
                 o = ours(gguf, n, a.steps, kv)
                 l = llamacpp(a.python, gguf, n, a.steps, kv)
                 cell = {"model": name, "gguf": str(gguf.name), "context": n, "kv": kv, "kvpolicy": o, "llama_cpp": l}

@@ -31,8 +31,9 @@ pub struct LlamaCpp {
     pub threads: usize,
     /// Prefill batch.
     pub chunk: usize,
-    /// Its default f16 KV cache instead of f32 (kvbench's `--kv-dtype f16`).
-    pub f16_kv: bool,
+    /// Its KV cache type (`f32`, `f16` — its default —, `bf16` or `q8_0`): kvbench's
+    /// `--kv-dtype`, f32 unless given.
+    pub kv_type: &'static str,
 }
 
 impl LlamaCpp {
@@ -54,7 +55,9 @@ impl LlamaCpp {
                 "--chunk",
                 &self.chunk.to_string(),
             ])
-            .args(self.f16_kv.then_some("--f16-kv"))
+            .args(["--kv-type", self.kv_type])
+            // llama.cpp quantizes a V cache only under its flash attention.
+            .args((self.kv_type == "q8_0").then_some("--flash-attn"))
             .output()
             .with_context(|| {
                 format!(

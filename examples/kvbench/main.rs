@@ -23,9 +23,10 @@ mod synthetic;
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
-use candle_core::Device;
+use candle_core::{DType, Device};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
+use kvpolicy::core::KvCodec;
 use kvpolicy::models::load::source::ModelFiles;
 use kvpolicy::models::{activation_dtype, load, resolve, ModelSpec};
 use kvpolicy::{PolicyOptions, Profile};
@@ -98,9 +99,9 @@ struct Args {
     /// Cost profile for `recompute` (JSON); default: measured at the first step.
     #[arg(long)]
     profile: Option<PathBuf>,
-    /// LOSSY unless f32: store K/V as f16 or bf16 on every tier (full, layer, headwise, auto; q8_0 on the host tier only), as the runner's --kv-dtype; with f16 the llama.cpp row uses its f16 cache (else f32).
+    /// LOSSY unless f32: store K/V as f16, bf16 or q8_0 on every tier (full, layer, headwise, auto), as the runner's --kv-dtype; the llama.cpp row uses the same cache type (f32 unless given).
     #[arg(long, value_name = "f32|f16|bf16|q8_0", value_parser = kvpolicy_cli::args::parse_kv_dtype)]
-    kv_dtype: Option<kvpolicy::core::KvCodec>,
+    kv_dtype: Option<KvCodec>,
     /// Host-memory byte budget for KV (layer, headwise, auto): layers past it go to files under --disk-dir.
     #[arg(long, value_parser = parse_size, requires = "disk_dir")]
     host_kv_budget: Option<u64>,
@@ -271,9 +272,12 @@ fn run(mut args: Args) -> Result<()> {
             gguf: gguf.clone(),
             threads: candle_core::utils::get_num_threads(),
             chunk: args.prefill_chunk,
-            f16_kv: args
-                .kv_dtype
-                .is_some_and(|c| c == kvpolicy::core::KvCodec::Float(candle_core::DType::F16)),
+            kv_type: match args.kv_dtype {
+                Some(KvCodec::Float(DType::F16)) => "f16",
+                Some(KvCodec::Float(DType::BF16)) => "bf16",
+                Some(KvCodec::Q8_0) => "q8_0",
+                _ => "f32",
+            },
         }),
         (Some(_), _) => anyhow::bail!("--llamacpp needs a GGUF model (--gguf, or the default)"),
         (None, _) => None,

@@ -14,12 +14,12 @@
 //! and folded into a running max and sum per row; the output is the normalised result and
 //! each row's log-sum-exp, so attentions over disjoint key sets still merge exactly.
 //!
-//! The CPU implementation (`cpu_fwd`) is the reference: f32/f16/bf16 inputs, f32
-//! accumulation, the tile products through the `gemm` crate (candle's own matmul backend,
-//! SIMD dispatched at run time), candle's CPU worker pool across (batch, KV head, query tile) items and, when
-//! those are fewer than the threads (decode), across ranges of keys merged by their
-//! log-sum-exp. Every scratch buffer is counted while it lives; [`flash_attn`] reports the
-//! peak.
+//! The CPU implementation (`cpu_fwd`) is the reference: f32/f16/bf16 inputs (and K/V as
+//! q8_0 blocks under f32 queries), f32 accumulation, the tile products through the `gemm`
+//! crate (candle's own matmul backend, SIMD dispatched at run time), candle's CPU worker
+//! pool across (batch, KV head, query tile) items and, when those are fewer than the
+//! threads (decode), across ranges of keys merged by their log-sum-exp. Every scratch
+//! buffer is counted while it lives; [`flash_attn`] reports the peak.
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -27,11 +27,14 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 
 mod cpu;
+mod elem;
 mod plan;
 mod small;
 pub mod softmax;
 mod workspace;
 use cpu::compute;
+use elem::Q8Block;
+pub use elem::{Q8_BYTES, Q8_VALUES};
 pub use plan::{scratch_bytes, threads, CallShape, FlashParams, TILE_KEYS, TILE_ROWS};
 use plan::{Geometry, Meter};
 
@@ -89,6 +92,14 @@ impl CustomOp3 for FlashAttn {
         v: &CpuStorage,
         vl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
+        if let (CpuStorage::F32(q), CpuStorage::U8(k), CpuStorage::U8(v)) = (q, k, v) {
+            // f32 queries over a cache stored as q8_0 blocks (`--kv-dtype q8_0`).
+            let g = Geometry::of_q8(ql, kl, vl)?;
+            let shape = Shape::from((g.b, g.nh, g.t, g.d + 1));
+            let (k, v) = (Q8Block::slice(k), Q8Block::slice(v));
+            let out = compute(g, self.params, q, k, v, &self.meter);
+            return Ok((CpuStorage::F32(out), shape));
+        }
         let g = Geometry::of(ql, kl, vl)?;
         let shape = Shape::from((g.b, g.nh, g.t, g.d + 1));
         let p = self.params;
@@ -102,7 +113,7 @@ impl CustomOp3 for FlashAttn {
             (CpuStorage::F32(q), CpuStorage::BF16(k), CpuStorage::BF16(v)) => compute(g, p, q, k, v, m),
             _ => {
                 return Err(candle_core::Error::Msg(format!(
-                    "flash_attn: keys and values must share a dtype, and queries be in it or f32 (got {:?}, {:?}, {:?})",
+                    "flash_attn: keys and values must share a dtype, and queries be in it or f32 (u8 keys and values: q8_0 blocks under f32 queries; got {:?}, {:?}, {:?})",
                     q.dtype(),
                     k.dtype(),
                     v.dtype()
@@ -119,7 +130,7 @@ mod tests {
     use candle_core::Device;
 
     /// What a call allocates is what [`scratch_bytes`] says, for decode steps and chunks,
-    /// with and without splits, f32 and half inputs.
+    /// with and without splits, f32, half and q8_0 inputs.
     #[test]
     fn scratch_matches_the_formula() -> Result<()> {
         let dev = Device::Cpu;
@@ -130,9 +141,19 @@ mod tests {
             (2, 2, 4, 70, 300, 16),
             (1, 3, 3, 512, 2048, 64),
         ] {
-            for dt in [candle_core::DType::F32, candle_core::DType::BF16] {
-                let q = Tensor::ones((b, nkv * g, t, d), dt, &dev)?;
-                let k = Tensor::ones((b, nkv, s, d), dt, &dev)?;
+            // u8: q8_0 blocks under f32 queries, widened per tile as halves are.
+            for dt in [
+                candle_core::DType::F32,
+                candle_core::DType::BF16,
+                candle_core::DType::U8,
+            ] {
+                let (qt, w) = match dt {
+                    candle_core::DType::U8 if d % Q8_VALUES != 0 => continue,
+                    candle_core::DType::U8 => (candle_core::DType::F32, d / Q8_VALUES * Q8_BYTES),
+                    _ => (dt, d),
+                };
+                let q = Tensor::ones((b, nkv * g, t, d), qt, &dev)?;
+                let k = Tensor::ones((b, nkv, s, w), dt, &dev)?;
                 let p = FlashParams {
                     scale: 0.1,
                     softcap: None,

@@ -4,9 +4,10 @@
 //! new entries in place and attends over a strided view of the buffer. A sliding-window
 //! layer (Mistral, Gemma 2/3) keeps only its window and a step: the tokens no later query
 //! sees are dropped before its buffer would grow (Gemma 3 holds 3 histories and 15
-//! windows, not 18 histories). With `kv_dtype` f16 or bf16 (LOSSY, opt-in) the buffers
-//! hold that type: a step's K/V are converted as they are stored and the attention kernel
-//! reads the stored form in place, accumulating in f32 — llama.cpp's `--cache-type-k f16`.
+//! windows, not 18 histories). With `kv_dtype` f16, bf16 or q8_0 (LOSSY, opt-in) the
+//! buffers hold that form: a step's K/V are converted as they are stored and the attention
+//! kernel reads the stored form in place, accumulating in f32 — llama.cpp's
+//! `--cache-type-k f16` / `q8_0`.
 //! With a device budget the policy fails before allocating past it and points to the
 //! offload policies.
 use std::ops::Range;
@@ -45,15 +46,8 @@ pub struct FullPolicy {
 }
 
 impl FullPolicy {
-    /// A `full` policy with the options' growth chunk, device budget and KV dtype; an
-    /// error for a `kv_dtype` its buffers cannot hold (q8_0: the host tier's form).
+    /// A `full` policy with the options' growth chunk, device budget and KV dtype.
     pub fn new(opts: &PolicyOptions) -> Result<Self> {
-        if opts.kv_dtype == KvCodec::Q8_0 {
-            return Err(KvError::Unsupported(
-                "`full` stores `kv_dtype` f32, f16 or bf16 on the device; q8_0 is stored on the host tier only (layer, headwise, auto)"
-                    .into(),
-            ));
-        }
         Ok(Self {
             layers: Vec::new(),
             grow_tokens: opts.grow_tokens,
@@ -74,14 +68,16 @@ impl KvPolicy for FullPolicy {
     fn prepare(&mut self, shape: &KvShape) -> Result<()> {
         self.shape = Some(shape.clone());
         self.stats.lossy = self.codec.lossy(shape.dtype);
-        // Bytes as stored.
-        let shape = &KvShape {
-            dtype: self.codec.stored(shape.dtype, shape.head_dim).0,
-            ..shape.clone()
-        };
+        self.codec.check(shape.head_dim)?;
         if let Some(budget) = self.meter.budget() {
+            // Scratch for the attention reading the stored form; KV bytes as stored.
+            let reading = KvShape {
+                dtype: self.codec.stored(shape.dtype, shape.head_dim).0,
+                ..shape.clone()
+            };
             let scratch =
-                shape.step_scratch_bytes(shape.n_kv_heads, shape.max_tokens, &self.device);
+                reading.step_scratch_bytes(shape.n_kv_heads, shape.max_tokens, &self.device);
+            let shape = &shape.stored_as(self.codec);
             let step = shape.largest_step();
             let window = |l: usize| shape.windows.get(l).copied().flatten();
             let need = (0..shape.n_layers)

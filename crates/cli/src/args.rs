@@ -133,7 +133,7 @@ pub struct PolicyArgs {
     /// LOSSY, opt-in: store the host tier's (and disk tier's) K/V as f16, bf16 (half the bytes of f32) or q8_0 (0.27×) and expand them before attention (layer, headwise, auto); logits differ from full (README "Beyond host memory" gives the measured deviation).
     #[arg(long, value_name = "f16|bf16|q8_0", value_parser = parse_host_dtype)]
     pub host_kv_dtype: Option<KvCodec>,
-    /// LOSSY unless f32, opt-in: store K/V as f16 or bf16 on every tier — the device's buffers (read in place by attention, f32 accumulation) and the host and disk tiers unless --host-kv-dtype says otherwise (full, layer, headwise, auto); q8_0 on the host tier only (layer, headwise, auto). Like llama.cpp's --cache-type-k/v; README "CPU speed against llama.cpp" gives the measured deviation.
+    /// LOSSY unless f32, opt-in: store K/V as f16, bf16 or q8_0 (blocks of 32: 34 bytes, head width a multiple of 32) on every tier — the device's buffers (read in place by attention, f32 accumulation) and the host and disk tiers unless --host-kv-dtype says otherwise (full, layer, headwise, auto). Like llama.cpp's --cache-type-k/v; README "KV dtype" gives the measured deviation.
     #[arg(long, value_name = "f32|f16|bf16|q8_0", value_parser = parse_kv_dtype)]
     pub kv_dtype: Option<KvCodec>,
     /// Directory for the disk tier's files (one per layer; removed at the end, on error and on Ctrl-C); without --host-kv-budget every layer's KV is on disk.

@@ -28,6 +28,7 @@ pub use kvpolicy_kernels::CallShape;
 use kvpolicy_kernels::{flash_attn, FlashParams};
 
 use crate::error::{KvError, Result};
+use crate::storage::KvCodec;
 
 pub mod eager;
 mod spec;
@@ -75,7 +76,20 @@ pub fn attend_partial(x: AttnInputs<'_>, spec: &AttnSpec) -> Result<Partial> {
     } = x;
     let (b, nh, t, d) = q.dims4()?;
     let (kb, nkv, s, kd) = k.dims4()?;
-    if kb != b || kd != d || nkv == 0 || nh % nkv != 0 || v.dims() != k.dims() {
+    // A cache stored as q8_0 (`kv_dtype`) holds rows of blocks: u8, the codec's width.
+    let q8 = k.dtype() == DType::U8;
+    let width = if q8 {
+        KvCodec::Q8_0.stored(q.dtype(), d).1
+    } else {
+        d
+    };
+    if kb != b
+        || kd != width
+        || (q8 && !d.is_multiple_of(32))
+        || nkv == 0
+        || nh % nkv != 0
+        || v.dims() != k.dims()
+    {
         return Err(KvError::Shape(format!(
             "queries {:?} do not fit keys {:?} and values {:?}",
             q.dims(),
@@ -91,7 +105,7 @@ pub fn attend_partial(x: AttnInputs<'_>, spec: &AttnSpec) -> Result<Partial> {
         let (k, v) = if k.dtype() == q.dtype() {
             (k.clone(), v.clone())
         } else {
-            (k.to_dtype(q.dtype())?, v.to_dtype(q.dtype())?)
+            (widen(k, q.dtype(), d)?, widen(v, q.dtype(), d)?)
         };
         return tiled::attend_partial_tiled(
             AttnInputs {
@@ -105,17 +119,17 @@ pub fn attend_partial(x: AttnInputs<'_>, spec: &AttnSpec) -> Result<Partial> {
             tiled::Tiles::default(),
         );
     }
-    // The kernel reads K/V of q's dtype, or f16/bf16 under f32 queries (a cache stored
+    // The kernel reads K/V of q's dtype, or f16/bf16/q8_0 under f32 queries (a cache stored
     // smaller, `kv_dtype`) in place; anything else is converted to q's dtype first.
     let dt = q.dtype();
     let in_place = k.dtype() == dt
         || (dt == DType::F32
-            && matches!(k.dtype(), DType::F16 | DType::BF16)
+            && matches!(k.dtype(), DType::F16 | DType::BF16 | DType::U8)
             && v.dtype() == k.dtype());
     let (k, v) = if in_place {
         (k.clone(), v.clone())
     } else {
-        (k.to_dtype(dt)?, v.to_dtype(dt)?)
+        (widen(k, dt, d)?, widen(v, dt, d)?)
     };
     let f = flash_attn(
         q,
@@ -135,6 +149,16 @@ pub fn attend_partial(x: AttnInputs<'_>, spec: &AttnSpec) -> Result<Partial> {
         lse: f.lse,
         scratch_bytes: f.scratch_peak_bytes,
     })
+}
+
+/// Stored K or V (`kv_dtype`'s form) as `dt` values of width `d`: q8_0 blocks (u8) are
+/// dequantized, a float type converted.
+fn widen(t: &Tensor, dt: DType, d: usize) -> Result<Tensor> {
+    if t.dtype() == DType::U8 {
+        KvCodec::Q8_0.decode(t, dt, d)
+    } else {
+        Ok(t.to_dtype(dt)?)
+    }
 }
 
 /// The most attention scratch one call of `call`'s sizes may hold on `device`. Exact for

@@ -40,13 +40,10 @@ pub struct PolicyOptions {
 }
 
 impl PolicyOptions {
-    /// How device buffers store K/V: `kv_dtype` when a float type, else the model's dtype
-    /// (q8_0 is a host-tier form).
+    /// How device buffers store K/V: `kv_dtype` (f16/bf16 and q8_0 blocks are read in place
+    /// by the CPU attention kernel).
     pub fn device_codec(&self) -> crate::storage::KvCodec {
-        match self.kv_dtype {
-            crate::storage::KvCodec::Float(dt) => crate::storage::KvCodec::Float(dt),
-            _ => crate::storage::KvCodec::Model,
-        }
+        self.kv_dtype
     }
 
     /// How the host and disk tiers store K/V: `host_kv_dtype` when set, else `kv_dtype`.

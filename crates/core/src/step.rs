@@ -5,6 +5,7 @@ use candle_core::{DType, Device, Tensor};
 use crate::attention::AttnSpec;
 use crate::error::Result;
 use crate::regen::KvRegen;
+use crate::storage::KvCodec;
 
 /// One attention evaluation of one layer for one forward step.
 pub struct AttnStep<'a> {
@@ -99,6 +100,17 @@ impl KvShape {
                 readers: Vec::new(),
             },
         })
+    }
+
+    /// The shape as K/V are stored in `codec`: its dtype, and a row's width in that dtype's
+    /// elements (q8_0: bytes of blocks), so that [`Self::kv_bytes`] counts stored bytes.
+    pub fn stored_as(&self, codec: KvCodec) -> KvShape {
+        let (dtype, head_dim) = codec.stored(self.dtype, self.head_dim);
+        KvShape {
+            dtype,
+            head_dim,
+            ..self.clone()
+        }
     }
 
     /// Whether another layer reads layer `layer`'s cache.

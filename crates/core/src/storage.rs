@@ -1,13 +1,15 @@
-//! How the offloading policies' host and disk tiers store and read K/V — options every
-//! offloading policy reads ([`PolicyOptions`](crate::PolicyOptions)), implemented by the
-//! toolkit (`kvpolicy-tiered`).
+//! How policies store K/V on the device tier (`kv_dtype`) and the host and disk tiers
+//! (`host_kv_dtype`, else `kv_dtype`) — options every offloading policy reads
+//! ([`PolicyOptions`](crate::PolicyOptions)), implemented by `full` and the toolkit
+//! (`kvpolicy-tiered`).
 //!
 //! [`KvCodec`]: the stored form — in the model's dtype (lossless), or — LOSSY,
-//! opt-in — in a smaller one, encoded on the device before anything moves and decoded
-//! before attention: f16/bf16 (half the bytes of f32), or llama.cpp's `q8_0` (blocks of 32
-//! values as one f16 scale and 32 signed bytes: 34 bytes per 32 values, 0.266× f32; HF's
-//! `QuantizedCache` quantizes K/V too, but cannot offload it). [`DiskIo`]: how the disk
-//! tier reads its files.
+//! opt-in — in a smaller one, encoded on the device before anything moves: f16/bf16 (half
+//! the bytes of f32), or llama.cpp's `q8_0` (blocks of 32 values as one f16 scale and 32
+//! signed bytes: 34 bytes per 32 values, 0.266× f32; HF's `QuantizedCache` quantizes K/V
+//! too, but cannot offload it). The CPU attention kernel reads every form in place under
+//! f32 queries; elsewhere it is decoded before attention. [`DiskIo`]: how the disk tier
+//! reads its files.
 use std::borrow::Cow;
 
 use candle_core::quantized::{GgmlDType, QStorage, QTensor};
@@ -56,7 +58,7 @@ impl KvCodec {
     pub fn check(&self, d: usize) -> Result<()> {
         if *self == Self::Q8_0 && !d.is_multiple_of(Q8_BLOCK.0) {
             return Err(KvError::Unsupported(format!(
-                "storing the host tier's K/V as q8_0 needs a head width that is a multiple of 32, not {d}; store them as f16 or bf16"
+                "storing K/V as q8_0 needs a head width that is a multiple of 32, not {d}; store them as f16 or bf16"
             )));
         }
         Ok(())
@@ -80,6 +82,16 @@ impl KvCodec {
                 let bytes = q.data()?.into_owned();
                 Ok(Tensor::from_vec(bytes, (b, g, n, w), &Device::Cpu)?.to_device(t.device())?)
             }
+        }
+    }
+
+    /// `t` stored as `from` in this form instead: unchanged when both store alike (q8_0
+    /// blocks are never quantized twice), else decoded to `model` and encoded.
+    pub fn recode(&self, t: &Tensor, from: KvCodec, model: DType, d: usize) -> Result<Tensor> {
+        if self.stored(model, d) == from.stored(model, d) {
+            Ok(t.clone())
+        } else {
+            self.encode(&from.decode(t, model, d)?)
         }
     }
 

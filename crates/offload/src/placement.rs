@@ -77,15 +77,15 @@ impl OffloadPolicy {
                     k.narrow(2, from - base, len)?,
                     v.narrow(2, from - base, len)?,
                 );
-                self.host.write(
+                self.host.write_from(
                     &mut self.link,
                     WriteAt {
                         layer,
                         first_head: g * gs,
                         offset: from,
                     },
-                    &k,
-                    &v,
+                    (&k, &v),
+                    self.device_codec,
                 )?;
                 self.link.wait_all()?;
             }

@@ -156,10 +156,7 @@ impl OffloadPolicy {
                     .resident_bytes(&self.host, &self.meter, shape, group, plan_cap)
             };
             // Resident units hold K/V as the device stores them (`kv_dtype`).
-            let stored = KvShape {
-                dtype: self.device_codec.stored(shape.dtype, shape.head_dim).0,
-                ..shape.clone()
-            };
+            let stored = shape.stored_as(self.device_codec);
             if let Some(r) = self.residency.as_mut() {
                 r.plan(&stored, (group, self.plan.grow_tokens()), plan_cap, avail);
             }

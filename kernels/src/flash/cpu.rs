@@ -5,60 +5,10 @@
 //! split-K for decode).
 use std::sync::Mutex;
 
+use super::elem::Elem;
 use super::plan::{splits_for, threads, FlashParams, Geometry, Meter, TILE_KEYS};
 use super::small;
 use super::workspace::{Pool, Scratch, Sink, Workspace};
-
-/// Element types read by the kernel, widened to f32.
-pub(super) trait Elem: Copy + Send + Sync + 'static {
-    /// Its lane kind for the small path ([`super::small::F32`], `F16`, `BF16`).
-    const LANE: u8;
-    fn f(self) -> f32;
-    /// The slice itself when it already holds f32 (read in place, no tile copy).
-    fn as_f32(s: &[Self]) -> Option<&[f32]> {
-        let _ = s;
-        None
-    }
-    /// `src` widened into `dst` (same length): element by element unless the type has a
-    /// vectorised conversion.
-    fn widen(src: &[Self], dst: &mut [f32]) {
-        for (x, y) in dst.iter_mut().zip(src) {
-            *x = y.f();
-        }
-    }
-}
-
-impl Elem for f32 {
-    const LANE: u8 = small::F32;
-    fn f(self) -> f32 {
-        self
-    }
-    fn as_f32(s: &[Self]) -> Option<&[f32]> {
-        Some(s)
-    }
-}
-
-impl Elem for half::f16 {
-    const LANE: u8 = small::F16;
-    fn f(self) -> f32 {
-        self.to_f32()
-    }
-    fn widen(src: &[Self], dst: &mut [f32]) {
-        use half::slice::HalfFloatSliceExt;
-        src.convert_to_f32_slice(dst);
-    }
-}
-
-impl Elem for half::bf16 {
-    const LANE: u8 = small::BF16;
-    fn f(self) -> f32 {
-        self.to_f32()
-    }
-    fn widen(src: &[Self], dst: &mut [f32]) {
-        use half::slice::HalfFloatSliceExt;
-        src.convert_to_f32_slice(dst);
-    }
-}
 
 /// A key or value tile: element (key j, value c) at element `ptr + j·rs + c·cs`, of lane
 /// kind `lane` — f32 as gemm reads it, or f16/bf16 read in place by the small path.
@@ -90,7 +40,7 @@ struct Task {
 }
 
 /// Queries of type `Q`, keys and values of type `T` (f32 queries over a cache stored in
-/// f16/bf16: `--kv-dtype`).
+/// f16/bf16 or q8_0 blocks: `--kv-dtype`).
 struct Kernel<'a, Q, T> {
     g: Geometry,
     p: FlashParams,
@@ -124,7 +74,7 @@ impl<Q: Elem, T: Elem> Kernel<'_, Q, T> {
                     off + item.bi * st[0] + (item.kvh * g + h) * st[1] + (item.i0 + i) * st[2];
                 let row = &mut qs[(h * n + i) * d..(h * n + i + 1) * d];
                 for (c, x) in row.iter_mut().enumerate() {
-                    *x = self.q[src + c * st[3]].f();
+                    *x = Q::at(self.q, src + c * st[3]);
                 }
             }
         }
@@ -132,7 +82,8 @@ impl<Q: Elem, T: Elem> Kernel<'_, Q, T> {
 
     /// Keys (or values) `j0..j0+n` of `item`'s KV head: in place for f32 inputs, or for
     /// f16/bf16 ones when `raw` (the small path widens them in registers), else widened
-    /// into `conv` (`n × d`) for gemm.
+    /// into `conv` (`n × d`; q8_0 blocks always are). `view` is in elements of `T` (blocks
+    /// for q8_0).
     fn kv_tile(
         &self,
         src: &[T],
@@ -143,12 +94,12 @@ impl<Q: Elem, T: Elem> Kernel<'_, Q, T> {
     ) -> Tile {
         let (off, st) = view;
         let base = off + item.bi * st[0] + item.kvh * st[1] + j0 * st[2];
-        if raw && st[3] == 1 {
+        if let (true, 1, Some(lane)) = (raw, st[3], T::LANE) {
             return Tile {
                 ptr: src[base..].as_ptr() as *const u8,
                 rs: st[2] as isize,
                 cs: 1,
-                lane: T::LANE,
+                lane,
             };
         }
         match (T::as_f32(src), conv) {
@@ -164,10 +115,10 @@ impl<Q: Elem, T: Elem> Kernel<'_, Q, T> {
                     let row = base + j * st[2];
                     let dst = &mut conv.buf[j * d..(j + 1) * d];
                     if st[3] == 1 {
-                        T::widen(&src[row..row + d], dst);
+                        T::widen(&src[row..row + d / T::VALUES], dst);
                     } else {
                         for (c, x) in dst.iter_mut().enumerate() {
-                            *x = src[row + c * st[3]].f();
+                            *x = T::at(&src[row..], c * st[3]);
                         }
                     }
                 }

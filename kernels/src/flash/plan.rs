@@ -3,6 +3,7 @@
 //! call splits across threads, and the scratch it allocates ([`scratch_bytes`]).
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use super::elem::{Q8_BYTES, Q8_VALUES};
 use candle_core::{Layout, Result};
 
 /// Query rows (query heads of one KV head × positions) per tile.
@@ -84,7 +85,46 @@ pub(crate) struct Geometry {
 }
 
 impl Geometry {
+    /// The geometry of queries `q` over keys `k` and values `v` of the same element type.
     pub(crate) fn of(q: &Layout, k: &Layout, v: &Layout) -> Result<Self> {
+        Self::with_width(q, k, v, |d| d)
+    }
+
+    /// The geometry of queries `q` over keys `k` and values `v` stored as q8_0 blocks (rows of
+    /// `d / 32 · 34` bytes, each row contiguous), with `k` and `v` in block units.
+    pub(crate) fn of_q8(q: &Layout, k: &Layout, v: &Layout) -> Result<Self> {
+        let bad = |m: String| candle_core::Error::Msg(format!("flash_attn: {m}"));
+        let d = q.shape().dims4()?.3;
+        if !d.is_multiple_of(Q8_VALUES) {
+            return Err(bad(format!(
+                "q8_0 keys need a head width that is a multiple of {Q8_VALUES}, not {d}"
+            )));
+        }
+        let mut g = Self::with_width(q, k, v, |d| d / Q8_VALUES * Q8_BYTES)?;
+        for view in [&mut g.k, &mut g.v] {
+            let (off, st) = *view;
+            let whole = |x: usize| x.is_multiple_of(Q8_BYTES);
+            if st[3] != 1 || !whole(off) || !st[..3].iter().all(|&x| whole(x)) {
+                return Err(bad(format!(
+                    "q8_0 keys and values must be views of whole blocks, rows contiguous (offset {off}, strides {st:?})"
+                )));
+            }
+            *view = (
+                off / Q8_BYTES,
+                [st[0] / Q8_BYTES, st[1] / Q8_BYTES, st[2] / Q8_BYTES, 1],
+            );
+        }
+        Ok(g)
+    }
+
+    /// Checked against each other, with `width(d)` the keys' last dimension for queries of
+    /// width `d`.
+    fn with_width(
+        q: &Layout,
+        k: &Layout,
+        v: &Layout,
+        width: impl Fn(usize) -> usize,
+    ) -> Result<Self> {
         let bad = |m: String| candle_core::Error::Msg(format!("flash_attn: {m}"));
         let (b, nh, t, d) = q.shape().dims4()?;
         let (kb, nkv, s, kd) = k.shape().dims4()?;
@@ -95,7 +135,7 @@ impl Geometry {
                 v.dims()
             )));
         }
-        if kb != b || kd != d || nkv == 0 || nh % nkv != 0 {
+        if kb != b || kd != width(d) || nkv == 0 || nh % nkv != 0 {
             return Err(bad(format!(
                 "queries {:?} do not fit keys {:?}",
                 q.dims(),

@@ -297,8 +297,32 @@ impl HostLayers {
     /// for a RAM layer (one job per sequence and head: one contiguous run each), written
     /// through for a disk layer. Counted device→host either way.
     pub fn write(&mut self, link: &mut Link, at: WriteAt, k: &Tensor, v: &Tensor) -> Result<()> {
+        self.write_from(link, at, (k, v), KvCodec::Model)
+    }
+
+    /// [`Self::write`] of K/V stored as `from` on the device (`kv_dtype`: a demoted resident
+    /// unit's history): kept as they are when this tier stores them alike — q8_0 blocks are
+    /// not quantized twice — else decoded to the model's dtype and stored this tier's way.
+    pub fn write_from(
+        &mut self,
+        link: &mut Link,
+        at: WriteAt,
+        (k, v): (&Tensor, &Tensor),
+        from: KvCodec,
+    ) -> Result<()> {
         // A smaller stored form is encoded on the device, before anything moves.
-        let (k, v) = (&self.codec.encode(k)?, &self.codec.encode(v)?);
+        let (k, v) = match (from, self.shape.as_ref()) {
+            (KvCodec::Model, _) => (&self.codec.encode(k)?, &self.codec.encode(v)?),
+            (_, Some(s)) => (
+                &self.codec.recode(k, from, s.dtype, s.head_dim)?,
+                &self.codec.recode(v, from, s.dtype, s.head_dim)?,
+            ),
+            (_, None) => {
+                return Err(KvError::invariant(
+                    "a write of stored K/V before the run's shape is known",
+                ))
+            }
+        };
         let base = self.first_held(at.layer);
         let at = WriteAt {
             offset: at.offset.checked_sub(base).ok_or_else(|| {
