@@ -220,12 +220,7 @@ fn k_quant_activations_are_candles_q8k() -> Result<()> {
         GgmlDType::Q8K,
     )?;
     let bytes = theirs.data()?;
-    let zero = ActBlock {
-        qs: [0; QK],
-        d: 0.0,
-        s: 0.0,
-    };
-    let mut ours = vec![zero; k / QK];
+    let mut ours = vec![ActBlock::ZERO; k / QK];
     quantize_row_q8k(&x, &mut ours);
     // BlockQ8K: d (f32), 256 values, 16 sums (i16).
     for (sb, block) in bytes.chunks_exact(4 + 256 + 32).enumerate() {

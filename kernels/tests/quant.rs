@@ -119,12 +119,7 @@ fn simd_and_portable_dots_agree() -> Result<()> {
         let x = random((1, 8 * QK), 11, 2.0)?
             .flatten_all()?
             .to_vec1::<f32>()?;
-        let zero = blocks::ActBlock {
-            qs: [0; QK],
-            d: 0.0,
-            s: 0.0,
-        };
-        let mut xq = vec![zero; 8];
+        let mut xq = vec![blocks::ActBlock::ZERO; 8];
         blocks::quantize_row(&x, &mut xq);
         for r in 0..4 {
             let row = &data[r * row_bytes..(r + 1) * row_bytes];
@@ -180,12 +175,7 @@ fn row_ranges_equal_single_rows_bit_for_bit() -> Result<()> {
             let q = QTensor::quantize(&random((rows, k), 5 + rows as u64, 1.0)?, fmt)?;
             let data = q.data()?;
             let x = random((1, k), 13, 2.0)?.flatten_all()?.to_vec1::<f32>()?;
-            let zero = blocks::ActBlock {
-                qs: [0; QK],
-                d: 0.0,
-                s: 0.0,
-            };
-            let mut xq = vec![zero; blocks_per_row];
+            let mut xq = vec![blocks::ActBlock::ZERO; blocks_per_row];
             blocks::quantize_row(&x, &mut xq);
             let row_bytes = blocks_per_row * f.block_bytes();
             let row = |r: usize| &data[r * row_bytes..(r + 1) * row_bytes];

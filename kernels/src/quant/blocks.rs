@@ -53,6 +53,15 @@ pub struct ActBlock {
     pub s: f32,
 }
 
+impl ActBlock {
+    /// The block of 32 zeros (what a buffer of blocks starts as before quantizing into it).
+    pub const ZERO: Self = Self {
+        qs: [0; QK],
+        d: 0.0,
+        s: 0.0,
+    };
+}
+
 /// Quantizes `x` (a multiple of 32 long) into `out` as candle's `BlockQ8_0`/`BlockQ8_1`
 /// `from_float` do: `d = amax/127` (kept at f16 precision), `q = round(x/d)`.
 pub fn quantize_row(x: &[f32], out: &mut [ActBlock]) {

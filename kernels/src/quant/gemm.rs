@@ -88,12 +88,7 @@ impl QuantizedRows {
         let blocks = k / QK;
         let m = x.len() / k;
         let subs = fmt.subs();
-        let zero = ActBlock {
-            qs: [0; QK],
-            d: 0.0,
-            s: 0.0,
-        };
-        let mut xq = vec![zero; m * blocks];
+        let mut xq = vec![ActBlock::ZERO; m * blocks];
         let mut zsum = vec![0i32; m * blocks * subs];
         let off = fmt.has_offset();
         let mut sx = vec![0f32; if off { m * blocks } else { 0 }];

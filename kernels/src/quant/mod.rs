@@ -184,12 +184,7 @@ impl CustomOp1 for QuantMatMul {
             candle_core::bail!("quantized matmul: {:?} runs only as the GEMM", self.fmt);
         };
         let blocks = k / QK;
-        let zero = ActBlock {
-            qs: [0; QK],
-            d: 0.0,
-            s: 0.0,
-        };
-        let mut xq = vec![zero; m * blocks];
+        let mut xq = vec![ActBlock::ZERO; m * blocks];
         for (row, out) in x.chunks_exact(k).zip(xq.chunks_exact_mut(blocks)) {
             blocks::quantize_row(row, out);
         }
