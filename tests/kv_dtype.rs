@@ -179,10 +179,16 @@ fn q8_0_caches_hold_34_of_128_bytes_and_every_policy_agrees_under_them() -> Resu
         };
         let want = step_logits(build_policy("full", &opts(None))?.as_mut())?;
         let total = prompt.len() + decode.len();
-        let shape = kv_shape(&info, 1, total, chunk).stored_as(KvCodec::Q8_0);
+        let model_shape = kv_shape(&info, 1, total, chunk);
+        let shape = model_shape.stored_as(KvCodec::Q8_0);
         let cap = total.div_ceil(grow) * grow;
         let small = shape.kv_bytes(1, 6usize.div_ceil(grow) * grow);
-        let streaming = 2 * shape.kv_bytes(1, cap) + shape.step_scratch_bytes(1, cap, &Device::Cpu);
+        let reading = kvpolicy::KvShape {
+            dtype: DType::U8,
+            ..model_shape
+        };
+        let streaming =
+            2 * shape.kv_bytes(1, cap) + reading.step_scratch_bytes(1, cap, &Device::Cpu);
         let mut demoted = 0;
         for k in 0..=(info.n_layers * info.n_kv_heads) as u64 {
             let mut p = build_policy("auto", &opts(Some(streaming + k * small)))?;
@@ -204,6 +210,68 @@ fn q8_0_caches_hold_34_of_128_bytes_and_every_policy_agrees_under_them() -> Resu
             global || info.windows.iter().all(|w| *w == Some(8)),
             "{name}"
         );
+    }
+    Ok(())
+}
+
+/// `helix` over q8_0 shares (ranks as threads): each rank stores its share's tokens as the
+/// same blocks `full` would (rows are quantized one by one), so every rank's logits equal
+/// `full`'s under q8_0 — `auto` locals included, whose ranks attend an empty resident view
+/// before their share begins (that partial has the queries' width, not the blocks' bytes).
+#[test]
+fn helix_shares_stored_as_q8_0_give_fulls_logits() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let ids: Vec<u32> = (0..40u32).map(|i| (i * 37 + 11) % 256).collect();
+    let (prompt, decode) = ids.split_at(24);
+    // With an 8-token window the first ranks' shares fall before every later window.
+    for (arch, window) in [("llama", None), ("mistral", Some(8))] {
+        let config = serde_json::json!({
+            "model_type": arch, "hidden_size": 128, "intermediate_size": 256,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "vocab_size": 256, "rms_norm_eps": 1e-5, "max_position_embeddings": 512,
+            "rope_theta": 10000.0, "sliding_window": window
+        });
+        let model = random_model(dir.path(), config)?;
+        let (want, _) = run(model.as_ref(), (prompt, decode), "full", KvCodec::Q8_0)?;
+        let model: std::sync::Arc<dyn CausalLm> = std::sync::Arc::from(model);
+        helix_ranks(&model, (prompt, decode), &want, arch)?;
+    }
+    Ok(())
+}
+
+/// Every rank of `helix` over 3 threads, locals `full` and `auto` storing q8_0, against
+/// `want`.
+fn helix_ranks(
+    model: &std::sync::Arc<dyn CausalLm>,
+    (prompt, decode): (&[u32], &[u32]),
+    want: &Tensor,
+    arch: &str,
+) -> Result<()> {
+    use kvpolicy::helix::{HelixPolicy, ThreadGroup};
+    for local in ["full", "auto"] {
+        let handles: Vec<_> = ThreadGroup::new(3)
+            .into_iter()
+            .map(|group| {
+                let (model, prompt, decode) = (model.clone(), prompt.to_vec(), decode.to_vec());
+                std::thread::spawn(move || -> Result<Tensor> {
+                    let opts = PolicyOptions {
+                        grow_tokens: 4,
+                        kv_dtype: KvCodec::Q8_0,
+                        ..PolicyOptions::default()
+                    };
+                    let inner = build_policy(local, &opts)?;
+                    let mut p = HelixPolicy::new(inner, std::sync::Arc::new(group))?;
+                    common::teacher_forced_logits(model.as_ref(), &mut p, &prompt, &decode, 5)
+                })
+            })
+            .collect();
+        for (r, h) in handles.into_iter().enumerate() {
+            let got = h
+                .join()
+                .map_err(|_| anyhow::anyhow!("rank {r} panicked"))??;
+            let d = common::max_abs_diff(&got, want)?;
+            assert!(d <= 1e-5, "{arch} helix:{local} rank {r}: {d} from full's");
+        }
     }
     Ok(())
 }

@@ -56,8 +56,9 @@ impl LlamaCpp {
                 &self.chunk.to_string(),
             ])
             .args(["--kv-type", self.kv_type])
-            // llama.cpp quantizes a V cache only under its flash attention.
-            .args((self.kv_type == "q8_0").then_some("--flash-attn"))
+            // Its flash attention, as scripts/perf_table.py runs it (it quantizes a V cache
+            // only under it).
+            .arg("--flash-attn")
             .output()
             .with_context(|| {
                 format!(

@@ -117,7 +117,8 @@ struct Args {
     )]
     disk_io: kvpolicy::core::DiskIo,
     /// Also time llama.cpp on the same GGUF, ids, threads, chunk and steps, with this Python
-    /// (llama-cpp-python 0.3.36 installed; `scripts/llamacpp_bench.py`): a `llama.cpp` row.
+    /// (llama-cpp-python 0.3.36 installed; `scripts/llamacpp_bench.py`): a `llama.cpp` row,
+    /// its flash attention on, its KV cache the type `--kv-dtype` names (f32 unless given).
     #[arg(long, value_name = "PYTHON")]
     llamacpp: Option<PathBuf>,
 }

@@ -346,4 +346,41 @@ mod tests {
         assert!(mask_values(1, 4, 9, 6, &w).is_none());
         assert!(mask_values(1, 5, 9, 5, &w).is_some());
     }
+
+    #[test]
+    fn q8_0_caches_are_read_as_their_values_under_any_query_dtype() -> Result<()> {
+        // u8 K/V are q8_0 blocks: f32 queries read them in place, f16/bf16 queries over
+        // their dequantized values; a width that is not the blocks' is refused.
+        let dev = Device::Cpu;
+        let spec = AttnSpec::new(4, 2, 64);
+        let (t, s) = (3, 300);
+        let k = Tensor::randn(0f32, 1.0, (1, 2, s, 64), &dev)?;
+        let v = Tensor::randn(0f32, 1.0, (1, 2, s, 64), &dev)?;
+        let (kq, vq) = (KvCodec::Q8_0.encode(&k)?, KvCodec::Q8_0.encode(&v)?);
+        for dt in [DType::F32, DType::F16, DType::BF16] {
+            let q = Tensor::randn(0f32, 1.0, (1, 4, t, 64), &dev)?.to_dtype(dt)?;
+            let at = |k: &Tensor, v: &Tensor| {
+                attend_partial(
+                    AttnInputs {
+                        q: &q,
+                        k,
+                        v,
+                        q_pos: s - t,
+                        k_pos: 0,
+                    },
+                    &spec,
+                )
+            };
+            let (kd, vd) = (
+                KvCodec::Q8_0.decode(&kq, dt, 64)?,
+                KvCodec::Q8_0.decode(&vq, dt, 64)?,
+            );
+            let (got, want) = (at(&kq, &vq)?, at(&kd, &vd)?);
+            assert!(max_diff(&got.out, &want.out)? <= 1e-6, "{dt:?}");
+            // Rows of 64 bytes are not 64 values' blocks (68 bytes).
+            let cut = kq.narrow(3, 0, 64)?;
+            assert!(at(&cut, &cut).is_err(), "{dt:?}");
+        }
+        Ok(())
+    }
 }

@@ -28,8 +28,9 @@ pub struct PolicyOptions {
     /// How the disk tier reads its files: past the page cache (the default) or through it.
     pub disk_io: crate::storage::DiskIo,
     /// LOSSY unless `Model`, opt-in: how K/V are stored on the host tier (and disk, and in
-    /// the streaming buffers), decoded to the model's dtype before attention — f16, bf16
-    /// or q8_0; `Model` (the default) = the model's own dtype, lossless.
+    /// the streaming buffers) — f16, bf16 or q8_0 — decoded before attention unless the
+    /// device stores the same form (`kv_dtype`); `Model` (the default) = `kv_dtype`'s form
+    /// (the model's own dtype unless given), lossless.
     pub host_kv_dtype: crate::storage::KvCodec,
     /// LOSSY unless `Model` (or wider than the model's dtype), opt-in: the form K/V are
     /// stored in on every tier — the device's buffers (read in place by the attention

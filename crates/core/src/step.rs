@@ -104,6 +104,8 @@ impl KvShape {
 
     /// The shape as K/V are stored in `codec`: its dtype, and a row's width in that dtype's
     /// elements (q8_0: bytes of blocks), so that [`Self::kv_bytes`] counts stored bytes.
+    /// For byte counts only: its `head_dim` is not the heads' width, so plan attention
+    /// scratch on the model's shape (with the stored dtype).
     pub fn stored_as(&self, codec: KvCodec) -> KvShape {
         let (dtype, head_dim) = codec.stored(self.dtype, self.head_dim);
         KvShape {

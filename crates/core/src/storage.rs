@@ -123,6 +123,27 @@ mod tests {
     use super::*;
 
     #[test]
+    fn recoding_into_the_same_form_keeps_the_bytes() -> Result<()> {
+        // Blocks a quantizer would never write (every value 1·scale: it would store 127s
+        // with a scale 127× smaller): recoded q8_0 → q8_0 they are kept as they are, where a
+        // decode and encode would rewrite them. Into f16 they are decoded.
+        let mut bytes = Vec::new();
+        for _ in 0..4 {
+            bytes.extend_from_slice(&half::f16::from_f32(0.5).to_le_bytes());
+            bytes.extend(std::iter::repeat_n(1u8, 32));
+        }
+        let t = Tensor::from_vec(bytes.clone(), (1, 2, 2, 34), &Device::Cpu)?;
+        let same = KvCodec::Q8_0.recode(&t, KvCodec::Q8_0, DType::F32, 32)?;
+        assert_eq!(same.flatten_all()?.to_vec1::<u8>()?, bytes);
+        let twice = KvCodec::Q8_0.encode(&KvCodec::Q8_0.decode(&t, DType::F32, 32)?)?;
+        assert_ne!(twice.flatten_all()?.to_vec1::<u8>()?, bytes);
+        let f16 = KvCodec::Float(DType::F16).recode(&t, KvCodec::Q8_0, DType::F32, 32)?;
+        let values = f16.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        assert!(values.iter().all(|&x| x == 0.5), "{values:?}");
+        Ok(())
+    }
+
+    #[test]
     fn q8_0_round_trips_within_its_block_precision() -> Result<()> {
         // A view that starts inside its storage (candle's quantize alone would miss that).
         let t = Tensor::randn(0f32, 1.0, (1, 3, 5, 64), &Device::Cpu)?.narrow(1, 1, 2)?;

@@ -28,7 +28,8 @@
 //!   that grow in chunks of 8 × the device growth step, so one KV head's tokens are one
 //!   contiguous range and a group moves in `2 × b × group` copies.
 //! * The device tier holds exactly two buffers of `group` heads at the current capacity:
-//!   peak device KV = `2 × group × capacity × head_dim × 2 (K, V) × dtype bytes × batch`,
+//!   peak device KV = `2 × group × capacity × row bytes × 2 (K, V) × batch` (a row:
+//!   `head_dim` values as stored — f32, f16/bf16, or q8_0's 34 bytes per 32),
 //!   asserted exactly by the tests through [`KvStats`](kvpolicy_core::KvStats).
 //! * Units run in order across layers. Beyond the paper's one-ahead ping-pong, the units
 //!   after the current one are staged as far ahead as the two buffers have room (small

@@ -41,8 +41,8 @@ pub(crate) struct Plan {
     device: Device,
     /// Tokens by which device buffers grow.
     grow_tokens: usize,
-    /// How the device stores K/V (`kv_dtype` f16/bf16, else the model's dtype): attention
-    /// reads streaming buffers of that form in place, with no expanded copy.
+    /// How the device stores K/V (`kv_dtype`): attention reads streaming buffers of that
+    /// form in place (on the CPU; elsewhere widened per call), with no expanded copy.
     device_codec: KvCodec,
 }
 
@@ -106,7 +106,12 @@ impl Plan {
         } else {
             0
         };
-        shape.step_scratch_bytes(heads, context, &self.device) + kept
+        // Attention reads the device's stored form: smaller forms are widened into tiles.
+        let reading = KvShape {
+            dtype: self.device_codec.stored(shape.dtype, shape.head_dim).0,
+            ..shape.clone()
+        };
+        reading.step_scratch_bytes(heads, context, &self.device) + kept
     }
 
     /// Device bytes of the two streaming buffers for `group` heads at capacity `cap`, as

@@ -154,13 +154,9 @@ impl Residency {
         }
         let Some(kept) = self.view(unit, at)? else {
             let (b, nh, t, _) = q.dims4()?;
-            return Ok(InPlace::Attended(Partial::empty(
-                b,
-                nh,
-                t,
-                vn.dim(3)?,
-                q.device(),
-            )?));
+            // The queries' width: `vn` is stored (q8_0's rows are bytes of blocks).
+            let d = q.dim(3)?;
+            return Ok(InPlace::Attended(Partial::empty(b, nh, t, d, q.device())?));
         };
         Ok(InPlace::Attended(attend_partial(
             AttnInputs {

@@ -40,7 +40,7 @@ pub struct OffloadPolicy {
     /// `auto`'s resident units (`None` for `layer` and `headwise`).
     pub(crate) residency: Option<Residency>,
     pub(crate) meter: DeviceMeter,
-    /// How the device holds K/V (`kv_dtype` when a float type, else the model's dtype):
+    /// How the device holds K/V (`kv_dtype`; the model's dtype unless given):
     /// `auto`'s resident units, and the streaming buffers when they hold that type too.
     pub(crate) device_codec: KvCodec,
     pub(crate) stats: KvStats,
@@ -303,6 +303,9 @@ impl KvPolicy for OffloadPolicy {
     }
 
     fn prepare(&mut self, shape: &KvShape) -> Result<()> {
+        // Both forms up front (q8_0 needs whole blocks), not at the first store.
+        self.device_codec.check(shape.head_dim)?;
+        self.host.codec().check(shape.head_dim)?;
         let cap = self.plan.capacity_for(shape.max_tokens);
         self.plan
             .choose_group(&self.host, &self.meter, shape, cap, shape.max_tokens)?;

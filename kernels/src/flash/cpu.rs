@@ -114,6 +114,8 @@ impl<Q: Elem, T: Elem> Kernel<'_, Q, T> {
                 for j in 0..n {
                     let row = base + j * st[2];
                     let dst = &mut conv.buf[j * d..(j + 1) * d];
+                    // q8_0 views have contiguous rows (`Geometry::of_q8`).
+                    debug_assert!(T::VALUES == 1 || st[3] == 1);
                     if st[3] == 1 {
                         T::widen(&src[row..row + d / T::VALUES], dst);
                     } else {

@@ -203,7 +203,8 @@ pub struct CallShape {
     pub s: usize,
     /// Head width.
     pub d: usize,
-    /// Inputs are f16/bf16 (tiles are widened into scratch).
+    /// K/V are stored smaller than f32 — f16/bf16, or q8_0 blocks (tiles are widened into
+    /// scratch).
     pub half: bool,
 }
 
