@@ -180,22 +180,17 @@ fn units_demoted_mid_run_on_windowed_models_keep_full_logits() -> Result<()> {
             "{name}: no window"
         );
         let (prompt, decode) = common::fixture_ids(name)?;
-        let decode_logits = |p: &mut dyn kvpolicy::KvPolicy| -> Result<Vec<Tensor>> {
-            p.prepare(&kv_shape(&info, 1, 6, chunk))?;
-            prefill(model, p, &prompt, chunk, false)?;
-            let mut rows = Vec::new();
-            for (pos, &tok) in (prompt.len()..).zip(decode.iter()) {
-                let ids = Tensor::new(&[tok], &Device::Cpu)?.unsqueeze(0)?;
-                rows.push(model.forward(&ids, pos, p, LogitsMode::Last)?);
-            }
-            Ok(rows)
-        };
         let opts = |budget: Option<u64>| PolicyOptions {
             grow_tokens: grow,
             device_kv_budget: budget,
             ..PolicyOptions::default()
         };
-        let want = decode_logits(build_policy("full", &opts(None))?.as_mut())?;
+        let want = common::short_plan_logits(
+            model,
+            build_policy("full", &opts(None))?.as_mut(),
+            &prompt,
+            &decode,
+        )?;
         let total = prompt.len() + decode.len();
         let shape = kv_shape(&info, 1, total, chunk);
         let cap = total.div_ceil(grow) * grow;
@@ -207,7 +202,7 @@ fn units_demoted_mid_run_on_windowed_models_keep_full_logits() -> Result<()> {
         for k in 0..=(info.n_layers * info.n_kv_heads) as u64 {
             let budget = streaming + k * small;
             let mut p = build_policy("auto", &opts(Some(budget)))?;
-            let got = decode_logits(p.as_mut())?;
+            let got = common::short_plan_logits(model, p.as_mut(), &prompt, &decode)?;
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                 let d = common::max_abs_diff(g, w)?;
                 assert!(d <= 1e-5, "{name} budget {budget} step {i}: max |Δ| = {d}");

@@ -236,25 +236,6 @@ fn auto_holds_a_share_resident_and_streamed() -> Result<()> {
     Ok(())
 }
 
-/// Decode logits of `policy` prepared for a run of 6 tokens that then goes on: prefill in
-/// chunks of 3, then `decode` one token at a time.
-fn short_plan_logits(
-    model: &dyn kvpolicy::CausalLm,
-    policy: &mut dyn KvPolicy,
-    prompt: &[u32],
-    decode: &[u32],
-) -> Result<Vec<Tensor>> {
-    let mut checked = kvpolicy::core::Checked::new(policy);
-    checked.prepare(&kv_shape(model.info(), 1, 6, 3))?;
-    kvpolicy::models::prefill(model, &mut checked, prompt, 3, false)?;
-    let mut rows = Vec::new();
-    for (pos, &tok) in (prompt.len()..).zip(decode) {
-        let ids = Tensor::new(&[tok], &Device::Cpu)?.unsqueeze(0)?;
-        rows.push(model.forward(&ids, pos, &mut checked, kvpolicy::LogitsMode::Last)?);
-    }
-    Ok(rows)
-}
-
 /// `auto` under `helix` demoting mid-run: prepared for 6 tokens, the run goes on, so the
 /// last rank's share grows past what its plan sized — resident units are demoted to its
 /// host tier at the share's own positions (and where the head group shrinks, all of them)
@@ -272,7 +253,8 @@ fn auto_shares_demote_mid_run_and_keep_full_logits() -> Result<()> {
         let info = loaded.model.info().clone();
         let (prompt, decode) = common::fixture_ids(name)?;
         let mut full = build_policy("full", &PolicyOptions::default())?;
-        let want = short_plan_logits(loaded.model.as_ref(), full.as_mut(), &prompt, &decode)?;
+        let want =
+            common::short_plan_logits(loaded.model.as_ref(), full.as_mut(), &prompt, &decode)?;
         let total = prompt.len() + decode.len();
         let shape = kv_shape(&info, 1, total, 3);
         let streaming =
@@ -290,8 +272,12 @@ fn auto_shares_demote_mid_run_and_keep_full_logits() -> Result<()> {
                         let (prompt, decode) = common::fixture_ids(&name)?;
                         let local = build_policy("auto", &opts(budget))?;
                         let mut p = HelixPolicy::new(local, Arc::new(group))?;
-                        let rows =
-                            short_plan_logits(loaded.model.as_ref(), &mut p, &prompt, &decode)?;
+                        let rows = common::short_plan_logits(
+                            loaded.model.as_ref(),
+                            &mut p,
+                            &prompt,
+                            &decode,
+                        )?;
                         Ok((rows, common::metric(&p.stats(), "demotions")))
                     })
                 })

@@ -9,10 +9,9 @@ use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use kvpolicy::core::KvCodec;
 use kvpolicy::models::engine::generate::kv_shape;
-use kvpolicy::models::{load, prefill, resolve, ModelSpec};
+use kvpolicy::models::{load, resolve, ModelSpec};
 use kvpolicy::{
-    attend_partial, build_policy, AttnInputs, AttnSpec, CausalLm, KvStats, LogitsMode,
-    PolicyOptions,
+    attend_partial, build_policy, AttnInputs, AttnSpec, CausalLm, KvStats, PolicyOptions,
 };
 
 /// Twice the largest |Δ logit| against f32 measured when this test was written, over the
@@ -161,23 +160,18 @@ fn q8_0_caches_hold_34_of_128_bytes_and_every_policy_agrees_under_them() -> Resu
         // gives `full`'s logits.
         let (chunk, grow) = (3, 2);
         let info = model.info().clone();
-        let step_logits = |p: &mut dyn kvpolicy::KvPolicy| -> Result<Vec<Tensor>> {
-            p.prepare(&kv_shape(&info, 1, 6, chunk))?;
-            prefill(model, p, prompt, chunk, false)?;
-            let mut rows = Vec::new();
-            for (pos, &tok) in (prompt.len()..).zip(decode.iter()) {
-                let ids = Tensor::new(&[tok], &Device::Cpu)?.unsqueeze(0)?;
-                rows.push(model.forward(&ids, pos, p, LogitsMode::Last)?);
-            }
-            Ok(rows)
-        };
         let opts = |budget: Option<u64>| PolicyOptions {
             grow_tokens: grow,
             kv_dtype: KvCodec::Q8_0,
             device_kv_budget: budget,
             ..PolicyOptions::default()
         };
-        let want = step_logits(build_policy("full", &opts(None))?.as_mut())?;
+        let want = common::short_plan_logits(
+            model,
+            build_policy("full", &opts(None))?.as_mut(),
+            prompt,
+            decode,
+        )?;
         let total = prompt.len() + decode.len();
         let model_shape = kv_shape(&info, 1, total, chunk);
         let shape = model_shape.stored_as(KvCodec::Q8_0);
@@ -192,7 +186,7 @@ fn q8_0_caches_hold_34_of_128_bytes_and_every_policy_agrees_under_them() -> Resu
         let mut demoted = 0;
         for k in 0..=(info.n_layers * info.n_kv_heads) as u64 {
             let mut p = build_policy("auto", &opts(Some(streaming + k * small)))?;
-            let got = step_logits(p.as_mut())?;
+            let got = common::short_plan_logits(model, p.as_mut(), prompt, decode)?;
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                 let d = common::max_abs_diff(g, w)?;
                 assert!(

@@ -361,3 +361,28 @@ pub fn auto_one_resident(
         ..kvpolicy::PolicyOptions::default()
     }
 }
+
+/// Decode logits of `policy` prepared for a run of 6 tokens that then goes on (so `auto`'s
+/// plan is outgrown mid-run): prefill in chunks of 3, then `decode` one token at a time,
+/// every call checked against the call protocol.
+pub fn short_plan_logits(
+    model: &dyn CausalLm,
+    policy: &mut dyn KvPolicy,
+    prompt: &[u32],
+    decode: &[u32],
+) -> Result<Vec<Tensor>> {
+    let mut checked = kvpolicy::core::Checked::new(policy);
+    checked.prepare(&kvpolicy::models::engine::generate::kv_shape(
+        model.info(),
+        1,
+        6,
+        3,
+    ))?;
+    kvpolicy::models::prefill(model, &mut checked, prompt, 3, false)?;
+    let mut rows = Vec::new();
+    for (pos, &tok) in (prompt.len()..).zip(decode) {
+        let ids = Tensor::new(&[tok], &Device::Cpu)?.unsqueeze(0)?;
+        rows.push(model.forward(&ids, pos, &mut checked, kvpolicy::LogitsMode::Last)?);
+    }
+    Ok(rows)
+}
