@@ -83,13 +83,10 @@ pub fn attend_partial(x: AttnInputs<'_>, spec: &AttnSpec) -> Result<Partial> {
     } else {
         d
     };
-    if kb != b
-        || kd != width
-        || (q8 && !d.is_multiple_of(32))
-        || nkv == 0
-        || nh % nkv != 0
-        || v.dims() != k.dims()
-    {
+    if q8 {
+        KvCodec::Q8_0.check(d)?;
+    }
+    if kb != b || kd != width || nkv == 0 || nh % nkv != 0 || v.dims() != k.dims() {
         return Err(KvError::Shape(format!(
             "queries {:?} do not fit keys {:?} and values {:?}",
             q.dims(),
