@@ -215,6 +215,16 @@ fn k_quant_activations_are_candles_q8k() -> Result<()> {
     let k = 1024;
     let mut x = random(k, 5, 4.0);
     x[256..512].fill(0.0); // an all-zero block
+    // A block whose scale is exactly 1 (its largest magnitude −127, first at 3; a later
+    // +127 is not the one kept), every half-integer a tie; a NaN in the last block.
+    for (e, v) in x[512..768].iter_mut().enumerate() {
+        *v = match e {
+            3 => -127.0,
+            9 => 127.0,
+            _ => (e % 100) as f32 * 1.5 - 70.0,
+        };
+    }
+    x[800] = f32::NAN;
     let theirs = QTensor::quantize(
         &Tensor::from_vec(x.clone(), (1, k), &Device::Cpu)?,
         GgmlDType::Q8K,

@@ -212,3 +212,38 @@ fn row_ranges_equal_single_rows_bit_for_bit() -> Result<()> {
     }
     Ok(())
 }
+
+/// The activation side bit for bit candle's `BlockQ8_0` and `BlockQ8_1` (its `from_float`,
+/// `round` ties away from zero): random blocks, blocks scaled so that `1/d` is exactly 1
+/// (every half-integer a tie), an all-zero block, a subnormal one (its `1/d` overflows to
+/// infinity: saturated values), and one holding a NaN.
+#[test]
+fn activations_are_candles_q8_0_and_q8_1() -> Result<()> {
+    let mut x = random((1, 6 * QK), 3, 3.0)?.flatten_all()?.to_vec1::<f32>()?;
+    for (e, v) in x[2 * QK..3 * QK].iter_mut().enumerate() {
+        *v = if e == 0 { 127.0 } else { e as f32 * 2.5 - 40.0 }; // amax 127: d = 1
+    }
+    x[3 * QK..4 * QK].fill(0.0);
+    for (e, v) in x[4 * QK..5 * QK].iter_mut().enumerate() {
+        *v = f32::from_bits(1 + e as u32) * if e % 2 == 0 { 1.0 } else { -1.0 };
+    }
+    x[5 * QK + 7] = f32::NAN;
+    let mut ours = vec![blocks::ActBlock::ZERO; x.len() / QK];
+    blocks::quantize_row(&x, &mut ours);
+    let t = Tensor::from_vec(x.clone(), (1, x.len()), &Device::Cpu)?;
+    // BlockQ8_0: d (f16), 32 values; BlockQ8_1: d, s (f16), 32 values.
+    for (dtype, head) in [(GgmlDType::Q8_0, 2), (GgmlDType::Q8_1, 4)] {
+        let bytes = QTensor::quantize(&t, dtype)?.data()?.to_vec();
+        for (i, (theirs, b)) in bytes.chunks_exact(head + QK).zip(&ours).enumerate() {
+            let d = half::f16::from_le_bytes([theirs[0], theirs[1]]).to_f32();
+            assert_eq!(b.d.to_bits(), d.to_bits(), "{dtype:?} block {i}: d");
+            if dtype == GgmlDType::Q8_1 {
+                let s = half::f16::from_le_bytes([theirs[2], theirs[3]]).to_f32();
+                assert_eq!(b.s.to_bits(), s.to_bits(), "{dtype:?} block {i}: s");
+            }
+            let qs: Vec<i8> = theirs[head..].iter().map(|q| *q as i8).collect();
+            assert_eq!(b.qs.as_slice(), qs.as_slice(), "{dtype:?} block {i}: values");
+        }
+    }
+    Ok(())
+}

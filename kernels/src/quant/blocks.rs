@@ -63,21 +63,57 @@ impl ActBlock {
 }
 
 /// Quantizes `x` (a multiple of 32 long) into `out` as candle's `BlockQ8_0`/`BlockQ8_1`
-/// `from_float` do: `d = amax/127` (kept at f16 precision), `q = round(x/d)`.
+/// `from_float` do: `d = amax/127` (kept at f16 precision), `q = round(x/d)` (ties away from
+/// zero) — bit for bit, on AVX2 where the CPU has it (runtime detection; the same code
+/// compiled for 256-bit vectors), else portably.
 pub fn quantize_row(x: &[f32], out: &mut [ActBlock]) {
+    #[cfg(target_arch = "x86_64")]
+    if super::avx2::available() {
+        // SAFETY: `available` checked AVX2 (and FMA, F16C).
+        return unsafe { quantize_row_avx2(x, out) };
+    }
+    quantize_row_portable(x, out);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn quantize_row_avx2(x: &[f32], out: &mut [ActBlock]) {
+    quantize_row_portable(x, out);
+}
+
+/// [`quantize_row`]'s math, written so that it vectorizes: no `round` (a libm call without
+/// SSE4.1), the maximum over eight lanes.
+#[inline(always)]
+fn quantize_row_portable(x: &[f32], out: &mut [ActBlock]) {
     for (xs, b) in x.chunks_exact(QK).zip(out.iter_mut()) {
-        let amax = xs.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let amax = abs_max(xs);
         let d = amax / 127.0;
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-        let mut sum = 0i32;
-        for (q, v) in b.qs.iter_mut().zip(xs) {
-            *q = f32::round(v * id) as i8;
-            sum += *q as i32;
+        let mut q = [0i32; QK];
+        for (q, v) in q.iter_mut().zip(xs) {
+            *q = round_away(v * id);
         }
+        for (o, v) in b.qs.iter_mut().zip(q) {
+            *o = v as i8;
+        }
+        let sum = q.iter().sum::<i32>();
         let d16 = f16::from_f32(d);
         b.d = d16.to_f32();
         b.s = (f16::from_f32(sum as f32) * d16).to_f32();
     }
+}
+
+/// `t.round() as i8` (saturating; NaN gives 0) as an i32: clamped into i8's range, the
+/// truncation, then one step away from zero where the exact remainder `t − trunc(t)` is at
+/// least a half.
+#[inline(always)]
+fn round_away(t: f32) -> i32 {
+    let t = if t.is_nan() { 0.0 } else { t.clamp(-128.0, 127.0) };
+    // SAFETY: `t` is finite and within i32's range (`as` would compile to a scalar
+    // saturating conversion, this to one vector instruction per eight values).
+    let i = unsafe { t.to_int_unchecked::<i32>() };
+    let f = t - i as f32;
+    i + (f >= 0.5) as i32 - (f <= -0.5) as i32
 }
 
 /// Quantizes `x` (a multiple of 256 long) as candle's `BlockQ8K::from_float` does (ggml's
@@ -86,24 +122,55 @@ pub fn quantize_row(x: &[f32], out: &mut [ActBlock]) {
 /// values, `d = max/−127` from the value of largest magnitude, `q = round(x/d)`; each
 /// 256 fill eight blocks of `out` sharing `d` (`s` left 0).
 pub fn quantize_row_q8k(x: &[f32], out: &mut [ActBlock]) {
+    #[cfg(target_arch = "x86_64")]
+    if super::avx2::available() {
+        // SAFETY: `available` checked AVX2 (and FMA, F16C).
+        return unsafe { quantize_row_q8k_avx2(x, out) };
+    }
+    quantize_row_q8k_portable(x, out);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn quantize_row_q8k_avx2(x: &[f32], out: &mut [ActBlock]) {
+    quantize_row_q8k_portable(x, out);
+}
+
+/// [`quantize_row_q8k`]'s math, vectorizable as [`quantize_row_portable`]'s: the largest
+/// magnitude over eight lanes, then the first value of that magnitude (candle keeps the
+/// first).
+#[inline(always)]
+fn quantize_row_q8k_portable(x: &[f32], out: &mut [ActBlock]) {
     for (xs, bs) in x.chunks_exact(256).zip(out.chunks_exact_mut(256 / QK)) {
-        let (mut max, mut amax) = (0f32, 0f32);
-        for v in xs {
-            if amax < v.abs() {
-                amax = v.abs();
-                max = *v;
-            }
-        }
+        let amax = abs_max(xs);
+        let max = xs.iter().copied().find(|v| v.abs() == amax).unwrap_or(0.0);
         let iscale = if amax == 0.0 { 0.0 } else { -127.0 / max };
         let d = if amax == 0.0 { 0.0 } else { 1.0 / iscale };
         for (x32, b) in xs.chunks_exact(QK).zip(bs.iter_mut()) {
-            for (q, v) in b.qs.iter_mut().zip(x32) {
-                *q = (iscale * v).round().clamp(-128.0, 127.0) as i8;
+            let mut q = [0i32; QK];
+            for (q, v) in q.iter_mut().zip(x32) {
+                *q = round_away(iscale * v);
+            }
+            for (o, v) in b.qs.iter_mut().zip(q) {
+                *o = v as i8;
             }
             b.d = d;
             b.s = 0.0;
         }
     }
+}
+
+/// The largest `|v|` of `xs` (a multiple of 8 long), NaN skipped as `f32::max` skips it.
+#[inline(always)]
+fn abs_max(xs: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    for eight in xs.chunks_exact(8) {
+        for (m, v) in lanes.iter_mut().zip(eight) {
+            let a = v.abs();
+            *m = if a > *m { a } else { *m };
+        }
+    }
+    lanes.iter().fold(0f32, |a, v| a.max(*v))
 }
 
 fn f16_at(b: &[u8], at: usize) -> f32 {

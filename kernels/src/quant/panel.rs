@@ -126,6 +126,7 @@ fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
 }
 
 /// Decodes 32-element block `j` (within its stored block `b`) of `fmt`.
+#[inline(always)]
 pub fn decode(fmt: PanelFormat, b: &[u8], j: usize) -> Decoded {
     let mut out = Decoded::default();
     match fmt {
@@ -171,6 +172,37 @@ pub fn decode(fmt: PanelFormat, b: &[u8], j: usize) -> Decoded {
 impl Panel {
     /// Packs columns `NR·p ..` of the `(n, k)` weight `data` (columns past `n` zero).
     pub fn pack(&mut self, fmt: PanelFormat, data: &[u8], n: usize, k: usize, p: usize) {
+        // One copy of the loop per format, so that `decode` is compiled for a constant
+        // format (its per-format branches gone, its value loops vectorized).
+        macro_rules! each {
+            ($($f:expr),*) => {
+                match fmt {
+                    $(f if f == $f => self.pack_with($f, data, n, k, p, |b, j| decode($f, b, j)),)*
+                    _ => self.pack_with(fmt, data, n, k, p, |b, j| decode(fmt, b, j)),
+                }
+            };
+        }
+        each!(
+            PanelFormat::Block(WeightFormat::Q4_0),
+            PanelFormat::Block(WeightFormat::Q4_1),
+            PanelFormat::Block(WeightFormat::Q5_0),
+            PanelFormat::Block(WeightFormat::Q5_1),
+            PanelFormat::Block(WeightFormat::Q8_0),
+            PanelFormat::Q4K,
+            PanelFormat::Q6K
+        )
+    }
+
+    #[inline(always)]
+    fn pack_with(
+        &mut self,
+        fmt: PanelFormat,
+        data: &[u8],
+        n: usize,
+        k: usize,
+        p: usize,
+        decode: impl Fn(&[u8], usize) -> Decoded,
+    ) {
         let blocks = k / QK;
         let subs = fmt.subs();
         self.qs.clear();
@@ -188,7 +220,7 @@ impl Panel {
             for blk in 0..blocks {
                 let stored = blk / per_stored;
                 let b = &row[stored * fmt.block_bytes()..(stored + 1) * fmt.block_bytes()];
-                let dec = decode(fmt, b, blk % per_stored);
+                let dec = decode(b, blk % per_stored);
                 let qs = &mut self.qs[blk * BLOCK_QS..(blk + 1) * BLOCK_QS];
                 for (g, four) in dec.q.chunks_exact(4).enumerate() {
                     qs[g * 4 * NR + 4 * c..g * 4 * NR + 4 * c + 4].copy_from_slice(four);
