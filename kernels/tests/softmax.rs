@@ -87,3 +87,28 @@ fn vector_exp_matches_f64_on_every_path() {
         }
     }
 }
+
+/// A tile's running max: the largest element, NaN when any element is NaN wherever it sits
+/// (in the eight-lane body or the tail), `-inf` for rows of masked scores or none.
+#[test]
+fn tile_max_is_the_fold_and_nan_wins() {
+    let fold = |row: &[f32]| {
+        if row.iter().any(|x| x.is_nan()) {
+            f32::NAN
+        } else {
+            row.iter().copied().fold(f32::NEG_INFINITY, f32::max)
+        }
+    };
+    for len in [0, 1, 7, 8, 9, 16, 31, 256, 1001] {
+        let x = inputs(len);
+        assert_eq!(softmax::max_or_nan(&x).to_bits(), fold(&x).to_bits(), "len {len}");
+        for at in [0, len / 2, len.saturating_sub(1)] {
+            if len > 0 {
+                let mut y = x.clone();
+                y[at] = f32::NAN;
+                assert!(softmax::max_or_nan(&y).is_nan(), "len {len}: NaN at {at}");
+            }
+        }
+    }
+    assert_eq!(softmax::max_or_nan(&[f32::NEG_INFINITY; 20]), f32::NEG_INFINITY);
+}

@@ -227,7 +227,7 @@ impl<Q: Elem, T: Elem> Kernel<'_, Q, T> {
             // Online softmax: rescale what was accumulated to the new running max.
             for r in 0..rows {
                 let row = &mut s[r * nk..(r + 1) * nk];
-                let tile_max = row.iter().copied().fold(f32::NEG_INFINITY, nan_max);
+                let tile_max = super::softmax::max_or_nan(row);
                 let m_old = ws.m.buf[r];
                 let m_new = nan_max(m_old, tile_max);
                 if m_new == f32::NEG_INFINITY {
