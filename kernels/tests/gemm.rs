@@ -215,8 +215,8 @@ fn k_quant_activations_are_candles_q8k() -> Result<()> {
     let k = 1024;
     let mut x = random(k, 5, 4.0);
     x[256..512].fill(0.0); // an all-zero block
-    // A block whose scale is exactly 1 (its largest magnitude −127, first at 3; a later
-    // +127 is not the one kept), every half-integer a tie; a NaN in the last block.
+                           // A block whose scale is exactly 1 (its largest magnitude −127, first at 3; a later
+                           // +127 is not the one kept), every half-integer a tie; a NaN in the last block.
     for (e, v) in x[512..768].iter_mut().enumerate() {
         *v = match e {
             3 => -127.0,

@@ -219,7 +219,9 @@ fn row_ranges_equal_single_rows_bit_for_bit() -> Result<()> {
 /// infinity: saturated values), and one holding a NaN.
 #[test]
 fn activations_are_candles_q8_0_and_q8_1() -> Result<()> {
-    let mut x = random((1, 6 * QK), 3, 3.0)?.flatten_all()?.to_vec1::<f32>()?;
+    let mut x = random((1, 6 * QK), 3, 3.0)?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
     for (e, v) in x[2 * QK..3 * QK].iter_mut().enumerate() {
         *v = if e == 0 { 127.0 } else { e as f32 * 2.5 - 40.0 }; // amax 127: d = 1
     }
@@ -242,7 +244,11 @@ fn activations_are_candles_q8_0_and_q8_1() -> Result<()> {
                 assert_eq!(b.s.to_bits(), s.to_bits(), "{dtype:?} block {i}: s");
             }
             let qs: Vec<i8> = theirs[head..].iter().map(|q| *q as i8).collect();
-            assert_eq!(b.qs.as_slice(), qs.as_slice(), "{dtype:?} block {i}: values");
+            assert_eq!(
+                b.qs.as_slice(),
+                qs.as_slice(),
+                "{dtype:?} block {i}: values"
+            );
         }
     }
     Ok(())

@@ -101,7 +101,11 @@ fn tile_max_is_the_fold_and_nan_wins() {
     };
     for len in [0, 1, 7, 8, 9, 16, 31, 256, 1001] {
         let x = inputs(len);
-        assert_eq!(softmax::max_or_nan(&x).to_bits(), fold(&x).to_bits(), "len {len}");
+        assert_eq!(
+            softmax::max_or_nan(&x).to_bits(),
+            fold(&x).to_bits(),
+            "len {len}"
+        );
         for at in [0, len / 2, len.saturating_sub(1)] {
             if len > 0 {
                 let mut y = x.clone();
@@ -110,5 +114,8 @@ fn tile_max_is_the_fold_and_nan_wins() {
             }
         }
     }
-    assert_eq!(softmax::max_or_nan(&[f32::NEG_INFINITY; 20]), f32::NEG_INFINITY);
+    assert_eq!(
+        softmax::max_or_nan(&[f32::NEG_INFINITY; 20]),
+        f32::NEG_INFINITY
+    );
 }

@@ -108,7 +108,11 @@ fn quantize_row_portable(x: &[f32], out: &mut [ActBlock]) {
 /// least a half.
 #[inline(always)]
 fn round_away(t: f32) -> i32 {
-    let t = if t.is_nan() { 0.0 } else { t.clamp(-128.0, 127.0) };
+    let t = if t.is_nan() {
+        0.0
+    } else {
+        t.clamp(-128.0, 127.0)
+    };
     // SAFETY: `t` is finite and within i32's range (`as` would compile to a scalar
     // saturating conversion, this to one vector instruction per eight values).
     let i = unsafe { t.to_int_unchecked::<i32>() };
