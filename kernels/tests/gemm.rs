@@ -212,11 +212,12 @@ fn quant_matmul_runs_a_chunk_as_the_gemm() -> Result<()> {
 #[test]
 fn k_quant_activations_are_candles_q8k() -> Result<()> {
     use kvpolicy_kernels::quant::blocks::{quantize_row_q8k, ActBlock};
-    let k = 1024;
+    let k = 1536;
     let mut x = random(k, 5, 4.0);
-    x[256..512].fill(0.0); // an all-zero block
-                           // A block whose scale is exactly 1 (its largest magnitude −127, first at 3; a later
-                           // +127 is not the one kept), every half-integer a tie; a NaN in the last block.
+    // An all-zero block; a block whose scale is exactly 1 (its largest magnitude −127, first
+    // at 3; a later +127 is not the one kept), every half-integer a tie; a NaN in the fourth
+    // block; a block of tiny values (the inverse scale −∞, the scale −0); one holding −∞.
+    x[256..512].fill(0.0);
     for (e, v) in x[512..768].iter_mut().enumerate() {
         *v = match e {
             3 => -127.0,
@@ -225,6 +226,10 @@ fn k_quant_activations_are_candles_q8k() -> Result<()> {
         };
     }
     x[800] = f32::NAN;
+    for (e, v) in x[1024..1280].iter_mut().enumerate() {
+        *v = f32::from_bits(1 + e as u32 % 7);
+    }
+    x[1300] = f32::NEG_INFINITY;
     let theirs = QTensor::quantize(
         &Tensor::from_vec(x.clone(), (1, k), &Device::Cpu)?,
         GgmlDType::Q8K,
@@ -236,7 +241,7 @@ fn k_quant_activations_are_candles_q8k() -> Result<()> {
     for (sb, block) in bytes.chunks_exact(4 + 256 + 32).enumerate() {
         let d = f32::from_le_bytes([block[0], block[1], block[2], block[3]]);
         for (j, b) in ours[sb * 8..(sb + 1) * 8].iter().enumerate() {
-            assert_eq!(b.d, d, "super-block {sb}");
+            assert_eq!(b.d.to_bits(), d.to_bits(), "super-block {sb}");
             for (e, q) in b.qs.iter().enumerate() {
                 assert_eq!(
                     *q,

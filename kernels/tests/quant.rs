@@ -214,22 +214,31 @@ fn row_ranges_equal_single_rows_bit_for_bit() -> Result<()> {
 }
 
 /// The activation side bit for bit candle's `BlockQ8_0` and `BlockQ8_1` (its `from_float`,
-/// `round` ties away from zero): random blocks, blocks scaled so that `1/d` is exactly 1
-/// (every half-integer a tie), an all-zero block, a subnormal one (its `1/d` overflows to
-/// infinity: saturated values), and one holding a NaN.
+/// `round` ties away from zero): random blocks, a block scaled so that `1/d` is exactly 1
+/// (every half-integer a tie, and the float just below ±0.5), an all-zero block, a block of
+/// tiny values whose `1/d` overflows to infinity (values saturate; `0·∞` is NaN, then 0), one
+/// holding a NaN, and one holding an infinity (`1/d` is 0).
 #[test]
 fn activations_are_candles_q8_0_and_q8_1() -> Result<()> {
-    let mut x = random((1, 6 * QK), 3, 3.0)?
+    let mut x = random((1, 7 * QK), 3, 3.0)?
         .flatten_all()?
         .to_vec1::<f32>()?;
+    let below_half = f32::from_bits(0.5f32.to_bits() - 1);
     for (e, v) in x[2 * QK..3 * QK].iter_mut().enumerate() {
-        *v = if e == 0 { 127.0 } else { e as f32 * 2.5 - 40.0 }; // amax 127: d = 1
+        // amax 127: d = 1.
+        *v = match e {
+            0 => 127.0,
+            1 => below_half,
+            2 => -below_half,
+            _ => e as f32 * 2.5 - 40.0,
+        };
     }
     x[3 * QK..4 * QK].fill(0.0);
     for (e, v) in x[4 * QK..5 * QK].iter_mut().enumerate() {
-        *v = f32::from_bits(1 + e as u32) * if e % 2 == 0 { 1.0 } else { -1.0 };
+        *v = (e as f32 - 16.0) * 1e-40;
     }
     x[5 * QK + 7] = f32::NAN;
+    x[6 * QK + 3] = f32::INFINITY;
     let mut ours = vec![blocks::ActBlock::ZERO; x.len() / QK];
     blocks::quantize_row(&x, &mut ours);
     let t = Tensor::from_vec(x.clone(), (1, x.len()), &Device::Cpu)?;

@@ -19,12 +19,7 @@ pub fn vnni() -> bool {
 
 /// Whether this CPU runs the AVX2 path (checked once).
 pub fn available() -> bool {
-    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *HAS.get_or_init(|| {
-        is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("fma")
-            && is_x86_feature_detected!("f16c")
-    })
+    super::features::avx2()
 }
 
 /// The 32 weight values of one block, unpacked to bytes: nibbles, plus 16 where the

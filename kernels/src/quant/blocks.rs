@@ -68,8 +68,8 @@ impl ActBlock {
 /// compiled for 256-bit vectors), else portably.
 pub fn quantize_row(x: &[f32], out: &mut [ActBlock]) {
     #[cfg(target_arch = "x86_64")]
-    if super::avx2::available() {
-        // SAFETY: `available` checked AVX2 (and FMA, F16C).
+    if super::features::avx2() {
+        // SAFETY: `features::avx2` checked AVX2 (and FMA, F16C).
         return unsafe { quantize_row_avx2(x, out) };
     }
     quantize_row_portable(x, out);
@@ -127,8 +127,8 @@ fn round_away(t: f32) -> i32 {
 /// 256 fill eight blocks of `out` sharing `d` (`s` left 0).
 pub fn quantize_row_q8k(x: &[f32], out: &mut [ActBlock]) {
     #[cfg(target_arch = "x86_64")]
-    if super::avx2::available() {
-        // SAFETY: `available` checked AVX2 (and FMA, F16C).
+    if super::features::avx2() {
+        // SAFETY: `features::avx2` checked AVX2 (and FMA, F16C).
         return unsafe { quantize_row_q8k_avx2(x, out) };
     }
     quantize_row_q8k_portable(x, out);
@@ -167,6 +167,7 @@ fn quantize_row_q8k_portable(x: &[f32], out: &mut [ActBlock]) {
 /// The largest `|v|` of `xs` (a multiple of 8 long), NaN skipped as `f32::max` skips it.
 #[inline(always)]
 fn abs_max(xs: &[f32]) -> f32 {
+    debug_assert!(xs.len().is_multiple_of(8), "abs_max: {} values", xs.len());
     let mut lanes = [0f32; 8];
     for eight in xs.chunks_exact(8) {
         for (m, v) in lanes.iter_mut().zip(eight) {

@@ -30,6 +30,8 @@ pub mod avx2_tile;
 pub mod avx512;
 pub mod blocks;
 mod disjoint;
+#[cfg(target_arch = "x86_64")]
+mod features;
 pub mod gemm;
 pub mod panel;
 
