@@ -89,18 +89,25 @@ fn quantize_row_portable(x: &[f32], out: &mut [ActBlock]) {
         let amax = abs_max(xs);
         let d = amax / 127.0;
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-        let mut q = [0i32; QK];
-        for (q, v) in q.iter_mut().zip(xs) {
-            *q = round_away(v * id);
-        }
-        for (o, v) in b.qs.iter_mut().zip(q) {
-            *o = v as i8;
-        }
-        let sum = q.iter().sum::<i32>();
+        let sum = round_block(xs, id, &mut b.qs);
         let d16 = f16::from_f32(d);
         b.d = d16.to_f32();
         b.s = (f16::from_f32(sum as f32) * d16).to_f32();
     }
+}
+
+/// `qs[i] = round(scale · x[i])` (ties away from zero, saturated into i8) for one block of
+/// 32 values; returns the sum of the values written.
+#[inline(always)]
+fn round_block(x: &[f32], scale: f32, qs: &mut [i8; QK]) -> i32 {
+    let mut q = [0i32; QK];
+    for (q, v) in q.iter_mut().zip(x) {
+        *q = round_away(scale * v);
+    }
+    for (o, v) in qs.iter_mut().zip(q) {
+        *o = v as i8;
+    }
+    q.iter().sum()
 }
 
 /// `t.round() as i8` (saturating; NaN gives 0) as an i32: clamped into i8's range, the
@@ -151,13 +158,7 @@ fn quantize_row_q8k_portable(x: &[f32], out: &mut [ActBlock]) {
         let iscale = if amax == 0.0 { 0.0 } else { -127.0 / max };
         let d = if amax == 0.0 { 0.0 } else { 1.0 / iscale };
         for (x32, b) in xs.chunks_exact(QK).zip(bs.iter_mut()) {
-            let mut q = [0i32; QK];
-            for (q, v) in q.iter_mut().zip(x32) {
-                *q = round_away(iscale * v);
-            }
-            for (o, v) in b.qs.iter_mut().zip(q) {
-                *o = v as i8;
-            }
+            round_block(x32, iscale, &mut b.qs);
             b.d = d;
             b.s = 0.0;
         }
