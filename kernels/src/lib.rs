@@ -13,10 +13,10 @@
 //!   each row's log-sum-exp; every policy's attention runs through it.
 //!
 //! * [`quant`] — CPU quantized matmul for GGML's formats: integer dot products per block
-//!   for a few activation rows (Q4_0 … Q8_0; AVX2/AVX-VNNI with runtime detection, a
-//!   portable fallback) and, for a prefill chunk, an integer GEMM over weight panels
-//!   repacked per call (those and Q4_K/Q6_K; AVX-512 VNNI, AVX-VNNI or AVX2 micro-kernels),
-//!   on candle's CPU worker pool.
+//!   for a few activation rows (Q4_0 … Q8_0, Q4_K, Q6_K; AVX2/AVX-VNNI with runtime
+//!   detection, a portable fallback) and, for a prefill chunk, an integer GEMM over weight
+//!   panels repacked per call (the same formats; AVX-512 VNNI, AVX-VNNI or AVX2
+//!   micro-kernels), on candle's CPU worker pool.
 //!
 //! * `gather` (feature `cuda`) — CLO §4's zero-copy transfer: a kernel gathers pages
 //!   from page-locked host memory mapped into the device's address space.

@@ -1,22 +1,23 @@
-//! Quantized matmul on the CPU for GGML's 32-element block formats — Q4_0, Q4_1, Q5_0,
-//! Q5_1, Q8_0 — as a candle [`CustomOp1`]: the CPU half of llama.cpp's
-//! `ggml_vec_dot_q4_1_q8_1` family. Candle 0.11 dots Q4_1, Q5_0 and Q5_1 with a scalar loop
+//! Quantized matmul on the CPU as a candle [`CustomOp1`] for GGML's 32-element block
+//! formats — Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 — and the K-quants Gemma 3 uses (Q4_K, Q6_K,
+//! [`kquants`]): the CPU half of llama.cpp's `ggml_vec_dot_q4_1_q8_1` and
+//! `ggml_vec_dot_q4_K_q8_K` families. Candle 0.11 dots Q4_1, Q5_0 and Q5_1 with a scalar loop
 //! (`BlockQ4_1::vec_dot` in its `k_quants.rs`), 8–10× slower than this; for Q4_0 and Q8_0
 //! its AVX path exists but this one measured faster in the model (1.5× and 1.2× decode on
 //! SmolLM2, bench-results/2026-11-23-cpu-speed.md).
 //!
 //! `y = x·Wᵀ` with `W` `(n, k)` quantized and `x` `(…, k)` f32: each activation row is
-//! quantized once per call to Q8_0 (Q8_1 for the formats with an offset), exactly as candle
-//! quantizes it, and every output is an integer dot product per block scaled in f32 —
-//! AVX2 + FMA when the CPU has them (runtime detection, [`avx2`]), the portable loop
-//! otherwise ([`blocks::dot_scalar`]). Work is split over output rows on candle's own CPU
+//! quantized once per call to Q8_0 (Q8_1 for the formats with an offset; Q8_K for the
+//! K-quants), exactly as candle quantizes it, and every output is an integer dot product
+//! per block scaled in f32 — AVX2 + FMA when the CPU has them (runtime detection, [`avx2`],
+//! [`avx2_kquants`]), the portable loop otherwise ([`blocks::dot_scalar`],
+//! [`kquants::dot_scalar`]). Work is split over output rows on candle's own CPU
 //! worker pool (`utils::barrier_pool`, the one its other quantized matmuls and our attention
 //! run on, so no two pools compete for the cores); each task walks its weight rows once for
 //! all activation rows (a short chunk reuses a weight row from L1 for every row).
 //!
 //! From [`GEMM_MIN_ROWS`] activation rows (a prefill chunk) a call is the integer GEMM
-//! ([`gemm`]) where the CPU runs one of its micro-kernels — for these formats and Gemma 3's
-//! K-quants (Q4_K, Q6_K), whose fewer rows stay candle's.
+//! ([`gemm`]) where the CPU runs one of its micro-kernels, for every format here.
 use std::sync::Arc;
 
 use candle_core::quantized::{GgmlDType, QTensor};
@@ -24,6 +25,8 @@ use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;
+#[cfg(target_arch = "x86_64")]
+pub mod avx2_kquants;
 #[cfg(target_arch = "x86_64")]
 pub mod avx2_tile;
 #[cfg(target_arch = "x86_64")]
@@ -33,9 +36,11 @@ mod disjoint;
 #[cfg(target_arch = "x86_64")]
 mod features;
 pub mod gemm;
+pub mod kquants;
 pub mod panel;
 
 pub use blocks::{ActBlock, WeightFormat, QK};
+pub use kquants::{KQuant, Q8KRow};
 pub use panel::PanelFormat;
 
 use disjoint::Disjoint;
@@ -110,6 +115,83 @@ pub fn dot_rows(fmt: WeightFormat, data: &[u8], x: &[ActBlock], out: &mut [f32])
     }
 }
 
+/// [`kquants::dot_scalar`] for `out.len()` consecutive K-quant weight rows of `data` (each
+/// `x`'s length), into `out` — a decode step's rows; each result bit for bit the portable
+/// one's, on AVX2 (AVX-VNNI) where the CPU has it.
+pub fn dot_rows_k(fmt: KQuant, data: &[u8], x: &Q8KRow, out: &mut [f32]) {
+    let row_bytes = x.blocks.len() * QK / kquants::QK_K * fmt.block_bytes();
+    assert!(
+        data.len() >= out.len() * row_bytes,
+        "dot_rows_k: {} bytes hold fewer than {} rows of {row_bytes}",
+        data.len(),
+        out.len()
+    );
+    #[cfg(target_arch = "x86_64")]
+    if avx2::vnni() {
+        // SAFETY: `vnni` checked AVX2, FMA, F16C and AVX-VNNI.
+        return unsafe { avx2_kquants::dot_rows_vnni(fmt, data, x, out) };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if avx2::available() {
+        // SAFETY: `available` checked AVX2, FMA and F16C.
+        return unsafe { avx2_kquants::dot_rows(fmt, data, x, out) };
+    }
+    for (r, o) in out.iter_mut().enumerate() {
+        *o = kquants::dot_scalar(fmt, &data[r * row_bytes..(r + 1) * row_bytes], x);
+    }
+}
+
+/// Activation rows quantized for a weight format's row dot products.
+enum RowActs {
+    /// Q8_0/Q8_1 blocks, `per_row` for each row, for a 32-element format.
+    Block {
+        fmt: WeightFormat,
+        blocks: Vec<ActBlock>,
+        per_row: usize,
+    },
+    /// Q8_K rows for a K-quant.
+    K { fmt: KQuant, rows: Vec<Q8KRow> },
+}
+
+impl RowActs {
+    fn new(fmt: PanelFormat, x: &[f32], k: usize) -> Self {
+        match fmt {
+            PanelFormat::Block(fmt) => {
+                let per_row = k / QK;
+                let mut blocks = vec![ActBlock::ZERO; x.len() / k * per_row];
+                for (row, out) in x.chunks_exact(k).zip(blocks.chunks_exact_mut(per_row)) {
+                    blocks::quantize_row(row, out);
+                }
+                Self::Block {
+                    fmt,
+                    blocks,
+                    per_row,
+                }
+            }
+            PanelFormat::Q4K | PanelFormat::Q6K => Self::K {
+                fmt: if fmt == PanelFormat::Q4K {
+                    KQuant::Q4K
+                } else {
+                    KQuant::Q6K
+                },
+                rows: x.chunks_exact(k).map(Q8KRow::new).collect(),
+            },
+        }
+    }
+
+    /// Consecutive weight rows `data` dotted with activation row `i` into `out`.
+    fn rows_into(&self, i: usize, data: &[u8], out: &mut [f32]) {
+        match self {
+            Self::Block {
+                fmt,
+                blocks,
+                per_row,
+            } => dot_rows(*fmt, data, &blocks[i * per_row..(i + 1) * per_row], out),
+            Self::K { fmt, rows } => dot_rows_k(*fmt, data, &rows[i], out),
+        }
+    }
+}
+
 /// `x·Wᵀ` for a quantized `W` of a format this module handles.
 #[derive(Debug, Clone)]
 pub struct QuantMatMul {
@@ -130,14 +212,9 @@ impl QuantMatMul {
     }
 
     /// Whether a call with `rows` activation rows runs here: as the integer GEMM from
-    /// [`GEMM_MIN_ROWS`] rows where the CPU has it, else as row dot products for the
-    /// 32-element formats (K-quant decode stays candle's).
+    /// [`GEMM_MIN_ROWS`] rows where the CPU has it, else as row dot products (every format).
     pub fn handles(&self, rows: usize) -> bool {
-        if rows >= GEMM_MIN_ROWS {
-            gemm::kernel_for(self.fmt).is_some()
-        } else {
-            matches!(self.fmt, PanelFormat::Block(_))
-        }
+        rows < GEMM_MIN_ROWS || gemm::kernel_for(self.fmt).is_some()
     }
 
     /// Applies the op to `x` `(…, k)`, f32.
@@ -182,40 +259,30 @@ impl CustomOp1 for QuantMatMul {
             let y = gemm::gemm(kernel, self.fmt, &data, n, k, x);
             return Ok((CpuStorage::F32(y), Shape::from(out_dims)));
         }
-        let PanelFormat::Block(fmt) = self.fmt else {
-            candle_core::bail!("quantized matmul: {:?} runs only as the GEMM", self.fmt);
-        };
-        let blocks = k / QK;
-        let mut xq = vec![ActBlock::ZERO; m * blocks];
-        for (row, out) in x.chunks_exact(k).zip(xq.chunks_exact_mut(blocks)) {
-            blocks::quantize_row(row, out);
-        }
+        let acts = RowActs::new(self.fmt, x, k);
         // Output transposed, (n, m): each work item owns whole weight rows.
         let mut yt = vec![0f32; n * m];
         let out = Disjoint(yt.as_mut_ptr());
         candle_core::utils::barrier_pool().execute_chunked(n.div_ceil(ROWS_PER_TASK), |tasks| {
             let rows = tasks.start * ROWS_PER_TASK..(tasks.end * ROWS_PER_TASK).min(n);
             if m == 1 {
-                // A decode step: the task's rows in one call, four at a time.
+                // A decode step: the task's rows in one call.
                 // SAFETY: `execute_chunked` hands each range of rows to one worker, so
                 // elements `rows` of `yt` (length n·1) are written by this thread alone, and
                 // `yt` outlives the call, which returns when every worker is done.
                 let mine = unsafe { out.slice(rows.clone()) };
-                dot_rows(
-                    fmt,
-                    &data[rows.start * row_bytes..rows.end * row_bytes],
-                    &xq,
-                    mine,
-                );
+                acts.rows_into(0, &data[rows.start * row_bytes..rows.end * row_bytes], mine);
                 return;
             }
             for r in rows {
                 let w = &data[r * row_bytes..(r + 1) * row_bytes];
-                for (i, xr) in xq.chunks_exact(blocks).enumerate() {
+                for i in 0..m {
+                    let mut y = [0f32];
+                    acts.rows_into(i, w, &mut y);
                     // SAFETY: `execute_chunked` hands each range of rows to one worker, so
                     // element (r, i) of `yt` (length n·m) is written by exactly one thread,
                     // and `yt` outlives the call, which returns when every worker is done.
-                    unsafe { out.write(r * m + i, dot(fmt, w, xr)) };
+                    unsafe { out.write(r * m + i, y[0]) };
                 }
             }
         });

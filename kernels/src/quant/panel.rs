@@ -12,12 +12,11 @@
 //! columns, that column's elements `4g … 4g+3` — one 64-byte load feeds 16 columns.
 //!
 //! Formats: GGML's 32-element Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (ggml-common.h, via
-//! [`super::blocks`]) and the K-quants Gemma 3's GGUF uses, Q4_K (256-element super-blocks,
-//! eight 32-element sub-blocks with 6-bit scales and mins) and Q6_K (sixteen 16-element
-//! sub-blocks, 8-bit scales, values `q − 32`).
-use half::f16;
-
+//! [`super::blocks`]) and the K-quants Gemma 3's GGUF uses (via [`super::kquants`]), Q4_K
+//! (256-element super-blocks, eight 32-element sub-blocks with 6-bit scales and mins) and
+//! Q6_K (sixteen 16-element sub-blocks, 8-bit scales, values `q − 32`).
 use super::blocks::{self, WeightFormat, QK};
+use super::kquants::{self, f16_at};
 
 /// Output columns per panel (one 512-bit register of i32 lanes).
 pub const NR: usize = 16;
@@ -109,22 +108,6 @@ pub struct Panel {
     pub offsets: Vec<f32>,
 }
 
-fn f16_at(b: &[u8], at: usize) -> f32 {
-    f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
-}
-
-/// Q4_K's 6-bit scale and min of sub-block `j` (ggml's `get_scale_min_k4`).
-fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
-    if j < 4 {
-        (s[j] & 63, s[j + 4] & 63)
-    } else {
-        (
-            (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4),
-            (s[j + 4] >> 4) | ((s[j] >> 6) << 4),
-        )
-    }
-}
-
 /// Decodes 32-element block `j` (within its stored block `b`) of `fmt`.
 #[inline(always)]
 pub fn decode(fmt: PanelFormat, b: &[u8], j: usize) -> Decoded {
@@ -141,29 +124,15 @@ pub fn decode(fmt: PanelFormat, b: &[u8], j: usize) -> Decoded {
         }
         PanelFormat::Q4K => {
             let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
-            let (sc, mn) = scale_min_k4(j, &b[4..16]);
-            // Sub-blocks 2c and 2c+1 are the low and high nibbles of qs[32c .. 32c+32].
-            let qs = &b[16 + 32 * (j / 2)..16 + 32 * (j / 2) + 32];
-            let shift = 4 * (j % 2);
-            for (o, q) in out.q.iter_mut().zip(qs) {
-                *o = (q >> shift) & 0x0F;
-            }
+            let (sc, mn) = kquants::q4k_scale_min(j, &b[4..16]);
+            out.q = kquants::q4k_values(b, j);
             out.scale = [d * sc as f32, 0.0];
             out.offset = -(dmin * mn as f32);
         }
         PanelFormat::Q6K => {
-            let (ql, qh, sc) = (&b[0..128], &b[128..192], &b[192..208]);
-            let d = f16_at(b, 208);
-            for (e, o) in out.q.iter_mut().enumerate() {
-                // Element i of the 256: half h, then l and t with i = 128h + 32t + l.
-                let i = 32 * j + e;
-                let (h, t, l) = (i / 128, (i % 128) / 32, i % 32);
-                let low = ql[64 * h + l + 32 * (t % 2)];
-                let low = if t < 2 { low & 0x0F } else { low >> 4 };
-                let high = (qh[32 * h + l] >> (2 * t)) & 3;
-                *o = low | (high << 4);
-            }
-            out.scale = [d * sc[2 * j] as i8 as f32, d * sc[2 * j + 1] as i8 as f32];
+            let (sc, d) = (kquants::q6k_scales(b), f16_at(b, 208));
+            out.q = kquants::q6k_values(b, j);
+            out.scale = [d * sc[2 * j] as f32, d * sc[2 * j + 1] as f32];
         }
     }
     out
