@@ -25,19 +25,8 @@ const FORMATS: [GgmlDType; 7] = [
     GgmlDType::Q6K,
 ];
 
-fn random(len: usize, seed: u64, scale: f32) -> Vec<f32> {
-    let mut s = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    (0..len)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0 * scale
-        })
-        .collect()
-}
+mod common;
+use common::random;
 
 /// A quantized `(n, k)` weight of `dtype`, its bytes and candle's dequantization.
 struct Weight {

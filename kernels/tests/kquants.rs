@@ -14,8 +14,8 @@
 use std::sync::Arc;
 
 use anyhow::{anyhow, Result};
-use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
-use candle_core::{Device, Module, Tensor};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
 use kvpolicy_kernels::quant::kquants::{self, KQuant, Q8KRow, QK_K};
 use kvpolicy_kernels::quant::{dot_rows_k, QuantMatMul, GEMM_MIN_ROWS};
 use proptest::prelude::*;
@@ -23,19 +23,8 @@ use proptest::prelude::*;
 const FORMATS: [(GgmlDType, KQuant); 2] =
     [(GgmlDType::Q4K, KQuant::Q4K), (GgmlDType::Q6K, KQuant::Q6K)];
 
-fn random(len: usize, seed: u64, scale: f32) -> Vec<f32> {
-    let mut s = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    (0..len)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0 * scale
-        })
-        .collect()
-}
+mod common;
+use common::random;
 
 /// A quantized `(n, k)` weight: every 16 values scaled and shifted at random, so that the
 /// sub-block scales (and Q4_K's mins, Q6_K's signed scales) span their ranges.
@@ -50,28 +39,14 @@ fn weight(dtype: GgmlDType, n: usize, k: usize, seed: u64) -> Result<Arc<QTensor
     Ok(Arc::new(QTensor::quantize(&w, dtype)?))
 }
 
-/// Max over outputs of |ours − candle's| ÷ Σ|x·w| (weights as quantized).
+/// Max over outputs of |ours − candle's| ÷ Σ|x·w| ([`common::deviation_from_candle`]),
+/// checking first that `m` rows run here.
 fn compare(dtype: GgmlDType, m: usize, n: usize, k: usize, seed: u64) -> Result<f32> {
-    // Candle's own switch to the activation quantization ggml uses (tests/quant.rs).
-    std::env::set_var("MISTRALRS_FORCE_AVX2", "1");
     let q = weight(dtype, n, k, seed)?;
     let x = Tensor::from_vec(random(m * k, seed ^ 0x9e37, 3.0), (m, k), &Device::Cpu)?;
-    let want = QMatMul::QTensor(q.clone()).forward(&x)?;
     let op = QuantMatMul::new(q.clone()).ok_or_else(|| anyhow!("{dtype:?} not handled"))?;
     anyhow::ensure!(op.handles(m), "{dtype:?}: {m} rows not run here");
-    let got = op.forward(&x)?;
-    anyhow::ensure!(
-        got.dims() == want.dims(),
-        "{:?} vs {:?}",
-        got.dims(),
-        want.dims()
-    );
-    let terms = x
-        .abs()?
-        .matmul(&q.dequantize(&Device::Cpu)?.abs()?.t()?)?
-        .clamp(1e-3, f32::MAX)?;
-    let diff = (&got - &want)?.abs()?;
-    Ok((diff / terms)?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
+    common::deviation_from_candle(&q, &x)
 }
 
 proptest! {

@@ -17,9 +17,9 @@
 use std::sync::Arc;
 
 use anyhow::Result;
-use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
-use candle_core::{Device, Module, Tensor};
-use kvpolicy_kernels::quant::{blocks, QuantMatMul, GEMM_MIN_ROWS, QK};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use kvpolicy_kernels::quant::{blocks, GEMM_MIN_ROWS, QK};
 use proptest::prelude::*;
 
 const FORMATS: [GgmlDType; 5] = [
@@ -30,49 +30,18 @@ const FORMATS: [GgmlDType; 5] = [
     GgmlDType::Q8_0,
 ];
 
+mod common;
+
 fn random(shape: (usize, usize), seed: u64, scale: f32) -> Result<Tensor> {
-    // A small LCG keeps the cases reproducible from proptest's seed.
-    let mut s = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    let v: Vec<f32> = (0..shape.0 * shape.1)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0 * scale
-        })
-        .collect();
+    let v = common::random(shape.0 * shape.1, seed, scale);
     Ok(Tensor::from_vec(v, shape, &Device::Cpu)?)
 }
 
-/// Keeps candle on the activation quantization these kernels share with ggml (module docs).
-fn candle_as_ggml() {
-    std::env::set_var("MISTRALRS_FORCE_AVX2", "1");
-}
-
-/// Max over outputs of |ours − candle's| ÷ Σ|x·w| (the terms' magnitudes, with the
-/// weights as quantized).
+/// Max over outputs of |ours − candle's| ÷ Σ|x·w| ([`common::deviation_from_candle`]).
 fn compare(fmt: GgmlDType, m: usize, n: usize, k: usize, seed: u64) -> Result<f32> {
-    candle_as_ggml();
     let w = random((n, k), seed, 1.0)?;
     let x = random((m, k), seed ^ 0x9e37, 3.0)?;
-    let q = Arc::new(QTensor::quantize(&w, fmt)?);
-    let want = QMatMul::QTensor(q.clone()).forward(&x)?;
-    let op = QuantMatMul::new(q.clone()).ok_or_else(|| anyhow::anyhow!("{fmt:?} not handled"))?;
-    let got = op.forward(&x)?;
-    anyhow::ensure!(
-        got.dims() == want.dims(),
-        "{:?} vs {:?}",
-        got.dims(),
-        want.dims()
-    );
-    let terms = x
-        .abs()?
-        .matmul(&q.dequantize(&Device::Cpu)?.abs()?.t()?)?
-        .clamp(1e-3, f32::MAX)?;
-    let diff = (&got - &want)?.abs()?;
-    Ok((diff / terms)?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
+    common::deviation_from_candle(&Arc::new(QTensor::quantize(&w, fmt)?), &x)
 }
 
 proptest! {
