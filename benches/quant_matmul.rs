@@ -3,8 +3,9 @@
 //! for Gemma 3 270M's K-quant shapes — Q4_K attention output (640 × 1024) and Q6_K MLP down
 //! (640 × 2048) — and its Q5_0 MLP up (2048 × 640). Each iteration multiplies one activation
 //! row through 18 distinct weights (one per layer, as a decode step does), so the weights
-//! stream from memory instead of sitting in L1/L2. `cargo bench --bench quant_matmul`;
-//! names `decode/IMPL/FORMAT`.
+//! come from L3 or memory, not L1/L2. `cargo bench --bench quant_matmul`; names
+//! `decode/IMPL/FORMAT`.
+use std::hint::black_box;
 use std::sync::Arc;
 
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
@@ -43,17 +44,23 @@ fn bench(c: &mut Criterion) {
             .collect();
         let theirs: Vec<QMatMul> = ws.iter().map(|w| QMatMul::QTensor(w.clone())).collect();
         let name = format!("{dtype:?}");
-        g.bench_with_input(BenchmarkId::new("ours", &name), &name, |b, _| {
+        g.bench_function(BenchmarkId::new("ours", &name), |b| {
             b.iter(|| {
                 for op in &ours {
-                    op.forward(&x).unwrap_or_else(|e| panic!("ours: {e}"));
+                    black_box(
+                        op.forward(black_box(&x))
+                            .unwrap_or_else(|e| panic!("ours: {e}")),
+                    );
                 }
             })
         });
-        g.bench_with_input(BenchmarkId::new("candle", &name), &name, |b, _| {
+        g.bench_function(BenchmarkId::new("candle", &name), |b| {
             b.iter(|| {
                 for op in &theirs {
-                    op.forward(&x).unwrap_or_else(|e| panic!("candle: {e}"));
+                    black_box(
+                        op.forward(black_box(&x))
+                            .unwrap_or_else(|e| panic!("candle: {e}")),
+                    );
                 }
             })
         });

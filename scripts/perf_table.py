@@ -11,8 +11,8 @@ process per cell, so a row's memory is that run's alone.
     python3 scripts/perf_table.py --quick   # SmolLM2 Q4_1 at 512 only
     python3 scripts/perf_table.py --only Gemma:512   # one model's rows at one context
 
-Models: the default SmolLM2-135M Q4_1 and its Q4_0 / Q8_0 requantizations (scripts/requantize.py,
-llama.cpp's quantizer) at 512, 4K and 8K; Gemma 3 270M Q4_K_M at 512, 4K, 16K and 30K.
+Models: the default SmolLM2-135M Q4_1 and its Q4_0 / Q5_0 / Q5_1 / Q8_0 requantizations
+(scripts/requantize.py, llama.cpp's quantizer) at 512, 4K and 8K; Gemma 3 270M Q4_K_M at 512, 4K, 16K and 30K.
 Prints a markdown table and writes every cell as JSON (`--out`).
 """
 import argparse
@@ -87,7 +87,7 @@ def main():
     req.mkdir(parents=True, exist_ok=True)
     models = [("SmolLM2-135M Q4_1", SMOL, [512, 4096, 8000])]
     if not a.quick:
-        for kind in ["q4_0", "q8_0"]:
+        for kind in ["q4_0", "q5_0", "q5_1", "q8_0"]:
             f = req / f"smollm2.{kind}.gguf"
             if not f.exists():
                 subprocess.run([a.python, ROOT / "scripts/requantize.py", SMOL, f, kind], check=True,
