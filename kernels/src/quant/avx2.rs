@@ -78,7 +78,7 @@ unsafe fn hsum(v: __m256) -> f32 {
 
 /// The f16 at `p` (F16C).
 #[inline(always)]
-unsafe fn f16_at(p: *const u8) -> f32 {
+pub(super) unsafe fn f16_at(p: *const u8) -> f32 {
     let h = u16::from_le_bytes([*p, *p.add(1)]);
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
 }
@@ -227,16 +227,7 @@ unsafe fn rows_fmt<const F: u8, const V: bool>(
     let four = F == Q4_0 || F == Q4_1;
     let mut r = 0;
     let n_rows = out.len();
-    let prefetch = |r: usize, n: usize| {
-        // Rows `r + PREFETCH_ROWS ..` (as many as this pass takes), asked of the cache.
-        let end = (r + PREFETCH_ROWS + n).min(n_rows);
-        let from = (r + PREFETCH_ROWS).min(end);
-        let mut at = from * row_bytes;
-        while at < end * row_bytes {
-            _mm_prefetch::<_MM_HINT_T0>(p.add(at) as *const i8);
-            at += 64;
-        }
-    };
+    let prefetch = |r: usize, n: usize| prefetch_ahead(p, row_bytes, n_rows, r, n);
     while four && r + 4 <= out.len() {
         prefetch(r, 4);
         let rows = [0, 1, 2, 3].map(|j| p.add((r + j) * row_bytes));
@@ -247,6 +238,25 @@ unsafe fn rows_fmt<const F: u8, const V: bool>(
         prefetch(r, 1);
         out[r] = dot_fmt::<F, V>(bytes, &data[r * row_bytes..(r + 1) * row_bytes], x);
         r += 1;
+    }
+}
+
+/// Asks the cache (`prefetcht0`) for rows `r + PREFETCH_ROWS ..` of the `n_rows` rows of
+/// `row_bytes` at `p`, `n` of them (as many as a pass over rows `r ..` takes).
+#[inline(always)]
+pub(super) unsafe fn prefetch_ahead(
+    p: *const u8,
+    row_bytes: usize,
+    n_rows: usize,
+    r: usize,
+    n: usize,
+) {
+    let end = (r + PREFETCH_ROWS + n).min(n_rows);
+    let from = (r + PREFETCH_ROWS).min(end);
+    let mut at = from * row_bytes;
+    while at < end * row_bytes {
+        _mm_prefetch::<_MM_HINT_T0>(p.add(at) as *const i8);
+        at += 64;
     }
 }
 

@@ -11,19 +11,16 @@
 
 use std::arch::x86_64::*;
 
+use super::avx2::{f16_at, prefetch_ahead};
 use super::kquants::{finish, q4k_scales_mins, KQuant, Q8KRow, QK_K};
-
-/// Rows ahead whose bytes a pass asks the cache for (`prefetcht0`), as
-/// [`super::avx2`]'s rows do: a decode step reads each weight once.
-const PREFETCH_ROWS: usize = 8;
 
 /// The sum of eight i32 lanes.
 #[inline(always)]
 unsafe fn hsum_i32(v: __m256i) -> i32 {
-    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
-    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
-    _mm_cvtsi128_si32(s)
+    hsum_i32x4(_mm_add_epi32(
+        _mm256_castsi256_si128(v),
+        _mm256_extracti128_si256(v, 1),
+    ))
 }
 
 /// `acc + Σ pairs·scales` per i32 lane (`pairs`, `scales` sixteen i16 each).
@@ -39,13 +36,6 @@ unsafe fn add_scaled<const V: bool>(acc: __m256i, pairs: __m256i, scales: __m256
 #[inline(always)]
 unsafe fn act(x: &Q8KRow, j: usize) -> __m256i {
     _mm256_load_si256(x.blocks[j].qs.as_ptr() as *const __m256i)
-}
-
-/// The f16 at `p` (F16C).
-#[inline(always)]
-unsafe fn f16_at(p: *const u8) -> f32 {
-    let h = u16::from_le_bytes([*p, *p.add(1)]);
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
 }
 
 /// The sum of four i32 lanes.
@@ -168,7 +158,8 @@ unsafe fn dot_fmt<const F: u8, const V: bool>(row: *const u8, x: &Q8KRow, blocks
     acc
 }
 
-/// Consecutive rows of `data` dotted with `x` into `out`, prefetching rows ahead.
+/// Consecutive rows of `data` dotted with `x` into `out`, prefetching rows ahead as
+/// [`super::avx2`]'s rows do (a decode step reads each weight once).
 #[inline(always)]
 unsafe fn rows_fmt<const F: u8, const V: bool>(
     fmt: KQuant,
@@ -187,13 +178,7 @@ unsafe fn rows_fmt<const F: u8, const V: bool>(
     let p = data.as_ptr();
     let n_rows = out.len();
     for (r, o) in out.iter_mut().enumerate() {
-        if r + PREFETCH_ROWS < n_rows {
-            let mut at = (r + PREFETCH_ROWS) * row_bytes;
-            while at < (r + PREFETCH_ROWS + 1) * row_bytes {
-                _mm_prefetch::<_MM_HINT_T0>(p.add(at) as *const i8);
-                at += 64;
-            }
-        }
+        prefetch_ahead(p, row_bytes, n_rows, r, 1);
         *o = dot_fmt::<F, V>(p.add(r * row_bytes), x, blocks);
     }
 }

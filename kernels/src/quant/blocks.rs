@@ -179,7 +179,8 @@ fn abs_max(xs: &[f32]) -> f32 {
     lanes.iter().fold(0f32, |a, v| a.max(*v))
 }
 
-fn f16_at(b: &[u8], at: usize) -> f32 {
+/// The f16 at byte `at` of `b`.
+pub(crate) fn f16_at(b: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
 

@@ -12,9 +12,7 @@
 //! Per super-block the integer sum `Σ sc·Σ q·x` (and Q4_K's `Σ m·Σ x`, Q6_K's `32·Σ sc·Σ x`
 //! from the activations' 16-element sums, as `BlockQ8K::bsums` keeps them) is exact in i32;
 //! the f32 part is then `d·d_x·sum` (less `dmin·d_x·mins`), in one order for every path.
-use half::f16;
-
-use super::blocks::{quantize_row_q8k, ActBlock, QK};
+use super::blocks::{f16_at, quantize_row_q8k, ActBlock, QK};
 
 /// Elements per K-quant super-block.
 pub const QK_K: usize = 256;
@@ -74,11 +72,6 @@ impl Q8KRow {
     pub fn scale(&self, sb: usize) -> f32 {
         self.blocks[sb * (QK_K / QK)].d
     }
-}
-
-/// The f16 at byte `at` of `b`.
-pub(crate) fn f16_at(b: &[u8], at: usize) -> f32 {
-    f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
 
 /// Q4_K's 6-bit scale and min of sub-block `j` from its twelve scale bytes `s` (ggml's

@@ -15,8 +15,8 @@
 //! [`super::blocks`]) and the K-quants Gemma 3's GGUF uses (via [`super::kquants`]), Q4_K
 //! (256-element super-blocks, eight 32-element sub-blocks with 6-bit scales and mins) and
 //! Q6_K (sixteen 16-element sub-blocks, 8-bit scales, values `q − 32`).
-use super::blocks::{self, WeightFormat, QK};
-use super::kquants::{self, f16_at};
+use super::blocks::{self, f16_at, WeightFormat, QK};
+use super::kquants;
 
 /// Output columns per panel (one 512-bit register of i32 lanes).
 pub const NR: usize = 16;
