@@ -2,17 +2,22 @@
 //! [`ChunkKey`], in host RAM up to a byte budget ([`RamTier`]) and, when a directory is
 //! given, in files up to another ([`DiskTier`]) — written through to the files as they are
 //! stored, so that the next process finds them, as LMCache's local-disk backend does; a
-//! chunk read from a file is kept in RAM too. [`PrefixStats`] counts hits, misses, tokens
-//! restored per tier, bytes per tier, evictions and damaged files.
+//! chunk read from a file is kept in RAM too. A chunk is found only when every field of its
+//! header is what the cache expects ([`PrefixCache::expect_layers`]); the budgets keep a
+//! prompt's first chunks before its later ones ([`PrefixCache::put_after`],
+//! [`PrefixCache::touch_chain`]). [`PrefixStats`] counts hits, misses, tokens restored per
+//! tier, bytes per tier, evictions, damaged files and failed writes by cause.
 use std::path::PathBuf;
 
 use kvpolicy_core::DiskIo;
 
-use crate::chunk::ChunkKv;
+use crate::chunk::{ChunkKv, Expect};
 use crate::disk::DiskTier;
 use crate::error::{PrefixError, Result};
 use crate::key::{chunk_keys, ChunkKey, Fingerprint};
+use crate::layers::LayerSpecs;
 use crate::ram::RamTier;
+pub use crate::stats::{PrefixStats, WriteErrorKind, WriteErrors};
 
 /// Tokens per chunk by default (LMCache's default chunk size).
 pub const DEFAULT_CHUNK_TOKENS: usize = 256;
@@ -53,47 +58,20 @@ pub enum Tier {
     Disk,
 }
 
-/// The prefix cache's counters.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct PrefixStats {
-    /// Chunks found.
-    pub hits: u64,
-    /// Chunk lookups that found nothing.
-    pub misses: u64,
-    /// Tokens restored from host RAM (a chunk found but not restored counts as a hit only).
-    pub tokens_from_ram: u64,
-    /// Tokens restored from files.
-    pub tokens_from_disk: u64,
-    /// Chunks stored (kept in RAM or written to a file).
-    pub stored: u64,
-    /// K/V bytes held in host RAM (never above its budget).
-    pub ram_bytes: u64,
-    /// Bytes of the chunk files known (never above its budget).
-    pub disk_bytes: u64,
-    /// Chunks evicted from host RAM.
-    pub ram_evictions: u64,
-    /// Chunk files removed to stay within the budget.
-    pub disk_evictions: u64,
-    /// Chunk files that failed their checks (removed; misses).
-    pub damaged: u64,
-    /// Chunk files that could not be written (the chunk stayed in RAM, if it fit).
-    pub write_errors: u64,
-    /// Seconds spent restoring K/V into policies.
-    pub restore_s: f64,
-}
-
 /// Chunks of K/V of one model (its [`Fingerprint`]) in host RAM and files.
 pub struct PrefixCache {
     fp: Fingerprint,
     chunk_tokens: usize,
     ram: RamTier,
     disk: Option<DiskTier>,
+    expect: Expect,
     stats: PrefixStats,
 }
 
 impl PrefixCache {
-    /// A cache for the model `fp` laid out as `cfg` says (its directory created if needed;
-    /// one that cannot be written fails here).
+    /// A cache for the model `fp` laid out as `cfg` says (its directory created private if
+    /// needed; one that cannot be written, or that others can write
+    /// ([`PrefixError::Untrusted`]), fails here).
     pub fn open(cfg: &PrefixConfig, fp: Fingerprint) -> Result<Self> {
         if cfg.chunk_tokens == 0 {
             return Err(PrefixError::Invalid(
@@ -110,6 +88,10 @@ impl PrefixCache {
             chunk_tokens: cfg.chunk_tokens,
             ram: RamTier::new(cfg.ram_bytes),
             disk,
+            expect: Expect {
+                tokens: Some(cfg.chunk_tokens),
+                ..Expect::default()
+            },
             stats: PrefixStats::default(),
         })
     }
@@ -134,20 +116,42 @@ impl PrefixCache {
         self.ram.contains(key) || self.disk.as_ref().is_some_and(|d| d.contains(key))
     }
 
+    /// Expects chunks of the model whose layers are `layers` (their count, KV heads, head
+    /// width and dtype) from now on: a chunk of another shape is a miss, its file removed.
+    /// [`crate::restore_prefix`] calls this; chunks of `chunk_tokens` tokens are always
+    /// expected.
+    pub fn expect_layers(&mut self, layers: &LayerSpecs) {
+        self.expect = layers.expect(self.chunk_tokens);
+    }
+
     /// The chunk under `key` and its tier: RAM first, then its file (kept in RAM after).
     pub fn get(&mut self, key: &ChunkKey) -> Result<Option<(ChunkKv, Tier)>> {
+        self.get_after(&[], key)
+    }
+
+    /// [`PrefixCache::get`] of the chunk after `before` in its prompt: keeping it in RAM
+    /// evicts none of them.
+    pub fn get_after(
+        &mut self,
+        before: &[ChunkKey],
+        key: &ChunkKey,
+    ) -> Result<Option<(ChunkKv, Tier)>> {
         if let Some(chunk) = self.ram.get(key) {
-            self.stats.hits += 1;
-            return Ok(Some((chunk, Tier::Ram)));
+            if chunk.shape().is_ok_and(|s| self.expect.check(&s).is_ok()) {
+                self.stats.hits += 1;
+                return Ok(Some((chunk, Tier::Ram)));
+            }
+            // Stored for another shape of model than is expected now.
+            self.ram.remove(key);
         }
         let found = match &mut self.disk {
-            Some(d) => d.get(&self.fp, key)?,
+            Some(d) => d.get_after(&self.fp, key, &self.expect, before)?,
             None => None,
         };
         match found {
             Some(chunk) => {
                 self.stats.hits += 1;
-                self.ram.put(*key, chunk.clone());
+                self.ram.put_after(before, *key, chunk.clone());
                 Ok(Some((chunk, Tier::Disk)))
             }
             None => {
@@ -158,10 +162,22 @@ impl PrefixCache {
     }
 
     /// Stores `chunk` under `key`: in RAM, and written through to its file. A file that
-    /// cannot be written (a full disk, a lost permission) is counted and logged, not an
-    /// error: the request that computed the chunk goes on. Returns whether it is kept
-    /// anywhere.
+    /// cannot be written (a full disk, a lost permission, the directory removed) is counted
+    /// by cause and its first of each cause logged to stderr, not an error: the request
+    /// that computed the chunk goes on. Returns whether it is kept anywhere.
     pub fn put(&mut self, key: ChunkKey, chunk: ChunkKv) -> Result<bool> {
+        self.put_after(&[], key, chunk)
+    }
+
+    /// [`PrefixCache::put`] of the chunk after `before` in its prompt: in each tier it is
+    /// kept only if it fits without evicting any of them (a restore starts at a prompt's
+    /// first chunk, so they are worth more than it).
+    pub fn put_after(
+        &mut self,
+        before: &[ChunkKey],
+        key: ChunkKey,
+        chunk: ChunkKv,
+    ) -> Result<bool> {
         let tokens = chunk.shape()?.tokens;
         if tokens != self.chunk_tokens {
             return Err(PrefixError::Invalid(format!(
@@ -170,21 +186,48 @@ impl PrefixCache {
             )));
         }
         let on_disk = match &mut self.disk {
-            Some(d) => match d.put(&self.fp, &key, &chunk) {
+            Some(d) => match d.put_after(&self.fp, before, &key, &chunk) {
                 Ok(written) => written,
                 Err(e) => {
-                    tracing::warn!("prefix cache: a chunk was not written: {e}");
-                    self.stats.write_errors += 1;
+                    let dir = d.dir().to_path_buf();
+                    self.write_failed(&dir, &e);
                     false
                 }
             },
             None => false,
         };
-        let in_ram = self.ram.put(key, chunk);
+        let in_ram = self.ram.put_after(before, key, chunk);
         if on_disk || in_ram {
             self.stats.stored += 1;
         }
         Ok(on_disk || in_ram)
+    }
+
+    /// Counts a failed write to `dir`, logging the first of its cause.
+    fn write_failed(&mut self, dir: &std::path::Path, e: &PrefixError) {
+        let kind = WriteErrorKind::of(e);
+        self.stats.write_errors += 1;
+        let name = kind.name();
+        if self.stats.write_error_kinds.count(kind) == 1 {
+            eprintln!(
+                "kvpolicy-prefix: cannot write chunk files in {} ({name}): {e}; chunks stay in RAM only (if they fit); further {name} errors are counted in write_errors, not logged",
+                dir.display()
+            );
+        } else {
+            tracing::debug!("prefix cache: a chunk was not written ({name}): {e}");
+        }
+    }
+
+    /// Marks `keys` — a prompt's chunks, in order — as just used, the first last: the least
+    /// recently used chunks evicted next are then a prompt's later ones, and what stays is a
+    /// prefix a restore can use.
+    pub fn touch_chain(&mut self, keys: &[ChunkKey]) {
+        for key in keys.iter().rev() {
+            self.ram.touch(key);
+            if let Some(d) = &mut self.disk {
+                d.touch(key);
+            }
+        }
     }
 
     /// Counts `tokens` restored from `tier` in `seconds`.

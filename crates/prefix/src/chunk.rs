@@ -5,20 +5,12 @@
 //! padded to a page (so that the file can be read with `O_DIRECT`). A file whose checksum,
 //! fingerprint, key or shape is not what the reader expects is damaged: a miss, never K/V.
 use candle_core::{DType, Device, Tensor};
-use sha2::{Digest, Sha256};
+use sha2::Digest;
 
 use crate::error::{PrefixError, Result};
+pub use crate::header::{round_up, ChunkShape, Damage, Expect, ALIGN};
+use crate::header::{Header, HEADER_PAGE};
 use crate::key::{ChunkKey, Fingerprint};
-
-/// Alignment of a chunk file's header, payload and length: the page size, a multiple of
-/// every common logical block size (direct reads need it).
-pub const ALIGN: usize = 4096;
-/// "KVPC".
-const MAGIC: [u8; 4] = *b"KVPC";
-/// The file format's version.
-const VERSION: u32 = 1;
-/// Bytes of the header before the padding.
-const HEADER: usize = 4 + 4 + 32 + 32 + 5 * 4 + 8 + 32;
 
 /// One layer's K and V for a chunk: `(1, n_kv_heads, tokens, head_dim)` each.
 #[derive(Clone, Debug)]
@@ -34,36 +26,6 @@ pub struct LayerKv {
 pub struct ChunkKv {
     /// Per layer, in order.
     pub layers: Vec<LayerKv>,
-}
-
-/// The shape every layer of a chunk shares.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ChunkShape {
-    /// Layers.
-    pub n_layers: usize,
-    /// KV heads.
-    pub n_kv_heads: usize,
-    /// Tokens.
-    pub tokens: usize,
-    /// Head width.
-    pub head_dim: usize,
-    /// Element type.
-    pub dtype: DType,
-}
-
-impl ChunkShape {
-    /// Bytes of K and V of every layer (`None`: more than a `usize` holds — a damaged
-    /// header's dimensions).
-    pub fn payload_bytes(&self) -> Option<usize> {
-        [
-            self.n_kv_heads,
-            self.tokens,
-            self.head_dim,
-            self.dtype.size_in_bytes(),
-        ]
-        .into_iter()
-        .try_fold(2 * self.n_layers, usize::checked_mul)
-    }
 }
 
 impl ChunkKv {
@@ -163,28 +125,6 @@ impl ChunkKv {
     }
 }
 
-fn dtype_code(dtype: DType) -> Result<u32> {
-    match dtype {
-        DType::F32 => Ok(0),
-        DType::F16 => Ok(1),
-        DType::BF16 => Ok(2),
-        other => Err(PrefixError::Invalid(format!(
-            "K/V of dtype {other:?} cannot be cached; f32, f16 and bf16 can"
-        ))),
-    }
-}
-
-fn dtype_of(code: u32) -> Option<DType> {
-    [DType::F32, DType::F16, DType::BF16]
-        .get(code as usize)
-        .copied()
-}
-
-/// `n` rounded up to whole pages.
-pub fn round_up(n: usize) -> usize {
-    n.div_ceil(ALIGN) * ALIGN
-}
-
 /// Appends `t`'s elements, little-endian, to `out`.
 fn put_tensor(t: &Tensor, out: &mut Vec<u8>) -> Result<()> {
     let t = t.to_device(&Device::Cpu)?.flatten_all()?;
@@ -206,31 +146,6 @@ fn put_tensor(t: &Tensor, out: &mut Vec<u8>) -> Result<()> {
     Ok(())
 }
 
-/// The header fields, as written.
-fn header(fp: &Fingerprint, key: &ChunkKey, shape: &ChunkShape) -> Result<Vec<u8>> {
-    let mut h = Vec::with_capacity(HEADER);
-    h.extend_from_slice(&MAGIC);
-    h.extend_from_slice(&VERSION.to_le_bytes());
-    h.extend_from_slice(&fp.0);
-    h.extend_from_slice(&key.0);
-    for n in [
-        shape.n_layers,
-        shape.n_kv_heads,
-        shape.tokens,
-        shape.head_dim,
-    ] {
-        let n = u32::try_from(n)
-            .map_err(|_| PrefixError::Invalid(format!("a chunk dimension of {n} is too large")))?;
-        h.extend_from_slice(&n.to_le_bytes());
-    }
-    h.extend_from_slice(&dtype_code(shape.dtype)?.to_le_bytes());
-    let bytes = shape
-        .payload_bytes()
-        .ok_or_else(|| PrefixError::Invalid("a chunk too large to store".into()))?;
-    h.extend_from_slice(&(bytes as u64).to_le_bytes());
-    Ok(h)
-}
-
 /// The file's bytes for `chunk` under `key` of model `fp`: page-aligned length.
 pub fn encode(fp: &Fingerprint, key: &ChunkKey, chunk: &ChunkKv) -> Result<Vec<u8>> {
     let shape = chunk.shape()?;
@@ -242,88 +157,50 @@ pub fn encode(fp: &Fingerprint, key: &ChunkKey, chunk: &ChunkKv) -> Result<Vec<u
         put_tensor(&l.k, &mut payload)?;
         put_tensor(&l.v, &mut payload)?;
     }
-    let mut out = header(fp, key, &shape)?;
-    let sum = Sha256::new()
-        .chain_update(&out)
-        .chain_update(&payload)
-        .finalize();
-    out.extend_from_slice(&sum);
-    out.resize(round_up(HEADER), 0);
+    let mut out = Header::encode(fp, key, &shape, &payload).map_err(PrefixError::Invalid)?;
+    out.resize(HEADER_PAGE, 0);
     out.extend_from_slice(&payload);
     out.resize(round_up(out.len()), 0);
     Ok(out)
 }
 
-/// Why a file's bytes are not the chunk asked for.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Damage(pub String);
-
-/// The chunk in `bytes` when it is `key`'s of model `fp`, whole and unaltered.
+/// The chunk in `bytes` — a whole chunk, its padding included, nothing after — when it is
+/// `key`'s of model `fp`, of the shape `expect` says, unaltered.
 pub fn decode(
     bytes: &[u8],
     fp: &Fingerprint,
     key: &ChunkKey,
+    expect: &Expect,
 ) -> std::result::Result<ChunkKv, Damage> {
-    let bad = |why: &str| Damage(why.to_string());
-    if bytes.len() < round_up(HEADER) || bytes[..4] != MAGIC {
-        return Err(bad("not a chunk file (no KVPC header)"));
-    }
-    let u32_at =
-        |at: usize| u32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]]);
-    if u32_at(4) != VERSION {
-        return Err(bad("another format version"));
-    }
-    if bytes[8..40] != fp.0 {
-        return Err(bad(
-            "written by another model, dtype or codec (fingerprint)",
-        ));
-    }
-    if bytes[40..72] != key.0 {
-        return Err(bad("holds another chunk (key)"));
-    }
-    let dims: Vec<usize> = (0..4).map(|i| u32_at(72 + 4 * i) as usize).collect();
-    let dtype = dtype_of(u32_at(88)).ok_or_else(|| bad("unknown dtype"))?;
-    let shape = ChunkShape {
-        n_layers: dims[0],
-        n_kv_heads: dims[1],
-        tokens: dims[2],
-        head_dim: dims[3],
-        dtype,
-    };
-    let mut len = [0u8; 8];
-    len.copy_from_slice(&bytes[92..100]);
-    let len = u64::from_le_bytes(len) as usize;
-    let start = round_up(HEADER);
-    let fits = start.checked_add(len).is_some_and(|end| end <= bytes.len());
-    if shape.payload_bytes() != Some(len) || !fits || shape.n_layers == 0 {
-        return Err(bad("truncated, or its length disagrees with its shape"));
-    }
-    let payload = &bytes[start..start + len];
-    let sum = Sha256::new()
-        .chain_update(&bytes[..100])
-        .chain_update(payload)
-        .finalize();
-    if sum.as_slice() != &bytes[100..132] {
-        return Err(bad("checksum mismatch"));
-    }
-    let per = len / (2 * shape.n_layers.max(1));
-    let dims = (1, shape.n_kv_heads, shape.tokens, shape.head_dim);
-    let tensor = |at: usize| {
-        Tensor::from_raw_buffer(
-            &payload[at..at + per],
-            dtype,
-            &[dims.0, dims.1, dims.2, dims.3],
-            &Device::Cpu,
-        )
-        .map_err(|e| Damage(format!("unreadable payload: {e}")))
-    };
-    let layers = (0..shape.n_layers)
-        .map(|i| {
-            Ok(LayerKv {
-                k: tensor(2 * i * per)?,
-                v: tensor((2 * i + 1) * per)?,
+    let header = Header::parse(bytes)?;
+    header.check(fp, key, expect, bytes.len() as u64)?;
+    let payload = &bytes[HEADER_PAGE..HEADER_PAGE + header.payload];
+    header.verify(header.hasher().chain_update(payload))?;
+    ChunkKv::from_payload(payload, &header.shape)
+}
+
+impl ChunkKv {
+    /// The chunk whose every layer's K then V are `payload` (little-endian), of `shape`.
+    pub fn from_payload(payload: &[u8], shape: &ChunkShape) -> std::result::Result<Self, Damage> {
+        if shape.payload_bytes() != Some(payload.len()) || shape.n_layers == 0 {
+            return Err(Damage(
+                "a payload of another length than its shape's".into(),
+            ));
+        }
+        let per = payload.len() / (2 * shape.n_layers);
+        let dims = [1, shape.n_kv_heads, shape.tokens, shape.head_dim];
+        let tensor = |at: usize| {
+            Tensor::from_raw_buffer(&payload[at..at + per], shape.dtype, &dims, &Device::Cpu)
+                .map_err(|e| Damage(format!("unreadable payload: {e}")))
+        };
+        let layers = (0..shape.n_layers)
+            .map(|i| {
+                Ok(LayerKv {
+                    k: tensor(2 * i * per)?,
+                    v: tensor((2 * i + 1) * per)?,
+                })
             })
-        })
-        .collect::<std::result::Result<Vec<_>, Damage>>()?;
-    Ok(ChunkKv { layers })
+            .collect::<std::result::Result<Vec<_>, Damage>>()?;
+        Ok(Self { layers })
+    }
 }

@@ -1,6 +1,7 @@
 //! The prefix cache's typed errors. A damaged or foreign chunk file is not an error — it
 //! is a miss ([`crate::chunk::Damage`]); errors are what the caller must act on: a cache
-//! directory that cannot be used, a write that failed, a session for another model.
+//! directory that cannot be used or that others can write, a write that failed, a session
+//! for another model.
 use std::path::PathBuf;
 
 /// Everything the prefix cache and sessions can fail with.
@@ -26,6 +27,15 @@ pub enum PrefixError {
     /// Input the cache cannot work with (a chunk of mismatched layers, a zero chunk size).
     #[error("{0}")]
     Invalid(String),
+    /// A cache directory or session file that someone other than this user can write:
+    /// planted K/V with a valid checksum would change outputs, so it is not used.
+    #[error("{} {why}", path.display())]
+    Untrusted {
+        /// The directory or file.
+        path: PathBuf,
+        /// Who can write it and what to do (`chmod go-w PATH`).
+        why: String,
+    },
     /// A session file that is not one, or is for another model.
     #[error("session {}: {why}", path.display())]
     Session {

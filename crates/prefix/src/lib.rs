@@ -21,17 +21,22 @@ pub mod capture;
 pub mod chunk;
 pub mod disk;
 pub mod error;
+pub mod header;
 pub mod key;
+pub mod layers;
+mod lru;
 pub mod ram;
 pub mod restore;
 pub mod session;
+pub mod stats;
+pub mod trust;
 
-pub use cache::{PrefixCache, PrefixConfig, PrefixStats, Tier, DEFAULT_CHUNK_TOKENS};
+pub use cache::{PrefixCache, PrefixConfig, Tier, DEFAULT_CHUNK_TOKENS};
 pub use capture::{Capture, Recordings};
 pub use chunk::{ChunkKv, LayerKv};
 pub use error::{PrefixError, Result};
 pub use key::{chunk_keys, ChunkKey, Fingerprint, FingerprintBuilder};
-pub use restore::{
-    restore_kv, restore_prefix, store_new, LayerSpecs, Placement, Restored, Resume, Reuse,
-};
+pub use layers::LayerSpecs;
+pub use restore::{restore_kv, restore_prefix, store_new, Placement, Restored, Resume, Reuse};
 pub use session::{Session, SESSION_VERSION};
+pub use stats::{PrefixStats, WriteErrorKind, WriteErrors};

@@ -6,25 +6,13 @@
 //! restored and gives the logits of a fresh run.
 use std::time::Instant;
 
-use candle_core::{DType, Device, Tensor};
-use kvpolicy_core::{append_kv, AttnSpec, AttnStep, KvPolicy, NoRegen};
+use candle_core::Tensor;
+use kvpolicy_core::{append_kv, AttnStep, KvPolicy, NoRegen};
 
 use crate::cache::{PrefixCache, Tier};
 use crate::chunk::ChunkKv;
 use crate::error::Result;
-
-/// What the model's layers look like to a policy taking restored K/V.
-#[derive(Clone, Debug)]
-pub struct LayerSpecs {
-    /// Per layer, its attention (sliding windows matter to what a policy keeps).
-    pub specs: Vec<AttnSpec>,
-    /// Width of a layer's input (the shape of a step's `x`; not read by `append_kv`).
-    pub hidden: usize,
-    /// The policy's device.
-    pub device: Device,
-    /// K/V dtype.
-    pub dtype: DType,
-}
+pub use crate::layers::LayerSpecs;
 
 /// What one request got from the cache or a session.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -114,7 +102,8 @@ pub fn restore_kv(
 /// Restores into `policy` (prepared, holding nothing) the longest cached run of `prompt`'s
 /// chunks from its start that `usable` accepts (the tokens restored; the prefill must be
 /// able to resume there), leaving at least one token to prefill (the last position's
-/// logits come from the prefill). A chunk of another shape than the model's is a miss.
+/// logits come from the prefill). A chunk of another shape than the model's (`layers` and
+/// the cache's chunk size) is a miss, and its file removed.
 /// Chunks are appended `piece` tokens at a time (joined first): a policy's buffers then
 /// grow as often as a prefill in passes of `piece` makes them, not once per chunk.
 pub fn restore_prefix(
@@ -130,17 +119,17 @@ pub fn restore_prefix(
     let whole = prompt.len().saturating_sub(1) / c;
     let keys = cache.keys(&prompt[..whole * c]);
     let lookup = tracing::info_span!("prefix_lookup", chunks = keys.len()).entered();
+    // A chunk of another shape than the model's is a miss (its file removed).
+    cache.expect_layers(layers);
     let mut found: Vec<(ChunkKv, Tier)> = Vec::new();
-    for key in &keys {
-        let Some((chunk, tier)) = cache.get(key)? else {
+    for (i, key) in keys.iter().enumerate() {
+        let Some((chunk, tier)) = cache.get_after(&keys[..i], key)? else {
             break;
         };
-        let shape = chunk.shape()?;
-        if shape.n_layers != layers.specs.len() || shape.dtype != layers.dtype {
-            break;
-        }
         found.push((chunk, tier));
     }
+    // The prompt's first chunks the most recently used: evicted after its later ones.
+    cache.touch_chain(&keys[..found.len()]);
     let take = (0..=found.len())
         .rev()
         .find(|&n| usable(n * c))
@@ -183,7 +172,9 @@ pub fn restore_prefix(
 }
 
 /// Stores the whole chunks of `kv` — the K/V of `prompt[from..]` as a run computed them —
-/// under their keys, skipping those already held (in RAM or as a file). Chunks start at multiples of the
+/// under their keys, skipping those already held (in RAM or as a file), in order, none
+/// evicting the prompt's chunks before it; it stops at the first that fits nowhere, so that
+/// a budget smaller than the prompt keeps its first chunks, which a restore can use. Chunks start at multiples of the
 /// chunk size: when `from` is not one (after a session), the chunk it falls in is left out.
 /// Returns how many were kept (in RAM or a file).
 pub fn store_new(
@@ -201,10 +192,18 @@ pub fn store_new(
     let chunks = kv.narrow(0, computed)?.split(skip, c)?;
     let keys = cache.keys(prompt);
     let mut stored = 0;
-    for (key, chunk) in keys.into_iter().skip(first).zip(chunks) {
-        if !cache.contains(&key) && cache.put(key, chunk)? {
+    let mut end = first.min(keys.len());
+    for (i, chunk) in (first..keys.len()).zip(chunks) {
+        // A chunk that fits nowhere without evicting the ones before it is not kept; those
+        // after it could never be restored (a restore stops at the first missing chunk).
+        if !cache.contains(&keys[i]) {
+            if !cache.put_after(&keys[..i], keys[i], chunk)? {
+                break;
+            }
             stored += 1;
         }
+        end = i + 1;
     }
+    cache.touch_chain(&keys[..end]);
     Ok(stored)
 }
