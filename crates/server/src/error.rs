@@ -1,5 +1,8 @@
 //! Errors as an OpenAI client reads them: an HTTP status and
 //! `{"error": {"message", "type", "param", "code"}}` (OpenAI API reference, "Error codes").
+//! A server-side failure's cause is logged, never sent: its message names only an id.
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
@@ -15,6 +18,8 @@ pub struct ApiError {
     pub param: Option<String>,
     /// Seconds after which a retry may succeed (429, 503).
     pub retry_after: Option<u64>,
+    /// Ask for a bearer token (`WWW-Authenticate: Bearer`, with a 401).
+    pub authenticate: bool,
 }
 
 impl ApiError {
@@ -25,6 +30,7 @@ impl ApiError {
             message: message.into(),
             param: Some(param.into()),
             retry_after: None,
+            authenticate: false,
         }
     }
 
@@ -35,7 +41,14 @@ impl ApiError {
             message: message.into(),
             param: None,
             retry_after: None,
+            authenticate: false,
         }
+    }
+
+    /// A 500 that says nothing of its cause: `detail` (an error chain, perhaps with a
+    /// backtrace) goes to the server's log under an id the client is given.
+    pub fn internal(detail: &str) -> Self {
+        Self::status(StatusCode::INTERNAL_SERVER_ERROR, internal_message(detail))
     }
 
     /// OpenAI's `type` for the status.
@@ -60,6 +73,14 @@ impl ApiError {
     }
 }
 
+/// Logs `detail` under a fresh id; the message a client is given instead.
+pub fn internal_message(detail: &str) -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    let id = NEXT.fetch_add(1, Ordering::Relaxed);
+    eprintln!("internal error #{id}: {detail}");
+    format!("the server failed to serve this request (internal error #{id}; its log says more)")
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut r = (self.status, axum::Json(self.body())).into_response();
@@ -67,6 +88,10 @@ impl IntoResponse for ApiError {
             if let Ok(v) = HeaderValue::from_str(&s.to_string()) {
                 r.headers_mut().insert(header::RETRY_AFTER, v);
             }
+        }
+        if self.authenticate {
+            r.headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
         r
     }

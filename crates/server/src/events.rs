@@ -8,16 +8,38 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use crate::api::Params;
 
-/// A request for the engine.
+/// Where one choice's events go: the request's channel, tagged with the choice's index.
+pub struct Outbox {
+    /// The choice's index (0 to `n` - 1).
+    pub index: usize,
+    /// The request's channel, shared by its choices.
+    pub tx: UnboundedSender<(usize, Event)>,
+}
+
+impl Outbox {
+    /// Sends `event` (dropped when the client has gone).
+    pub fn send(&self, event: Event) {
+        let _ = self.tx.send((self.index, event));
+    }
+
+    /// Whether the client has gone.
+    pub fn is_closed(&self) -> bool {
+        self.tx.is_closed()
+    }
+}
+
+/// One choice of a request, for the engine.
 pub struct Job {
     /// The prompt's token ids.
     pub prompt: Vec<u32>,
     /// How to generate.
     pub params: Params,
+    /// The sampler's seed for this choice.
+    pub seed: u64,
     /// Most tokens to generate (checked against the context).
     pub max_tokens: usize,
     /// Where its tokens go; closed when the client has gone.
-    pub events: UnboundedSender<Event>,
+    pub events: Outbox,
     /// When it was received.
     pub received: Instant,
 }
@@ -74,8 +96,10 @@ pub enum Event {
         /// Generated tokens.
         completion_tokens: usize,
     },
-    /// The request failed (the message says why).
+    /// The request failed: a message for the client (the cause is in the server's log).
     Failed(String),
+    /// The server is shutting down and cancelled the request.
+    ShuttingDown,
 }
 
 /// The chosen token's log-probability and the `top` most likely tokens' from `row`.

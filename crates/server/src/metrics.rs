@@ -66,6 +66,12 @@ pub struct Metrics {
     pub prefix_stored_chunks: Counter,
     /// Bytes the prefix cache holds, per tier (`ram`, `disk`).
     pub prefix_bytes: Family<TierLabels, Gauge<u64, AtomicU64>>,
+    /// HTTP connections open now.
+    pub connections: Gauge,
+    /// Connections answered 503 and closed at `--max-connections`.
+    pub connections_shed: Counter,
+    /// Idle connections closed at `--max-connections` for a newcomer.
+    pub connections_evicted: Counter,
 }
 
 impl Metrics {
@@ -91,6 +97,9 @@ impl Metrics {
             prefix_restored_tokens: Counter::default(),
             prefix_stored_chunks: Counter::default(),
             prefix_bytes: Family::default(),
+            connections: Gauge::default(),
+            connections_shed: Counter::default(),
+            connections_evicted: Counter::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -182,6 +191,21 @@ impl Metrics {
             "prefix_cache_bytes",
             "Bytes the prefix cache holds, per tier",
             m.prefix_bytes.clone(),
+        );
+        registry.register(
+            "http_connections",
+            "HTTP connections open",
+            m.connections.clone(),
+        );
+        registry.register(
+            "http_connections_shed",
+            "Connections answered 503 and closed at --max-connections",
+            m.connections_shed.clone(),
+        );
+        registry.register(
+            "http_connections_evicted",
+            "Idle connections closed at --max-connections to let a newcomer in",
+            m.connections_evicted.clone(),
         );
         Self { registry, ..m }
     }

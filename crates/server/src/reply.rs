@@ -27,8 +27,8 @@ pub struct Head {
     pub endpoint: Endpoint,
 }
 
-/// Token counts.
-#[derive(Debug, Clone, Copy)]
+/// Token counts (the prompt once, every choice's generated tokens).
+#[derive(Debug, Clone, Copy, Default)]
 pub struct Usage {
     /// Prompt tokens.
     pub prompt: usize,
@@ -82,28 +82,40 @@ pub fn logprobs(endpoint: Endpoint, tokens: &[TokenLogprob], offset: usize) -> V
     }
 }
 
+/// One choice of a whole response.
+#[derive(Debug, Clone, Default)]
+pub struct Choice {
+    /// Its text.
+    pub text: String,
+    /// Its log-probabilities, when asked for.
+    pub logprobs: Option<Value>,
+    /// Why it ended.
+    pub finish: Option<Finish>,
+}
+
 /// A whole response.
-pub fn whole(
-    head: &Head,
-    text: &str,
-    logprobs: Option<Value>,
-    finish: Finish,
-    usage: Usage,
-) -> Value {
-    let choice = match head.endpoint {
-        Endpoint::Completion => json!({
-            "index": 0,
-            "text": text,
-            "logprobs": logprobs,
-            "finish_reason": finish.as_str(),
-        }),
-        Endpoint::Chat => json!({
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": logprobs,
-            "finish_reason": finish.as_str(),
-        }),
-    };
+pub fn whole(head: &Head, choices: &[Choice], usage: Usage) -> Value {
+    let choices: Vec<Value> = choices
+        .iter()
+        .enumerate()
+        .map(|(index, c)| {
+            let finish = c.finish.map(Finish::as_str);
+            match head.endpoint {
+                Endpoint::Completion => json!({
+                    "index": index,
+                    "text": c.text,
+                    "logprobs": c.logprobs,
+                    "finish_reason": finish,
+                }),
+                Endpoint::Chat => json!({
+                    "index": index,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": c.logprobs,
+                    "finish_reason": finish,
+                }),
+            }
+        })
+        .collect();
     json!({
         "id": head.id,
         "object": match head.endpoint {
@@ -112,14 +124,16 @@ pub fn whole(
         },
         "created": head.created,
         "model": head.model,
-        "choices": [choice],
+        "choices": choices,
         "usage": usage.json(),
     })
 }
 
-/// A streamed chunk: a piece of text (chat: the first carries the role), or the end.
+/// A streamed chunk of choice `index`: a piece of text (chat: the first carries the
+/// role), or the end.
 pub fn chunk(
     head: &Head,
+    index: usize,
     text: Option<&str>,
     logprobs: Option<Value>,
     finish: Option<Finish>,
@@ -127,7 +141,7 @@ pub fn chunk(
 ) -> Value {
     let choice = match head.endpoint {
         Endpoint::Completion => json!({
-            "index": 0,
+            "index": index,
             "text": text.unwrap_or(""),
             "logprobs": logprobs,
             "finish_reason": finish.map(Finish::as_str),
@@ -141,7 +155,7 @@ pub fn chunk(
                 delta.insert("content".into(), json!(t));
             }
             json!({
-                "index": 0,
+                "index": index,
                 "delta": delta,
                 "logprobs": logprobs,
                 "finish_reason": finish.map(Finish::as_str),

@@ -1,39 +1,38 @@
-//! The HTTP side (axum): the routes, the API key, the body limit, and each request from its
-//! JSON to the engine and back — whole, or streamed as server-sent events ending in
-//! `data: [DONE]`. A client that goes away drops its receiver, which the engine sees at the
-//! next step boundary: the request is cancelled and its cache freed.
-use std::convert::Infallible;
+//! The HTTP side (axum): the routes, and each request from its JSON to the engine and
+//! back ([`crate::answer`]). The access rules run first ([`crate::guard`]); the body is
+//! read, parsed and tokenized by [`crate::intake`]. A client that goes away drops its
+//! receiver, which the engine sees at the next step boundary: the request is cancelled and
+//! its cache freed.
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::extract::{Request, State};
 use axum::http::{header, StatusCode};
-use axum::middleware::{self, Next};
-use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::middleware;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use futures_util::stream::{self, Stream};
 use kvpolicy::models::TextTokenizer;
 use serde_json::json;
 use tokio::sync::mpsc;
 
-use crate::api::{self, ChatBody, Common, CompletionBody, Params, Prompt};
+use crate::answer;
+use crate::api::{self, ChatBody, Common, CompletionBody, Fields, Params, Prompt, Room};
 use crate::engine::{EngineHandle, Refused};
 use crate::error::ApiError;
-use crate::events::{Event, Job};
+use crate::events::{Job, Outbox};
+use crate::guard::{self, Access};
+use crate::intake::Intake;
 use crate::metrics::Metrics;
-use crate::reply::{self, Endpoint, Head, Usage};
+use crate::reply::{Endpoint, Head};
 
 /// What every handler shares.
 pub struct AppState {
     /// The engine.
     pub engine: EngineHandle,
-    /// The model's tokenizer.
-    pub tok: Arc<TextTokenizer>,
+    /// Bodies to token ids, off the I/O threads.
+    pub intake: Intake,
     /// The name `/v1/models` lists and responses carry.
     pub model_name: String,
     /// Token ids below this.
@@ -42,18 +41,64 @@ pub struct AppState {
     pub context: usize,
     /// Prompt tokens at most (413 past it).
     pub max_prompt: Option<usize>,
+    /// Choices per request at most (`n`).
+    pub max_choices: usize,
     /// The metrics.
     pub metrics: Arc<Metrics>,
-    /// Requests to `/v1/…` must carry `Authorization: Bearer KEY`.
-    pub api_key: Option<String>,
+    /// Who may call.
+    pub access: Access,
     /// Unix seconds at start-up.
     pub created: u64,
     /// Numbers request ids.
     pub next_id: AtomicU64,
 }
 
-/// The server's routes over `state`, with bodies up to `max_body` bytes.
-pub fn router(state: Arc<AppState>, max_body: usize) -> Router {
+/// A request parsed: its prompt's ids and how to generate.
+pub struct Parsed {
+    /// The prompt.
+    pub ids: Vec<u32>,
+    /// How to generate.
+    pub params: Params,
+    /// `max_tokens` as the client gave it.
+    pub asked: Option<u32>,
+}
+
+impl AppState {
+    fn room(&self) -> Room {
+        Room {
+            vocab: self.vocab,
+            max_choices: self.max_choices,
+        }
+    }
+
+    /// Refuses `bytes` of text in `field` that no tokenization fits in the prompt limit.
+    fn refuse_long_text(&self, bytes: usize, field: &str) -> Result<(), ApiError> {
+        let most = self.max_prompt.unwrap_or(self.context).min(self.context);
+        if !self.intake.exceeds(bytes, most) {
+            return Ok(());
+        }
+        let (status, limit) = match self.max_prompt {
+            Some(m) if m < self.context => (
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("this server takes at most {m} (--max-prompt-tokens)"),
+            ),
+            _ => (
+                StatusCode::BAD_REQUEST,
+                format!("this model's context is {} tokens", self.context),
+            ),
+        };
+        Err(ApiError {
+            param: Some(field.to_string()),
+            ..ApiError::status(
+                status,
+                format!("the prompt's {bytes} bytes of text hold more tokens than fit: {limit}"),
+            )
+        })
+    }
+}
+
+/// The server's routes over `state`.
+pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat))
@@ -62,41 +107,8 @@ pub fn router(state: Arc<AppState>, max_body: usize) -> Router {
         .route("/metrics", get(metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(wrong_method)
-        .layer(DefaultBodyLimit::max(max_body))
-        .layer(middleware::from_fn_with_state(state.clone(), guard))
+        .layer(middleware::from_fn_with_state(state.clone(), guard::guard))
         .with_state(state)
-}
-
-/// The API key on `/v1/…`, and every answer counted by route and status.
-async fn guard(State(s): State<Arc<AppState>>, req: Request, next: Next) -> Response {
-    let path = req.uri().path().to_string();
-    let route = match path.as_str() {
-        "/v1/completions" | "/v1/chat/completions" | "/v1/models" | "/health" | "/metrics" => {
-            path.as_str()
-        }
-        _ => "other",
-    }
-    .to_string();
-    let authorized = match (&s.api_key, path.starts_with("/v1/")) {
-        (Some(key), true) => req
-            .headers()
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .is_some_and(|given| given == key),
-        _ => true,
-    };
-    let response = if authorized {
-        next.run(req).await
-    } else {
-        ApiError::status(
-            StatusCode::UNAUTHORIZED,
-            "missing or wrong API key: send `Authorization: Bearer KEY` with the server's --api-key",
-        )
-        .into_response()
-    };
-    s.metrics.answered(&route, response.status().as_u16());
-    response
 }
 
 async fn not_found(req: Request) -> ApiError {
@@ -152,88 +164,113 @@ async fn metrics(State(s): State<Arc<AppState>>) -> Response {
         .into_response()
 }
 
-/// The body, or the rejection as an OpenAI error (413 past the limit).
-fn body_of(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
-    body.map_err(|r| {
-        ApiError::status(
-            r.status(),
-            format!("the request body was refused: {}", r.body_text()),
-        )
+async fn completions(State(s): State<Arc<AppState>>, req: Request) -> Response {
+    let body = match s.intake.body(req.into_body()).await {
+        Ok(b) => b,
+        Err(e) => return e.into_response(),
+    };
+    let st = s.clone();
+    match s
+        .intake
+        .run(move |tok| completion_request(&st, tok, &body))
+        .await
+    {
+        Ok(p) => serve(&s, Endpoint::Completion, p, "prompt").await,
+        Err(e) => e.into_response(),
+    }
+}
+
+fn completion_request(s: &AppState, tok: &TextTokenizer, body: &[u8]) -> Result<Parsed, ApiError> {
+    let v = api::object(body)?;
+    api::check_fields(&v, Fields::Completion)?;
+    let b: CompletionBody = api::read(&v)?;
+    let common: Common = api::read(&v)?;
+    if b.echo == Some(true) {
+        return Err(ApiError::invalid("echo", "echo is not served"));
+    }
+    let logprobs = b.logprobs.map(|n| n as usize);
+    let params = api::params(&common, common.max_tokens, logprobs, s.room())?;
+    if let Some(best) = b.best_of {
+        if best as usize != params.n {
+            return Err(ApiError::invalid(
+                "best_of",
+                format!(
+                    "best_of {best} with n = {}: only best_of = n is served (every candidate is returned)",
+                    params.n
+                ),
+            ));
+        }
+    }
+    let ids = match api::completion_prompt(b.prompt)? {
+        Prompt::Ids(ids) => ids,
+        Prompt::Text(t) => {
+            s.refuse_long_text(t.len(), "prompt")?;
+            let ids = if s.intake.parse_special {
+                tok.encode(&t)
+            } else {
+                tok.encode_text(&t)
+            };
+            ids.map_err(|e| {
+                ApiError::invalid("prompt", format!("the prompt does not tokenize: {e}"))
+            })?
+        }
+    };
+    Ok(Parsed {
+        ids,
+        params,
+        asked: common.max_tokens,
     })
 }
 
-async fn completions(
-    State(s): State<Arc<AppState>>,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    let run = || -> Result<(Vec<u32>, Params, Option<u32>), ApiError> {
-        let v = api::object(&body_of(body)?)?;
-        let b: CompletionBody = api::read(&v)?;
-        let common: Common = api::read(&v)?;
-        if b.echo == Some(true) {
-            return Err(ApiError::invalid("echo", "echo is not served"));
-        }
-        let logprobs = b.logprobs.map(|n| n as usize);
-        let p = api::params(&common, common.max_tokens, logprobs)?;
-        let ids = match api::completion_prompt(b.prompt)? {
-            Prompt::Ids(ids) => ids,
-            Prompt::Text(t) => s.tok.encode(&t).map_err(|e| {
-                ApiError::invalid("prompt", format!("the prompt does not tokenize: {e}"))
-            })?,
-        };
-        Ok((ids, p, common.max_tokens))
+async fn chat(State(s): State<Arc<AppState>>, req: Request) -> Response {
+    let body = match s.intake.body(req.into_body()).await {
+        Ok(b) => b,
+        Err(e) => return e.into_response(),
     };
-    match run() {
-        Ok((ids, p, asked)) => serve(&s, Endpoint::Completion, ids, p, asked, "prompt").await,
+    let st = s.clone();
+    match s.intake.run(move |tok| chat_request(&st, tok, &body)).await {
+        Ok(p) => serve(&s, Endpoint::Chat, p, "messages").await,
         Err(e) => e.into_response(),
     }
 }
 
-async fn chat(State(s): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
-    let run = || -> Result<(Vec<u32>, Params, Option<u32>), ApiError> {
-        let v = api::object(&body_of(body)?)?;
-        let b: ChatBody = api::read(&v)?;
-        let common: Common = api::read(&v)?;
-        let logprobs = match (b.logprobs, b.top_logprobs) {
-            (Some(true), n) => Some(n.unwrap_or(0) as usize),
-            (_, Some(_)) => {
-                return Err(ApiError::invalid(
-                    "top_logprobs",
-                    "top_logprobs needs logprobs: true",
-                ))
-            }
-            _ => None,
-        };
-        let max = b.max_completion_tokens.or(common.max_tokens);
-        let p = api::params(&common, max, logprobs)?;
-        let messages = api::chat_messages(&b.messages)?;
-        let text = s
-            .tok
-            .apply_chat_template_to(&messages)
-            .map_err(|e| ApiError::invalid("messages", format!("{e}")))?;
-        let ids = s.tok.encode_raw(&text).map_err(|e| {
-            ApiError::invalid(
-                "messages",
-                format!("the conversation does not tokenize: {e}"),
-            )
-        })?;
-        Ok((ids, p, max))
+fn chat_request(s: &AppState, tok: &TextTokenizer, body: &[u8]) -> Result<Parsed, ApiError> {
+    let v = api::object(body)?;
+    api::check_fields(&v, Fields::Chat)?;
+    let b: ChatBody = api::read(&v)?;
+    let common: Common = api::read(&v)?;
+    let logprobs = match (b.logprobs, b.top_logprobs) {
+        (Some(true), n) => Some(n.unwrap_or(0) as usize),
+        (_, Some(_)) => {
+            return Err(ApiError::invalid(
+                "top_logprobs",
+                "top_logprobs needs logprobs: true",
+            ))
+        }
+        _ => None,
     };
-    match run() {
-        Ok((ids, p, asked)) => serve(&s, Endpoint::Chat, ids, p, asked, "messages").await,
-        Err(e) => e.into_response(),
-    }
+    let max = b.max_completion_tokens.or(common.max_tokens);
+    let params = api::params(&common, max, logprobs, s.room())?;
+    let messages = api::chat_messages(&b.messages)?;
+    s.refuse_long_text(messages.iter().map(|m| m.content.len()).sum(), "messages")?;
+    // Only the template's own markers are control tokens: a message's text is text.
+    let ids = tok
+        .encode_chat(&messages)
+        .map_err(|e| ApiError::invalid("messages", format!("{e}")))?;
+    Ok(Parsed {
+        ids,
+        params,
+        asked: max,
+    })
 }
 
 /// Checks the prompt against the model, queues it, and answers whole or streamed.
-async fn serve(
-    s: &AppState,
-    endpoint: Endpoint,
-    prompt: Vec<u32>,
-    params: Params,
-    asked: Option<u32>,
-    field: &str,
-) -> Response {
+async fn serve(s: &AppState, endpoint: Endpoint, parsed: Parsed, field: &str) -> Response {
+    let Parsed {
+        ids: prompt,
+        params,
+        asked,
+    } = parsed;
     if prompt.is_empty() {
         return ApiError::invalid(field, "the prompt is empty").into_response();
     }
@@ -291,7 +328,7 @@ async fn serve(
         (None, Endpoint::Chat) => room,
     };
     let (tx, rx) = mpsc::unbounded_channel();
-    let stream = params.stream;
+    let (stream, n) = (params.stream, params.n);
     let head = Head {
         id: format!(
             "{}-{}",
@@ -307,14 +344,23 @@ async fn serve(
         endpoint,
     };
     let include_usage = params.include_usage;
-    let job = Job {
-        prompt,
-        params,
-        max_tokens,
-        events: tx,
-        received: Instant::now(),
-    };
-    match s.engine.submit(job) {
+    let received = Instant::now();
+    // Choice i samples with seed + i: n = 1 is the seed as given.
+    let jobs = (0..n)
+        .map(|index| Job {
+            prompt: prompt.clone(),
+            params: params.clone(),
+            seed: params.seed.wrapping_add(index as u64),
+            max_tokens,
+            events: Outbox {
+                index,
+                tx: tx.clone(),
+            },
+            received,
+        })
+        .collect();
+    drop(tx);
+    match s.engine.submit(jobs) {
         Ok(()) => {}
         Err(Refused::Full) => {
             return ApiError {
@@ -335,9 +381,9 @@ async fn serve(
         }
     }
     if stream {
-        streamed(head, rx, include_usage).into_response()
+        answer::streamed(head, n, rx, include_usage).into_response()
     } else {
-        whole(head, rx).await
+        answer::whole(head, n, rx).await
     }
 }
 
@@ -346,123 +392,4 @@ pub fn unix_now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
-}
-
-/// Waits for the whole generation.
-async fn whole(head: Head, mut rx: mpsc::UnboundedReceiver<Event>) -> Response {
-    let mut text = String::new();
-    let mut lps = Vec::new();
-    let mut any_lp = false;
-    while let Some(ev) = rx.recv().await {
-        match ev {
-            Event::Token { text: t, logprob } => {
-                text.push_str(&t);
-                if let Some(l) = logprob {
-                    any_lp = true;
-                    lps.push(l);
-                }
-            }
-            Event::Done {
-                finish,
-                text: tail,
-                prompt_tokens,
-                completion_tokens,
-            } => {
-                text.push_str(&tail);
-                let lp = any_lp.then(|| reply::logprobs(head.endpoint, &lps, 0));
-                let usage = Usage {
-                    prompt: prompt_tokens,
-                    completion: completion_tokens,
-                };
-                return Json(reply::whole(&head, &text, lp, finish, usage)).into_response();
-            }
-            Event::Failed(why) => {
-                return ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, why).into_response()
-            }
-        }
-    }
-    ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, "the engine stopped").into_response()
-}
-
-/// The generation as server-sent events.
-fn streamed(
-    head: Head,
-    rx: mpsc::UnboundedReceiver<Event>,
-    include_usage: bool,
-) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
-    struct St {
-        head: Head,
-        rx: mpsc::UnboundedReceiver<Event>,
-        first: bool,
-        offset: usize,
-        pending: Vec<SseEvent>,
-        ended: bool,
-        include_usage: bool,
-    }
-    let data = |v: serde_json::Value| SseEvent::default().data(v.to_string());
-    let st = St {
-        head,
-        rx,
-        first: true,
-        offset: 0,
-        pending: Vec::new(),
-        ended: false,
-        include_usage,
-    };
-    let events = stream::unfold(st, move |mut st| async move {
-        loop {
-            if let Some(e) = st.pending.pop() {
-                return Some((Ok(e), st));
-            }
-            if st.ended {
-                return None;
-            }
-            match st.rx.recv().await {
-                Some(Event::Token { text, logprob }) => {
-                    if text.is_empty() && logprob.is_none() {
-                        continue;
-                    }
-                    let lp = logprob.map(|l| reply::logprobs(st.head.endpoint, &[l], st.offset));
-                    st.offset += text.len();
-                    let c = reply::chunk(&st.head, Some(&text), lp, None, st.first);
-                    st.first = false;
-                    return Some((Ok(data(c)), st));
-                }
-                Some(Event::Done {
-                    finish,
-                    text,
-                    prompt_tokens,
-                    completion_tokens,
-                }) => {
-                    // Sent in reverse order of `pending`'s pops.
-                    let mut out = vec![SseEvent::default().data("[DONE]")];
-                    if st.include_usage {
-                        let u = Usage {
-                            prompt: prompt_tokens,
-                            completion: completion_tokens,
-                        };
-                        out.push(data(reply::usage_chunk(&st.head, u)));
-                    }
-                    let t = (!text.is_empty()).then_some(text.as_str());
-                    out.push(data(reply::chunk(
-                        &st.head,
-                        t,
-                        None,
-                        Some(finish),
-                        st.first,
-                    )));
-                    st.pending = out;
-                    st.ended = true;
-                }
-                Some(Event::Failed(why)) => {
-                    let e = ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, why);
-                    st.pending = vec![SseEvent::default().data("[DONE]"), data(e.body())];
-                    st.ended = true;
-                }
-                None => return None,
-            }
-        }
-    });
-    // Comments while a request waits in the queue, so clients and proxies keep the stream.
-    Sse::new(events).keep_alive(KeepAlive::default())
 }

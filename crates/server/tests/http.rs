@@ -124,9 +124,16 @@ fn bad_requests_get_4xx_and_the_server_keeps_serving() -> Result<()> {
             Some("temperature"),
         ),
         Case::new(
-            "n = 2",
+            "n = 0",
             &completions,
-            br#"{"prompt": "x", "n": 2}"#.to_vec(),
+            br#"{"prompt": "x", "n": 0}"#.to_vec(),
+            400,
+            Some("n"),
+        ),
+        Case::new(
+            "n = 1000",
+            &completions,
+            br#"{"prompt": "x", "n": 1000}"#.to_vec(),
             400,
             Some("n"),
         ),

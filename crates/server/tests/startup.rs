@@ -16,6 +16,32 @@ fn bad_flags_are_refused_naming_the_flag() -> Result<()> {
         (&["--shutdown-timeout=-1"][..], "--shutdown-timeout -1"),
         (&["--ctx-size", "99999999"][..], "--ctx-size 99999999"),
         (&["--policy", "nonesuch"][..], "nonesuch"),
+        // Numbers past what the server can hold: one line each, not an abort or a panic.
+        (
+            &["--max-batch", "100000000000"][..],
+            "--max-batch 100000000000",
+        ),
+        (
+            &["--max-queue", "100000000000"][..],
+            "--max-queue 100000000000",
+        ),
+        (&["--shutdown-timeout", "1e300"][..], "--shutdown-timeout"),
+        (&["--header-timeout", "0"][..], "--header-timeout 0"),
+        (&["--body-timeout", "inf"][..], "--body-timeout inf"),
+        (&["--max-connections", "0"][..], "--max-connections 0"),
+        (
+            &["--max-connections", "100000000000"][..],
+            "--max-connections 100000000000",
+        ),
+        (
+            &["--tokenizer-threads", "100000"][..],
+            "--tokenizer-threads 100000",
+        ),
+        (&["--max-body", "1TiB"][..], "--max-body"),
+        (&["--prefill-chunk", "100000"][..], "--prefill-chunk 100000"),
+        (&["--max-prompt-tokens", "0"][..], "--max-prompt-tokens 0"),
+        (&["--api-key", ""][..], "--api-key is empty"),
+        (&["--allowed-hosts", "a,,b"][..], "--allowed-hosts"),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_kvpolicy-server"))
             .args(["--cpu", "--port", "0"])

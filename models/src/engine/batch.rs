@@ -4,11 +4,10 @@
 use std::time::Instant;
 
 use candle_core::Tensor;
-use candle_transformers::generation::LogitsProcessor;
 use kvpolicy_core::{KvPolicy, SeqLoad};
 
 use crate::engine::generate::{
-    check_finite, chunk_len, kv_shape, sampling, validate_request, GenerateConfig, Generation,
+    check_finite, chunk_len, kv_shape, validate_request, GenerateConfig, Generation,
 };
 use crate::error::{Message, ModelError, ModelInput, Result};
 use crate::model::{CausalLm, LogitsMode, SeqChunk};
@@ -88,7 +87,7 @@ struct Active {
     pos: usize,
     generated: Vec<u32>,
     rows: Vec<Tensor>,
-    sampler: LogitsProcessor,
+    sampler: crate::engine::sampler::Sampler,
     decode_tokens: usize,
     done: bool,
 }
@@ -138,7 +137,7 @@ pub fn generate_batch(
             pos: 0,
             generated: Vec::new(),
             rows: Vec::new(),
-            sampler: LogitsProcessor::from_sampling(cfg.seed, sampling(cfg)),
+            sampler: crate::engine::sampler::Sampler::new(cfg),
             decode_tokens: 0,
             done: false,
         })

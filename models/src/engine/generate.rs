@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use candle_core::Tensor;
-use candle_transformers::generation::{LogitsProcessor, Sampling};
+use candle_transformers::generation::Sampling;
 use kvpolicy_core::{KvPolicy, KvShape, KvStats};
 
 use crate::error::{Message, ModelError, ModelInput, Result};
@@ -450,7 +450,7 @@ pub(crate) fn decode_phase(
             }
         }
         None => {
-            let mut sampler = LogitsProcessor::from_sampling(cfg.seed, sampling(cfg));
+            let mut sampler = crate::engine::sampler::Sampler::new(cfg);
             for i in 0..cfg.max_new_tokens {
                 let tok = settle(sampler.sample(&last)?)?;
                 on_token(tok)?;

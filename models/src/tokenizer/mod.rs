@@ -20,6 +20,7 @@ use tokenizers::{AddedToken, SplitDelimiterBehavior, Tokenizer};
 use crate::error::{tok_err, Message, ModelError, ModelInput, Result};
 use crate::load::gguf::file::GgufFile;
 
+mod chat;
 mod guard;
 mod spm;
 
@@ -51,6 +52,10 @@ pub struct TextTokenizer {
     chat_template: Option<String>,
     bos_text: String,
     eos_text: String,
+    /// `inner` with control tokens' text tokenized as text (made when first needed).
+    plain: std::sync::OnceLock<Tokenizer>,
+    /// The ids of the control (special) tokens (gathered when first needed).
+    specials: std::sync::OnceLock<std::collections::HashSet<u32>>,
 }
 
 /// A byte-level BPE (`gpt2`) vocabulary with the pre-tokenizer llama.cpp uses for the file's
@@ -136,6 +141,8 @@ impl TextTokenizer {
             chat_template: None,
             bos_text: String::new(),
             eos_text: String::new(),
+            plain: std::sync::OnceLock::new(),
+            specials: std::sync::OnceLock::new(),
         };
         if let Some(cfg) = config {
             let text = crate::load::files::read_text_capped(
@@ -209,6 +216,8 @@ impl TextTokenizer {
             post_process: false,
             bos_prepend: if add_bos { bos } else { None },
             chat_template: g.meta_str("tokenizer.chat_template"),
+            plain: std::sync::OnceLock::new(),
+            specials: std::sync::OnceLock::new(),
         })
     }
 
@@ -221,6 +230,34 @@ impl TextTokenizer {
         Ok(ids)
     }
 
+    /// Token ids of `text` as [`encode`](Self::encode) gives them, except that text
+    /// spelling a control token (`<|im_start|>`) is tokenized as text, not as that token:
+    /// for text from users, who must not forge the model's markers.
+    pub fn encode_text(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self.guarded_encode_with(self.plain(), text, self.post_process)?;
+        let mut ids = Vec::with_capacity(enc.len() + 1);
+        ids.extend(self.bos_prepend);
+        ids.extend_from_slice(enc.get_ids());
+        Ok(ids)
+    }
+
+    /// Token ids of a piece of text with control tokens' text as text, and nothing added.
+    fn encode_plain(&self, text: &str) -> Result<Vec<u32>> {
+        Ok(self
+            .guarded_encode_with(self.plain(), text, false)?
+            .get_ids()
+            .to_vec())
+    }
+
+    /// The tokenizer that leaves control tokens' text as text.
+    fn plain(&self) -> &Tokenizer {
+        self.plain.get_or_init(|| {
+            let mut t = self.inner.clone();
+            t.set_encode_special_tokens(true);
+            t
+        })
+    }
+
     /// Token ids of text that already holds its special tokens (a rendered chat template,
     /// which writes BOS itself when the model wants one, as HF's `apply_chat_template` does).
     pub fn encode_raw(&self, text: &str) -> Result<Vec<u32>> {
@@ -231,13 +268,54 @@ impl TextTokenizer {
     /// `tokenizers`' encode, within bounds a hostile tokenizer file cannot break: the
     /// normalizer's expansion is checked first, a panic of the regex engine is an error.
     fn guarded_encode(&self, text: &str, special: bool) -> Result<tokenizers::Encoding> {
-        guard::check_expansion(self.inner.get_normalizer(), text)?;
-        guard::quietly("encoding the text", || self.inner.encode(text, special))?.map_err(tok_err)
+        self.guarded_encode_with(&self.inner, text, special)
+    }
+
+    /// [`guarded_encode`](Self::guarded_encode) through `tok`.
+    fn guarded_encode_with(
+        &self,
+        tok: &Tokenizer,
+        text: &str,
+        special: bool,
+    ) -> Result<tokenizers::Encoding> {
+        guard::check_expansion(tok.get_normalizer(), text)?;
+        guard::quietly("encoding the text", || tok.encode(text, special))?.map_err(tok_err)
     }
 
     /// Text of `ids` (special tokens skipped).
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         self.inner.decode(ids, true).map_err(tok_err)
+    }
+
+    /// Whether token `id` stands for one raw byte (`<0xE6>`, SentencePiece's byte
+    /// fallback): a run of them decodes to text only as a whole, so a later byte may change
+    /// how the run before it decodes (invalid UTF-8 becomes one U+FFFD per byte).
+    pub fn is_byte_piece(&self, id: u32) -> bool {
+        self.inner.id_to_token(id).is_some_and(|t| {
+            let b = t.as_bytes();
+            b.len() == 6
+                && t.starts_with("<0x")
+                && b[5] == b'>'
+                && b[3..5].iter().all(u8::is_ascii_hexdigit)
+        })
+    }
+
+    /// Whether token `id` is a control token, which [`decode`](Self::decode) skips: it
+    /// does not end a run of byte tokens.
+    pub fn is_control(&self, id: u32) -> bool {
+        self.special_ids().contains(&id)
+    }
+
+    /// The ids of the control (special) tokens.
+    fn special_ids(&self) -> &std::collections::HashSet<u32> {
+        self.specials.get_or_init(|| {
+            self.inner
+                .get_added_tokens_decoder()
+                .into_iter()
+                .filter(|(_, t)| t.special)
+                .map(|(id, _)| id)
+                .collect()
+        })
     }
 
     /// The underlying `tokenizers` tokenizer (for streaming decode).

@@ -49,11 +49,28 @@ impl Server {
 
     /// Sends SIGTERM and waits up to `within` for the exit.
     pub fn terminate(&mut self, within: Duration) -> Result<ExitStatus> {
-        let mut child = self.child.take().context("already stopped")?;
+        self.signal(libc::SIGTERM)?;
+        self.wait_exit(within)
+    }
+
+    /// Sends `sig` (the server keeps running, or starts stopping).
+    pub fn signal(&self, sig: i32) -> Result<()> {
+        let child = self.child.as_ref().context("already stopped")?;
         // SAFETY: kill(2) on our own child's pid.
         unsafe {
-            libc::kill(child.id() as i32, libc::SIGTERM);
+            libc::kill(child.id() as i32, sig);
         }
+        Ok(())
+    }
+
+    /// `host:port`.
+    pub fn authority(&self) -> &str {
+        self.base.trim_start_matches("http://")
+    }
+
+    /// Waits up to `within` for the exit (then kills it and fails).
+    pub fn wait_exit(&mut self, within: Duration) -> Result<ExitStatus> {
+        let mut child = self.child.take().context("already stopped")?;
         let start = Instant::now();
         loop {
             if let Some(status) = child.try_wait()? {
@@ -61,7 +78,7 @@ impl Server {
             }
             if start.elapsed() > within {
                 let _ = child.kill();
-                bail!("the server did not exit within {within:?} of SIGTERM");
+                bail!("the server did not exit within {within:?} of the signal");
             }
             std::thread::sleep(Duration::from_millis(50));
         }

@@ -1,0 +1,152 @@
+//! The server assembled from its flags, ready to be served: the model loaded, the policy
+//! built and prepared for `--max-batch` sequences, the engine thread started, and the
+//! router over them. The binary serves it on a socket ([`crate::listen`]); the HTTP fuzz
+//! target ([`crate::fuzzing`]) drives the same router in-process.
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use anyhow::{Context, Result};
+use axum::Router;
+use kvpolicy::models::engine::generate::kv_shape;
+use kvpolicy::models::{fingerprint, layer_specs, load, resolve, CausalLm, ModelSpec};
+use kvpolicy_cli::flags as cli_flags;
+use kvpolicy_cli::reuse::refuse_unrestorable;
+
+use crate::api;
+use crate::engine::{self, EngineConfig, EngineHandle};
+use crate::flags::{seconds, ServerArgs};
+use crate::guard::Access;
+use crate::intake::Intake;
+use crate::metrics::Metrics;
+use crate::reuse::Reuse;
+use crate::routes::{self, AppState};
+
+/// A server ready to serve.
+pub struct App {
+    /// The routes over the engine.
+    pub router: Router,
+    /// The engine (cancel it to end every request).
+    pub engine: EngineHandle,
+    /// The engine's thread: it ends once every handle is gone.
+    pub thread: JoinHandle<()>,
+    /// The metrics `/metrics` renders.
+    pub metrics: Arc<Metrics>,
+    /// The access rules (the binary warns when they expose the model).
+    pub access: Access,
+    /// What serves: the model's source, the policy, LOSSY when it is.
+    pub banner: String,
+}
+
+/// Builds the server `args` describe (`matches`: the same flags as clap matched them).
+pub fn build(
+    args: &ServerArgs,
+    reg: &kvpolicy::PolicyRegistry,
+    matches: &clap::ArgMatches,
+) -> Result<App> {
+    kvpolicy_cli::ranks::Ranks::launched().refuse_for("kvpolicy-server", "")?;
+    args.check()?;
+    args.prefix.check()?;
+    let access = Access::new(args.host, args.api_key.clone(), args.allowed_hosts.clone());
+    let (spec, warnings) = cli_flags::run_spec(reg, matches, &args.kv.policy)?;
+    for w in warnings {
+        eprintln!("{w}");
+    }
+    let device = args.model.device()?;
+    let dtype = args.model.dtype(&device)?;
+    let opts = args.kv.options(&device)?;
+    // A bad policy fails before the model loads.
+    let mut policy = reg.build_batched_spec(&spec, &opts)?;
+    if let Some(flag) = args.prefix.flag() {
+        // The batched wrapper takes any restore; one request's policy says whether it can.
+        refuse_unrestorable(reg.build_spec(&spec, &opts)?.as_mut(), flag)?;
+    }
+    let files = resolve(&args.model.spec(ModelSpec::Default, args.seed)?)?;
+    let loaded = load(&files, &device, dtype, args.model.tokenizer.as_deref())?;
+    let tok = Arc::new(
+        loaded
+            .tokenizer
+            .context("this model has no tokenizer; pass --tokenizer tokenizer.json")?,
+    );
+    let model: Arc<dyn CausalLm> = Arc::from(loaded.model);
+    let info = model.info().clone();
+    let context = match args.ctx_size {
+        Some(n) if n == 0 || n > info.max_positions => anyhow::bail!(
+            "--ctx-size {n}: this model has {} positions; give 1 to {}",
+            info.max_positions,
+            info.max_positions
+        ),
+        Some(n) => n,
+        None => info.max_positions,
+    };
+    args.check_against(context)?;
+    policy.prepare(&kv_shape(
+        &info,
+        args.max_batch,
+        context,
+        args.prefill_chunk,
+    ))?;
+    // A LOSSY policy, or a model a conversion made LOSSY (kvpolicy-compress).
+    let lossy = policy.stats().lossy || info.conversion.is_some();
+    if let Some(c) = &info.conversion {
+        eprintln!("LOSSY model: {c}; its logits differ from the original model's");
+    }
+    // The fingerprint hashes the weights: only when a cache is asked for.
+    let reuse = if args.prefix.wanted() {
+        args.prefix
+            .open(fingerprint(&files, &info)?)?
+            .map(|cache| Reuse::new(cache, layer_specs(&info)))
+    } else {
+        None
+    };
+    let metrics = Arc::new(Metrics::new());
+    let (handle, engine) = engine::start(
+        model,
+        tok.clone(),
+        policy,
+        EngineConfig {
+            max_batch: args.max_batch,
+            max_queue: args.max_queue,
+            prefill_chunk: args.prefill_chunk,
+            batch_invariant: args.batch_invariant,
+        },
+        metrics.clone(),
+        reuse,
+    )?;
+    let body_timeout = seconds("--body-timeout", args.body_timeout, false)?;
+    let state = Arc::new(AppState {
+        engine: handle.clone(),
+        intake: Intake::new(
+            tok,
+            args.tokenizer_threads,
+            body_timeout,
+            usize::try_from(args.max_body).unwrap_or(usize::MAX),
+            args.parse_special,
+        ),
+        model_name: args
+            .served_model_name
+            .clone()
+            .unwrap_or_else(|| info.source.clone()),
+        vocab: info.vocab_size,
+        context,
+        max_prompt: args.max_prompt_tokens,
+        max_choices: (args.max_batch + args.max_queue).clamp(1, api::MAX_CHOICES),
+        metrics: metrics.clone(),
+        access: access.clone(),
+        created: routes::unix_now(),
+        next_id: AtomicU64::new(1),
+    });
+    Ok(App {
+        router: routes::router(state),
+        engine: handle,
+        thread: engine,
+        metrics,
+        access,
+        banner: format!(
+            "{} under `{}`{}",
+            info.source,
+            args.kv.policy,
+            if lossy { ", LOSSY" } else { "" }
+        ),
+    })
+}

@@ -1,0 +1,190 @@
+//! The server's flags (the examples' model and policy flags, and its own) and their bounds:
+//! every number is checked at start-up into a one-line error naming the flag, before
+//! anything is allocated from it.
+use std::net::IpAddr;
+use std::time::Duration;
+
+use anyhow::{ensure, Result};
+use clap::Parser;
+use kvpolicy_cli::args::{parse_budget, ModelArgs, PolicyArgs, PrefixArgs};
+
+/// Requests decoding together at most (`--max-batch`): past it one engine step's buffers
+/// alone would not fit a machine.
+pub const MAX_BATCH: usize = 4096;
+/// Requests waiting at most (`--max-queue`).
+pub const MAX_QUEUE: usize = 1 << 20;
+/// Largest `--max-body`.
+pub const MAX_BODY: u64 = 1 << 30;
+/// Longest of the timeouts, in seconds (a day).
+pub const MAX_SECONDS: f64 = 86_400.0;
+/// Open files kept for the model, the caches and the engine beyond the connections.
+pub const FD_RESERVE: u64 = 128;
+/// Most threads parsing and tokenizing requests.
+pub const MAX_TOKENIZER_THREADS: usize = 256;
+
+/// The server's flags: the examples' model and policy flags, and its own.
+#[derive(Parser, Debug)]
+#[command(
+    name = "kvpolicy-server",
+    about = "An OpenAI-compatible server over one model under a KV policy"
+)]
+pub struct ServerArgs {
+    /// The model (the examples' flags).
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// The KV policy and its budgets (the examples' flags).
+    #[command(flatten)]
+    pub kv: PolicyArgs,
+    /// The prefix cache (the examples' flags).
+    #[command(flatten)]
+    pub prefix: PrefixArgs,
+    /// Address to listen on (loopback unless told otherwise; another address without
+    /// --api-key is warned about).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: IpAddr,
+    /// Port to listen on (0: a free one; the address is printed at start-up).
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// Requests decoding together at most (the ragged batch's size; 1 to 4096).
+    #[arg(long, default_value_t = 8)]
+    pub max_batch: usize,
+    /// Requests waiting for a slot at most; past it a request gets 429 with Retry-After.
+    #[arg(long, default_value_t = 64)]
+    pub max_queue: usize,
+    /// Prompt tokens per engine step, shared by the requests being prefilled, so the
+    /// running ones keep decoding between a newcomer's pieces (at most the context).
+    #[arg(long, default_value_t = 256)]
+    pub prefill_chunk: usize,
+    /// Largest request body, e.g. 4MiB (413 past it; at most 1GiB).
+    #[arg(long, default_value = "4MiB", value_parser = parse_budget)]
+    pub max_body: u64,
+    /// Prompt plus generated tokens per request at most (default: the model's positions).
+    #[arg(long, value_name = "N")]
+    pub ctx_size: Option<usize>,
+    /// Prompt tokens per request at most, below the context (413 past it; default: no
+    /// limit but the context, past which a prompt is a 400).
+    #[arg(long, value_name = "N")]
+    pub max_prompt_tokens: Option<usize>,
+    /// Require `Authorization: Bearer KEY` on the /v1/ routes (401 without it; not empty).
+    #[arg(long, value_name = "KEY")]
+    pub api_key: Option<String>,
+    /// Host names the `Host` header may carry (any port), comma-separated; `*` takes any.
+    /// Default: on loopback `localhost`, `127.0.0.1` and `::1`; elsewhere the --host
+    /// address (name the server's DNS names here). Against DNS rebinding.
+    #[arg(long, value_name = "NAMES", value_delimiter = ',')]
+    pub allowed_hosts: Option<Vec<String>>,
+    /// The model's name in responses and /v1/models (default: the model's source).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// Seconds the whole shutdown may take after SIGTERM, SIGHUP or Ctrl-C: in-flight
+    /// requests finish within it, then the rest are cancelled (a second signal exits at
+    /// once).
+    #[arg(long, default_value_t = 10.0)]
+    pub shutdown_timeout: f64,
+    /// Connections open at most; past it a new connection is answered 503 and closed
+    /// (default 512; with 128 open files kept for the server, within `ulimit -n`).
+    #[arg(long, default_value_t = 512)]
+    pub max_connections: usize,
+    /// Seconds a connection may take to send a request's headers, and may stay idle
+    /// between requests, before it is closed.
+    #[arg(long, default_value_t = 10.0)]
+    pub header_timeout: f64,
+    /// Seconds a request may take to send its body (408 past it).
+    #[arg(long, default_value_t = 30.0)]
+    pub body_timeout: f64,
+    /// Requests parsed and tokenized at once, on threads of their own (the rest wait).
+    #[arg(long, default_value_t = 2)]
+    pub tokenizer_threads: usize,
+    /// Let /v1/completions' prompt text spell the tokenizer's control tokens
+    /// (`<|im_start|>`), matched as those tokens (llama.cpp's `parse_special`). Off: such
+    /// text is tokenized as text. Chat messages' text is always text.
+    #[arg(long)]
+    pub parse_special: bool,
+    /// A request's tokens do not depend on what it is batched with: each prompt piece runs
+    /// in a pass of its own and decode tokens in passes that take the kernel one token
+    /// takes alone (slower with many requests; greedy output then equals the request run
+    /// alone).
+    #[arg(long)]
+    pub batch_invariant: bool,
+    /// Seed of --random-weights.
+    #[arg(long, default_value_t = 299_792_458)]
+    pub seed: u64,
+}
+
+/// A number of seconds from `flag`, within [0, [`MAX_SECONDS`]].
+pub fn seconds(flag: &str, s: f64, zero_ok: bool) -> Result<Duration> {
+    ensure!(
+        s.is_finite() && (s > 0.0 || (zero_ok && s == 0.0)) && s <= MAX_SECONDS,
+        "{flag} {s}: give a number of seconds {} 0 and at most {MAX_SECONDS}",
+        if zero_ok { "≥" } else { ">" }
+    );
+    Ok(Duration::from_secs_f64(s))
+}
+
+impl ServerArgs {
+    /// The bounds that need nothing but the flags.
+    pub fn check(&self) -> Result<()> {
+        for (n, flag, most) in [
+            (self.max_batch, "--max-batch", MAX_BATCH),
+            (self.prefill_chunk, "--prefill-chunk", usize::MAX),
+            (self.max_connections, "--max-connections", usize::MAX),
+            (
+                self.tokenizer_threads,
+                "--tokenizer-threads",
+                MAX_TOKENIZER_THREADS,
+            ),
+        ] {
+            ensure!(n > 0, "{flag} 0: give at least 1");
+            ensure!(n <= most, "{flag} {n}: give at most {most}");
+        }
+        ensure!(
+            self.max_queue <= MAX_QUEUE,
+            "--max-queue {}: give at most {MAX_QUEUE}",
+            self.max_queue
+        );
+        ensure!(
+            self.max_body > 0 && self.max_body <= MAX_BODY,
+            "--max-body {}: give 1 byte to 1GiB",
+            self.max_body
+        );
+        seconds("--shutdown-timeout", self.shutdown_timeout, true)?;
+        seconds("--header-timeout", self.header_timeout, false)?;
+        seconds("--body-timeout", self.body_timeout, false)?;
+        if let Some(key) = &self.api_key {
+            ensure!(
+                !key.trim().is_empty(),
+                "--api-key is empty: give a key clients will send (or leave the flag out)"
+            );
+            ensure!(
+                key.bytes().all(|b| b.is_ascii_graphic()),
+                "--api-key holds spaces or characters an HTTP header cannot carry: give printable ASCII"
+            );
+        }
+        if let Some(hosts) = &self.allowed_hosts {
+            ensure!(
+                hosts.iter().all(|h| !h.trim().is_empty()),
+                "--allowed-hosts has an empty name: give names separated by commas, or `*`"
+            );
+        }
+        if let Some(n) = self.max_prompt_tokens {
+            ensure!(n > 0, "--max-prompt-tokens 0: give at least 1");
+        }
+        Ok(())
+    }
+
+    /// The bounds that need the model's context (`context` tokens).
+    pub fn check_against(&self, context: usize) -> Result<()> {
+        ensure!(
+            self.prefill_chunk <= context,
+            "--prefill-chunk {}: the context is {context} tokens; give at most {context}",
+            self.prefill_chunk
+        );
+        if let Some(n) = self.max_prompt_tokens {
+            ensure!(
+                n < context,
+                "--max-prompt-tokens {n}: the context is {context} tokens; give fewer (room is left for the answer)"
+            );
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,307 @@
+//! Connections as a bounded resource (hyper's HTTP/1 server under the axum router).
+//!
+//! - At most `--max-connections` are open at once. At the cap a newcomer first takes the
+//!   place of the connection that has been open longest without a request in progress
+//!   (idle, or still sending its head), which is closed; only when every open connection
+//!   is serving a request is the newcomer *shed*: answered `503` with `Retry-After` and
+//!   closed at once. Both are counted in `/metrics` and logged (the first time, then every
+//!   1000th). So a flood of idle sockets cannot lock other clients out, nor take the file
+//!   descriptors the server needs: the cap is checked at start-up against the open-file
+//!   limit (raised to its hard limit) with [`FD_RESERVE`](crate::flags::FD_RESERVE) kept
+//!   for the model, the caches and the engine.
+//! - A connection that has not sent a whole request head within `--header-timeout` — one
+//!   that sends nothing, part of its headers, or stays idle between requests — is closed
+//!   (hyper's header-read timer, armed whenever a connection waits for a head). A body
+//!   slower than `--body-timeout` is a 408 ([`crate::intake`]).
+//! - On shutdown the listener closes, every connection is told to finish its current
+//!   response and close, and [`Connections::drained`] says when none is left; the caller
+//!   bounds that wait by `--shutdown-timeout` (half-open connections are dropped with the
+//!   runtime after it).
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use anyhow::{ensure, Result};
+use axum::body::Body;
+use axum::Router;
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{watch, Notify, Semaphore};
+use tower::ServiceExt;
+
+use crate::flags::FD_RESERVE;
+use crate::metrics::Metrics;
+
+/// How long a newcomer waits for an evicted connection's place.
+const EVICTION_WAIT: Duration = Duration::from_millis(200);
+
+/// The table, even if a task panicked while holding it (it holds no invariant a panic
+/// could break halfway).
+fn lock(t: &Mutex<Table>) -> MutexGuard<'_, Table> {
+    t.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// What bounds a connection.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    /// Connections open at most.
+    pub max_connections: usize,
+    /// Time to send a request head, or to stay idle between requests.
+    pub header_timeout: Duration,
+}
+
+/// Raises the open-file limit to its hard limit and checks that `max_connections` fit in it
+/// with [`FD_RESERVE`] to spare.
+pub fn fit_open_files(max_connections: usize) -> Result<()> {
+    #[cfg(unix)]
+    {
+        let (soft, hard) = rlimit::Resource::NOFILE.get()?;
+        let limit = if soft < hard {
+            // Servers raise it for their connections (nginx's worker_rlimit_nofile).
+            rlimit::Resource::NOFILE
+                .set(hard, hard)
+                .map_or(soft, |()| hard)
+        } else {
+            soft
+        };
+        ensure!(
+            (max_connections as u64).saturating_add(FD_RESERVE) <= limit,
+            "--max-connections {max_connections}: the open-file limit is {limit} (`ulimit -n`) and {FD_RESERVE} are kept for the model, the caches and the engine; give at most {} or raise the limit",
+            limit.saturating_sub(FD_RESERVE)
+        );
+    }
+    Ok(())
+}
+
+/// An open connection as the accept loop sees it.
+struct Open {
+    /// Requests in progress on it (their responses included).
+    busy: Arc<AtomicUsize>,
+    /// Closes it at once.
+    close: Arc<Notify>,
+}
+
+/// The open connections, oldest first.
+#[derive(Default)]
+struct Table {
+    next: u64,
+    open: BTreeMap<u64, Open>,
+}
+
+impl Table {
+    /// Closes the oldest connection with no request in progress; whether there was one.
+    fn evict_idle(&mut self) -> bool {
+        let idle = self
+            .open
+            .iter()
+            .find(|(_, c)| c.busy.load(Ordering::SeqCst) == 0)
+            .map(|(&id, _)| id);
+        match idle.and_then(|id| self.open.remove(&id)) {
+            Some(c) => {
+                c.close.notify_one();
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// Counts a request in progress on its connection until dropped (with its response body).
+struct Busy(Arc<AtomicUsize>);
+
+impl Busy {
+    fn start(count: &Arc<AtomicUsize>) -> Self {
+        count.fetch_add(1, Ordering::SeqCst);
+        Self(count.clone())
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Logs the first of a kind of event, then every 1000th.
+fn every_thousandth(n: u64) -> bool {
+    n == 1 || n.is_multiple_of(1000)
+}
+
+/// The open connections, and the way to tell them to close.
+pub struct Connections {
+    slots: Arc<Semaphore>,
+    max: u32,
+    stop: watch::Sender<bool>,
+}
+
+impl Connections {
+    /// Tells every connection to finish its current response and close.
+    pub fn close_all(&self) {
+        let _ = self.stop.send(true);
+    }
+
+    /// Resolves once no connection is open.
+    pub async fn drained(&self) {
+        let _ = self.slots.acquire_many(self.max).await;
+    }
+}
+
+/// Accepts connections on `listener` for `app` until `until` resolves; then the listener
+/// closes. The returned [`Connections`] outlive the accept loop.
+pub async fn serve(
+    listener: TcpListener,
+    app: Router,
+    limits: Limits,
+    metrics: Arc<Metrics>,
+    until: impl std::future::Future<Output = ()>,
+) -> Connections {
+    let max = u32::try_from(limits.max_connections).unwrap_or(u32::MAX);
+    let slots = Arc::new(Semaphore::new(max as usize));
+    let (stop, stopping) = watch::channel(false);
+    let table = Arc::new(Mutex::new(Table::default()));
+    let (mut evicted, mut shed_count, mut accept_errors) = (0u64, 0u64, 0u64);
+    tokio::pin!(until);
+    loop {
+        let accepted = tokio::select! {
+            () = &mut until => break,
+            r = listener.accept() => r,
+        };
+        let stream = match accepted {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                // Out of descriptors (another process's share, a lower limit than checked):
+                // wait a little instead of spinning on the same error.
+                accept_errors += 1;
+                if every_thousandth(accept_errors) {
+                    eprintln!("accepting a connection failed ({accept_errors} times so far): {e}");
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let permit = match slots.clone().try_acquire_owned() {
+            Ok(p) => Some(p),
+            Err(_) if lock(&table).evict_idle() => {
+                metrics.connections_evicted.inc();
+                evicted += 1;
+                if every_thousandth(evicted) {
+                    eprintln!(
+                        "{} connections open (--max-connections): the longest idle ones are closed for newcomers ({evicted} so far)",
+                        limits.max_connections
+                    );
+                }
+                // Its place frees once its task has closed it.
+                tokio::time::timeout(EVICTION_WAIT, slots.clone().acquire_owned())
+                    .await
+                    .ok()
+                    .and_then(Result::ok)
+            }
+            Err(_) => None,
+        };
+        let Some(permit) = permit else {
+            metrics.connections_shed.inc();
+            shed_count += 1;
+            if every_thousandth(shed_count) {
+                eprintln!(
+                    "{} connections open (--max-connections), every one serving a request: new ones are answered 503 and closed ({shed_count} so far)",
+                    limits.max_connections
+                );
+            }
+            shed(stream);
+            continue;
+        };
+        let open = Open {
+            busy: Arc::new(AtomicUsize::new(0)),
+            close: Arc::new(Notify::new()),
+        };
+        let (busy, close) = (open.busy.clone(), open.close.clone());
+        let id = {
+            let mut t = lock(&table);
+            let id = t.next;
+            t.next += 1;
+            t.open.insert(id, open);
+            id
+        };
+        let (app, metrics, table) = (app.clone(), metrics.clone(), table.clone());
+        let stopping = stopping.clone();
+        let timeout = limits.header_timeout;
+        tokio::spawn(async move {
+            metrics.connections.inc();
+            connection(
+                stream,
+                app,
+                timeout,
+                Control {
+                    stopping,
+                    close,
+                    busy,
+                },
+            )
+            .await;
+            metrics.connections.dec();
+            lock(&table).open.remove(&id);
+            drop(permit);
+        });
+    }
+    Connections { slots, max, stop }
+}
+
+/// How a connection is told to end.
+struct Control {
+    /// Becomes true at shutdown: finish the current response, then close.
+    stopping: watch::Receiver<bool>,
+    /// Close now (evicted for a newcomer).
+    close: Arc<Notify>,
+    /// Requests in progress.
+    busy: Arc<AtomicUsize>,
+}
+
+/// One connection, served until it closes, is evicted, or is told to stop (then it
+/// finishes its response).
+async fn connection(stream: TcpStream, app: Router, header_timeout: Duration, mut c: Control) {
+    let _ = stream.set_nodelay(true);
+    let busy = c.busy.clone();
+    let service = hyper::service::service_fn(move |req: axum::http::Request<Incoming>| {
+        let working = Busy::start(&busy);
+        let app = app.clone();
+        async move {
+            let response = app.oneshot(req.map(Body::new)).await?;
+            // The count ends with the response's body (a stream may run long after).
+            Ok::<_, Infallible>(response.map(|b| {
+                Body::new(b.map_err(move |e| {
+                    let _ = &working;
+                    e
+                }))
+            }))
+        }
+    });
+    let mut builder = http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(header_timeout)
+        .keep_alive(true);
+    let conn = builder.serve_connection(TokioIo::new(stream), service);
+    tokio::pin!(conn);
+    tokio::select! {
+        _ = conn.as_mut() => return,
+        () = c.close.notified() => return,
+        _ = c.stopping.wait_for(|s| *s) => {}
+    }
+    conn.as_mut().graceful_shutdown();
+    let _ = conn.await;
+}
+
+/// A connection past the cap: a 503 written if the socket takes it now, then closed.
+fn shed(stream: TcpStream) {
+    const BODY: &str = r#"{"error":{"message":"too many connections; retry shortly","type":"server_error","param":null,"code":"503"}}"#;
+    let reply = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{BODY}",
+        BODY.len()
+    );
+    let _ = stream.try_write(reply.as_bytes());
+}

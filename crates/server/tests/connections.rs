@@ -1,0 +1,174 @@
+//! Connections as a resource a hostile client holds (issue "Hardening IV", classes 1–3):
+//! silent, slow and idle clients are closed; a flood of connections cannot lock others out;
+//! shutdown is bounded however clients behave. The time bounds below only keep a failing
+//! test from hanging: each waits many times the server's own timeout.
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use anyhow::{ensure, Context, Result};
+use common::{agent, get, metric, Server};
+use serde_json::json;
+
+/// Long enough for any timeout below to have fired several times over.
+const PATIENCE: Duration = Duration::from_secs(30);
+
+fn connect(server: &Server) -> Result<TcpStream> {
+    let c = TcpStream::connect(server.authority())?;
+    c.set_read_timeout(Some(PATIENCE))?;
+    Ok(c)
+}
+
+/// Everything the server sends until it closes the connection (an error if it keeps it
+/// open past [`PATIENCE`]).
+fn until_closed(c: &mut TcpStream) -> Result<String> {
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        match c.read(&mut buf) {
+            Ok(0) => return Ok(String::from_utf8_lossy(&got).into_owned()),
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            // A reset is a close too.
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {
+                return Ok(String::from_utf8_lossy(&got).into_owned())
+            }
+            Err(e) => {
+                return Err(e).with_context(|| {
+                    format!(
+                        "the connection stayed open; got {:?}",
+                        String::from_utf8_lossy(&got)
+                    )
+                })
+            }
+        }
+    }
+}
+
+#[test]
+fn silent_slow_and_idle_clients_are_closed() -> Result<()> {
+    let server = Server::start(&["--header-timeout", "1", "--body-timeout", "1"])?;
+    let host = server.authority().to_string();
+    // Nothing sent at all.
+    let mut silent = connect(&server)?;
+    ensure!(until_closed(&mut silent)?.is_empty());
+    // Part of a request head.
+    let mut slow_head = connect(&server)?;
+    write!(
+        slow_head,
+        "POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
+    )?;
+    ensure!(until_closed(&mut slow_head)?.is_empty());
+    // A whole head, part of its body: a 408.
+    let mut slow_body = connect(&server)?;
+    write!(
+        slow_body,
+        "POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{{\"prompt\""
+    )?;
+    let reply = until_closed(&mut slow_body)?;
+    ensure!(reply.starts_with("HTTP/1.1 408"), "{reply}");
+    ensure!(reply.contains("--body-timeout"), "{reply}");
+    // One request answered, then idle on a kept-alive connection.
+    let mut idle = connect(&server)?;
+    write!(idle, "GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n")?;
+    let reply = until_closed(&mut idle)?;
+    ensure!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+    // Still serving.
+    let (status, _) = get(&agent(), &server.url("/health"))?;
+    ensure!(status == 200);
+    Ok(())
+}
+
+#[test]
+fn a_flood_of_idle_connections_cannot_lock_others_out() -> Result<()> {
+    let server = Server::start(&[
+        "--max-connections",
+        "8",
+        "--header-timeout",
+        "600",
+        "--max-batch",
+        "8",
+    ])?;
+    let host = server.authority().to_string();
+    // 40 connections that never send a byte, plus 8 with half a head: far past the cap.
+    let mut flood: Vec<TcpStream> = (0..40).map(|_| connect(&server)).collect::<Result<_>>()?;
+    for _ in 0..8 {
+        let mut c = connect(&server)?;
+        write!(c, "GET /health HTTP/1.1\r\nHost: {host}\r\n")?;
+        flood.push(c);
+    }
+    // Others are served while the flood stays (the idle ones make room).
+    for _ in 0..5 {
+        let (status, text) = get(&agent(), &server.url("/health"))?;
+        ensure!(status == 200, "{status} {text}");
+    }
+    let (_, m) = get(&agent(), &server.url("/metrics"))?;
+    let evicted = metric(&m, "kvpolicy_http_connections_evicted_total").unwrap_or(0.0);
+    ensure!(evicted >= 40.0, "{evicted} evicted\n{m}");
+    let open = metric(&m, "kvpolicy_http_connections").unwrap_or(f64::MAX);
+    ensure!(open <= 8.0, "{open} open\n{m}");
+    drop(flood);
+    // Every place taken by a request in progress: a newcomer is answered 503 and closed.
+    let streams: Vec<TcpStream> = (0..8)
+        .map(|_| {
+            let mut c = connect(&server)?;
+            let body = json!({"prompt": "Once upon a time", "max_tokens": 3000, "stream": true})
+                .to_string();
+            write!(
+                c,
+                "POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            )?;
+            let mut first = [0u8; 64];
+            let n = c.read(&mut first)?;
+            ensure!(first[..n].starts_with(b"HTTP/1.1 200"));
+            Ok(c)
+        })
+        .collect::<Result<_>>()?;
+    let mut late = connect(&server)?;
+    write!(late, "GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n")?;
+    let reply = until_closed(&mut late)?;
+    ensure!(reply.starts_with("HTTP/1.1 503"), "{reply}");
+    ensure!(
+        reply.to_ascii_lowercase().contains("retry-after: 1"),
+        "{reply}"
+    );
+    drop(streams);
+    Ok(())
+}
+
+#[test]
+fn shutdown_is_bounded_whatever_clients_hold() -> Result<()> {
+    let half_open = |server: &Server| -> Result<Vec<TcpStream>> {
+        let host = server.authority();
+        let mut head = connect(server)?;
+        write!(head, "POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n")?;
+        let mut body = connect(server)?;
+        write!(
+            body,
+            "POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{{"
+        )?;
+        // Requests that reached the server: the engine, and hyper, saw them begin.
+        std::thread::sleep(Duration::from_millis(300));
+        Ok(vec![head, body, connect(server)?])
+    };
+    let slow = ["--header-timeout", "600", "--body-timeout", "600"];
+    // SIGTERM and SIGHUP: within --shutdown-timeout, exit 0.
+    for sig in [libc::SIGTERM, libc::SIGHUP] {
+        let mut server = Server::start(&[&slow[..], &["--shutdown-timeout", "1"]].concat())?;
+        let _held = half_open(&server)?;
+        server.signal(sig)?;
+        let status = server.wait_exit(PATIENCE)?;
+        ensure!(status.success(), "signal {sig}: {status}");
+    }
+    // A second signal ends a long graceful wait at once.
+    let mut server = Server::start(&[&slow[..], &["--shutdown-timeout", "3600"]].concat())?;
+    let _held = half_open(&server)?;
+    server.signal(libc::SIGTERM)?;
+    std::thread::sleep(Duration::from_millis(300));
+    server.signal(libc::SIGINT)?;
+    let status = server.wait_exit(PATIENCE)?;
+    ensure!(status.success(), "{status}");
+    Ok(())
+}
