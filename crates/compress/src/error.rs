@@ -21,13 +21,14 @@ pub enum CompressError {
     /// The input checkpoint lacks what its config promises.
     #[error("{0}")]
     Checkpoint(String),
-    /// A file could not be read or written.
-    #[error("{path}: {source}")]
+    /// A file could not be read or written (the OS error is part of the message and not
+    /// a `source`, so that a chain-printing caller says it once).
+    #[error("{path}: {cause}")]
     Io {
         /// The path.
         path: PathBuf,
         /// The error.
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// Loading or running the model.
     #[error(transparent)]
@@ -45,7 +46,7 @@ impl CompressError {
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Self::Io {
             path: path.into(),
-            source,
+            cause: source,
         }
     }
 }

@@ -1,7 +1,8 @@
 //! The output directory, written whole or not at all: checked before any work (a new path,
-//! or an empty directory; never a link, a file, or a directory with contents), filled
-//! inside a temporary directory beside it, and renamed into place at the end. An
-//! interrupted run (an error, SIGINT, SIGTERM) removes the temporary.
+//! or an empty directory, in a parent directory this process can write; never a symbolic
+//! link — dangling, or named with a trailing slash —, a file, or a directory with
+//! contents), filled inside a temporary directory beside it, and renamed into place at the
+//! end. An interrupted run (an error, SIGINT, SIGTERM) removes the temporary.
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -38,39 +39,90 @@ fn refuse(path: &Path, why: &str) -> CompressError {
     }
 }
 
-/// Checks that `out` can be created (or is an empty directory to fill).
+/// `out` without trailing slashes (with one, the OS would follow a symbolic link named
+/// `out` and look at its target).
+fn bare(out: &Path) -> PathBuf {
+    match (out.parent(), out.file_name()) {
+        (Some(p), Some(name)) => p.join(name),
+        _ => out.to_path_buf(),
+    }
+}
+
+/// Checks, before any work, that `out` can be created (or is an empty directory to fill):
+/// not a symbolic link (dangling or not, with or without a trailing slash), not a file,
+/// not a directory with contents, in an existing parent directory this process can write.
 pub fn check_output(out: &Path) -> Result<()> {
-    match std::fs::symlink_metadata(out) {
-        Ok(m) if m.file_type().is_symlink() => Err(refuse(
-            out,
-            "is a symbolic link; give --out a new directory",
-        )),
-        Ok(m) if !m.is_dir() => Err(refuse(
-            out,
-            "exists and is not a directory; give --out a new directory",
-        )),
+    let path = bare(out);
+    match std::fs::symlink_metadata(&path) {
+        Ok(m) if m.file_type().is_symlink() => {
+            return Err(refuse(
+                out,
+                "is a symbolic link; give --out a new directory (the converted model is written there, never through a link)",
+            ))
+        }
+        Ok(m) if !m.is_dir() => {
+            return Err(refuse(
+                out,
+                "exists and is not a directory; give --out a new directory",
+            ))
+        }
         Ok(_) => {
-            let mut entries = std::fs::read_dir(out).map_err(|e| CompressError::io(out, e))?;
+            let mut entries = std::fs::read_dir(&path).map_err(|e| CompressError::io(out, e))?;
             if entries.next().is_some() {
                 return Err(refuse(
                     out,
                     "exists and is not empty; give --out a new or empty directory (nothing is overwritten)",
                 ));
             }
-            Ok(())
         }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            let parent = parent_of(out);
-            if !parent.is_dir() {
-                return Err(refuse(
-                    out,
-                    "its parent directory does not exist; create it first",
-                ));
-            }
-            Ok(())
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotADirectory => {
+            // A component of the path is a file.
+            return Err(refuse(
+                out,
+                "cannot be created: its parent is not a directory; give --out a path in a directory",
+            ));
         }
-        Err(e) => Err(CompressError::io(out, e)),
+        Err(e) => {
+            return Err(refuse(
+                out,
+                &format!("cannot be checked ({e}); give --out a new directory you can write"),
+            ))
+        }
     }
+    check_parent(out, &parent_of(&path))
+}
+
+/// Refuses `out` when its `parent` is not an existing directory this process can write
+/// (tried: a temporary created and removed at once).
+fn check_parent(out: &Path, parent: &Path) -> Result<()> {
+    match std::fs::metadata(parent) {
+        Ok(m) if m.is_dir() => {}
+        Ok(_) => return Err(refuse(
+            out,
+            "cannot be created: its parent is not a directory; give --out a path in a directory",
+        )),
+        Err(_) => {
+            return Err(refuse(
+                out,
+                "its parent directory does not exist; create it first",
+            ))
+        }
+    }
+    tempfile::Builder::new()
+        .prefix(".kvpolicy-compress-")
+        .tempdir_in(parent)
+        .map(drop)
+        .map_err(|e| {
+            refuse(
+                out,
+                &format!(
+                    "cannot be written: its parent directory {} refuses a new entry ({}); give --out a path in a directory you can write",
+                    parent.display(),
+                    e.kind()
+                ),
+            )
+        })
 }
 
 fn parent_of(out: &Path) -> PathBuf {
@@ -83,6 +135,7 @@ fn parent_of(out: &Path) -> PathBuf {
 /// Writes `ck` as an HF directory at `out` (`model.safetensors`, `config.json`, its files).
 pub fn write(ck: &Checkpoint, out: &Path) -> Result<()> {
     check_output(out)?;
+    let out = &bare(out);
     let parent = parent_of(out);
     let tmp = tempfile::Builder::new()
         .prefix(".kvpolicy-compress-")
