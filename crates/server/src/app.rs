@@ -80,12 +80,9 @@ pub fn build(
         None => info.max_positions,
     };
     args.check_against(context)?;
-    policy.prepare(&kv_shape(
-        &info,
-        args.max_batch,
-        context,
-        args.prefill_chunk,
-    ))?;
+    // No piece is longer than a request can be.
+    let prefill_chunk = args.prefill_chunk.min(context);
+    policy.prepare(&kv_shape(&info, args.max_batch, context, prefill_chunk))?;
     // A LOSSY policy, or a model a conversion made LOSSY (kvpolicy-compress).
     let lossy = policy.stats().lossy || info.conversion.is_some();
     if let Some(c) = &info.conversion {
@@ -107,7 +104,7 @@ pub fn build(
         EngineConfig {
             max_batch: args.max_batch,
             max_queue: args.max_queue,
-            prefill_chunk: args.prefill_chunk,
+            prefill_chunk,
             batch_invariant: args.batch_invariant,
         },
         metrics.clone(),

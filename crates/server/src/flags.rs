@@ -52,7 +52,8 @@ pub struct ServerArgs {
     #[arg(long, default_value_t = 64)]
     pub max_queue: usize,
     /// Prompt tokens per engine step, shared by the requests being prefilled, so the
-    /// running ones keep decoding between a newcomer's pieces (at most the context).
+    /// running ones keep decoding between a newcomer's pieces (past the context: the
+    /// context).
     #[arg(long, default_value_t = 256)]
     pub prefill_chunk: usize,
     /// Largest request body, e.g. 4MiB (413 past it; at most 1GiB).
@@ -174,11 +175,6 @@ impl ServerArgs {
 
     /// The bounds that need the model's context (`context` tokens).
     pub fn check_against(&self, context: usize) -> Result<()> {
-        ensure!(
-            self.prefill_chunk <= context,
-            "--prefill-chunk {}: the context is {context} tokens; give at most {context}",
-            self.prefill_chunk
-        );
         if let Some(n) = self.max_prompt_tokens {
             ensure!(
                 n < context,

@@ -74,6 +74,12 @@ pub struct Metrics {
     pub connections_evicted: Counter,
 }
 
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl Metrics {
     /// Every metric at zero, registered under `kvpolicy_`.
     pub fn new() -> Self {

@@ -38,7 +38,6 @@ fn bad_flags_are_refused_naming_the_flag() -> Result<()> {
             "--tokenizer-threads 100000",
         ),
         (&["--max-body", "1TiB"][..], "--max-body"),
-        (&["--prefill-chunk", "100000"][..], "--prefill-chunk 100000"),
         (&["--max-prompt-tokens", "0"][..], "--max-prompt-tokens 0"),
         (&["--api-key", ""][..], "--api-key is empty"),
         (&["--allowed-hosts", "a,,b"][..], "--allowed-hosts"),
