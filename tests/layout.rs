@@ -9,8 +9,9 @@ use std::path::{Path, PathBuf};
 use anyhow::{ensure, Result};
 
 /// Every crate's source root (and kvbench's, an example with modules of its own).
-const CRATES: [&str; 17] = [
+const CRATES: [&str; 18] = [
     "crates/core/src",
+    "crates/server/src",
     "crates/helix/src",
     "crates/compress/src",
     "crates/prefix/src",

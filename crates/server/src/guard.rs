@@ -12,15 +12,10 @@
 //!   `WWW-Authenticate: Bearer`); the scheme's name in any case (RFC 7235 §2.1), the key
 //!   compared in constant time.
 use std::net::IpAddr;
-use std::sync::Arc;
 
-use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
-use axum::middleware::Next;
-use axum::response::{IntoResponse, Response};
 
 use crate::error::ApiError;
-use crate::routes::AppState;
 
 /// The access rules.
 #[derive(Debug, Clone)]
@@ -165,22 +160,6 @@ fn same_authority(origin: &str, host: &str) -> bool {
     let (oh, op) = split_port(origin.trim_end_matches('/'));
     let (hh, hp) = split_port(host);
     normal_host(oh) == normal_host(hh) && op == hp
-}
-
-/// The access rules, then the route; every answer counted by route and status.
-pub async fn guard(State(s): State<Arc<AppState>>, req: Request, next: Next) -> Response {
-    let path = req.uri().path();
-    let route = match path {
-        "/v1/completions" | "/v1/chat/completions" | "/v1/models" | "/health" | "/metrics" => path,
-        _ => "other",
-    }
-    .to_string();
-    let response = match s.access.check(req.method(), path, req.headers()) {
-        Ok(()) => next.run(req).await,
-        Err(e) => e.into_response(),
-    };
-    s.metrics.answered(&route, response.status().as_u16());
-    response
 }
 
 #[cfg(test)]

@@ -27,6 +27,13 @@ pub struct TierLabels {
     pub tier: String,
 }
 
+/// Why chunk files could not be written.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabels {
+    /// `dir_missing`, `no_space`, `denied` or `other`.
+    pub kind: String,
+}
+
 /// Every metric the server exports.
 pub struct Metrics {
     registry: Registry,
@@ -66,6 +73,8 @@ pub struct Metrics {
     pub prefix_stored_chunks: Counter,
     /// Bytes the prefix cache holds, per tier (`ram`, `disk`).
     pub prefix_bytes: Family<TierLabels, Gauge<u64, AtomicU64>>,
+    /// Chunk files the prefix cache could not write, by cause.
+    pub prefix_write_errors: Family<KindLabels, Counter>,
     /// HTTP connections open now.
     pub connections: Gauge,
     /// Connections answered 503 and closed at `--max-connections`.
@@ -103,6 +112,7 @@ impl Metrics {
             prefix_restored_tokens: Counter::default(),
             prefix_stored_chunks: Counter::default(),
             prefix_bytes: Family::default(),
+            prefix_write_errors: Family::default(),
             connections: Gauge::default(),
             connections_shed: Counter::default(),
             connections_evicted: Counter::default(),
@@ -199,6 +209,11 @@ impl Metrics {
             m.prefix_bytes.clone(),
         );
         registry.register(
+            "prefix_cache_write_errors",
+            "Chunk files the prefix cache could not write (the directory gone, the disk full, writing denied, other)",
+            m.prefix_write_errors.clone(),
+        );
+        registry.register(
             "http_connections",
             "HTTP connections open",
             m.connections.clone(),
@@ -230,12 +245,22 @@ impl Metrics {
         self.kv_sequences.set(s.sequences as i64);
     }
 
-    /// The prefix cache's gauges from its counters.
+    /// The prefix cache's gauges and write errors from its counters.
     pub fn set_prefix(&self, s: &kvpolicy::prefix::PrefixStats) {
         for (tier, bytes) in [("ram", s.ram_bytes), ("disk", s.disk_bytes)] {
             self.prefix_bytes
                 .get_or_create(&TierLabels { tier: tier.into() })
                 .set(bytes);
+        }
+        for (kind, n) in s.write_error_kinds.by_kind() {
+            let c = self
+                .prefix_write_errors
+                .get_or_create(&KindLabels { kind: kind.into() });
+            // The cache counts; the counter follows.
+            let seen = c.get();
+            if n > seen {
+                c.inc_by(n - seen);
+            }
         }
     }
 

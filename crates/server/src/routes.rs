@@ -9,7 +9,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::extract::{Request, State};
 use axum::http::{header, StatusCode};
-use axum::middleware;
+use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -22,7 +22,7 @@ use crate::api::{self, ChatBody, Common, CompletionBody, Fields, Params, Prompt,
 use crate::engine::{EngineHandle, Refused};
 use crate::error::ApiError;
 use crate::events::{Job, Outbox};
-use crate::guard::{self, Access};
+use crate::guard::Access;
 use crate::intake::Intake;
 use crate::metrics::Metrics;
 use crate::reply::{Endpoint, Head};
@@ -107,8 +107,24 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/metrics", get(metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(wrong_method)
-        .layer(middleware::from_fn_with_state(state.clone(), guard::guard))
+        .layer(middleware::from_fn_with_state(state.clone(), guard))
         .with_state(state)
+}
+
+/// The access rules, then the route; every answer counted by route and status.
+async fn guard(State(s): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    let path = req.uri().path();
+    let route = match path {
+        "/v1/completions" | "/v1/chat/completions" | "/v1/models" | "/health" | "/metrics" => path,
+        _ => "other",
+    }
+    .to_string();
+    let response = match s.access.check(req.method(), path, req.headers()) {
+        Ok(()) => next.run(req).await,
+        Err(e) => e.into_response(),
+    };
+    s.metrics.answered(&route, response.status().as_u16());
+    response
 }
 
 async fn not_found(req: Request) -> ApiError {

@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 
 use candle_core::{DType, Tensor};
-use kvpolicy::models::{GenerateConfig, Sampler};
+use kvpolicy::models::Sampler;
 
 use crate::api::{Params, Shaping};
 
@@ -21,14 +21,8 @@ pub struct Chooser {
 impl Chooser {
     /// The sampler `params` ask for, seeded with `seed`.
     pub fn new(params: &Params, seed: u64) -> Self {
-        let cfg = GenerateConfig {
-            temperature: params.temperature,
-            top_p: params.top_p,
-            seed,
-            ..GenerateConfig::default()
-        };
         Self {
-            sampler: Sampler::new(&cfg),
+            sampler: Sampler::new(params.temperature, params.top_p, seed),
             shaping: params.shaping.clone(),
             counts: HashMap::new(),
         }

@@ -107,3 +107,32 @@ fn a_policy_that_cannot_restore_is_refused_at_start_up() -> Result<()> {
     );
     Ok(())
 }
+
+/// A cache directory removed under a running server: requests are still answered, and the
+/// chunk files it could not write are counted by cause in `/metrics` (issue "Hardening
+/// IV", class 15).
+#[test]
+fn write_errors_are_counted_not_silent() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let cache = dir.path().join("cache");
+    let d = cache.to_string_lossy().into_owned();
+    let server = Server::start(&["--prefix-cache", &d, "--prefix-cache-chunk", "64"])?;
+    std::fs::remove_dir_all(&cache)?;
+    let a = agent();
+    greedy(&a, &server, &ids(200, 3))?;
+    wait_for_metrics(
+        &server,
+        Duration::from_secs(10),
+        "a counted write error",
+        |m| {
+            metric(
+                m,
+                r#"kvpolicy_prefix_cache_write_errors_total{kind="dir_missing"}"#,
+            )
+            .is_some_and(|n| n >= 1.0)
+        },
+    )?;
+    // Still answering.
+    greedy(&a, &server, &ids(10, 4))?;
+    Ok(())
+}

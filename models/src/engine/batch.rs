@@ -137,7 +137,7 @@ pub fn generate_batch(
             pos: 0,
             generated: Vec::new(),
             rows: Vec::new(),
-            sampler: crate::engine::sampler::Sampler::new(cfg),
+            sampler: crate::engine::sampler::Sampler::new(cfg.temperature, cfg.top_p, cfg.seed),
             decode_tokens: 0,
             done: false,
         })

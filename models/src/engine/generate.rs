@@ -290,18 +290,7 @@ pub fn prefill_from(
 
 /// The sampling `cfg` asks for: greedy at temperature 0, else nucleus or full sampling.
 pub fn sampling(cfg: &GenerateConfig) -> Sampling {
-    if cfg.temperature <= 0.0 {
-        Sampling::ArgMax
-    } else if let Some(p) = cfg.top_p {
-        Sampling::TopP {
-            p,
-            temperature: cfg.temperature,
-        }
-    } else {
-        Sampling::All {
-            temperature: cfg.temperature,
-        }
-    }
+    crate::engine::sampler::sampling_of(cfg.temperature, cfg.top_p)
 }
 
 /// Generates after `prompt`; `on_token` sees each new token as it is chosen.
@@ -450,7 +439,8 @@ pub(crate) fn decode_phase(
             }
         }
         None => {
-            let mut sampler = crate::engine::sampler::Sampler::new(cfg);
+            let mut sampler =
+                crate::engine::sampler::Sampler::new(cfg.temperature, cfg.top_p, cfg.seed);
             for i in 0..cfg.max_new_tokens {
                 let tok = settle(sampler.sample(&last)?)?;
                 on_token(tok)?;

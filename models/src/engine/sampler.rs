@@ -8,8 +8,19 @@
 use candle_core::{DType, Tensor};
 use candle_transformers::generation::{LogitsProcessor, Sampling};
 
-use crate::engine::generate::{sampling, GenerateConfig};
 use crate::error::Result;
+
+/// The sampling a temperature and nucleus ask for: greedy at temperature 0 (or below),
+/// else nucleus (`top_p`) or full sampling.
+pub fn sampling_of(temperature: f64, top_p: Option<f64>) -> Sampling {
+    if temperature <= 0.0 {
+        Sampling::ArgMax
+    } else if let Some(p) = top_p {
+        Sampling::TopP { p, temperature }
+    } else {
+        Sampling::All { temperature }
+    }
+}
 
 /// A seeded sampler for one sequence.
 pub struct Sampler {
@@ -19,9 +30,9 @@ pub struct Sampler {
 }
 
 impl Sampler {
-    /// The sampler `cfg` asks for (its temperature, `top_p` and seed).
-    pub fn new(cfg: &GenerateConfig) -> Self {
-        let mut s = sampling(cfg);
+    /// Sampling at `temperature` (0: greedy) within the nucleus `top_p`, seeded.
+    pub fn new(temperature: f64, top_p: Option<f64>, seed: u64) -> Self {
+        let mut s = sampling_of(temperature, top_p);
         // A nucleus that rounds to no mass keeps only the most likely token.
         if let Sampling::TopP { p, .. } = s {
             if (p as f32) <= 0.0 {
@@ -33,7 +44,7 @@ impl Sampler {
             _ => None,
         };
         Self {
-            inner: LogitsProcessor::from_sampling(cfg.seed, s),
+            inner: LogitsProcessor::from_sampling(seed, s),
             temperature,
         }
     }
@@ -75,15 +86,6 @@ pub fn argmax(logits: &[f32]) -> u32 {
 mod tests {
     use super::*;
 
-    fn cfg(temperature: f64, top_p: Option<f64>) -> GenerateConfig {
-        GenerateConfig {
-            temperature,
-            top_p,
-            seed: 7,
-            ..GenerateConfig::default()
-        }
-    }
-
     fn row() -> Result<Tensor> {
         Ok(Tensor::new(
             &[1.5f32, -3.0, 9.25, 9.0, f32::NEG_INFINITY],
@@ -101,7 +103,7 @@ mod tests {
             (0.7, Some(1e-300)),
             (1e-300, Some(1e-300)),
         ] {
-            let mut s = Sampler::new(&cfg(t, p));
+            let mut s = Sampler::new(t, p, 7);
             for _ in 0..5 {
                 assert_eq!(s.sample(&row()?)?, 2, "temperature {t}, top_p {p:?}");
             }
@@ -111,9 +113,8 @@ mod tests {
 
     #[test]
     fn ordinary_values_sample_as_candle_does() -> Result<()> {
-        let c = cfg(0.8, Some(0.95));
-        let mut ours = Sampler::new(&c);
-        let mut theirs = LogitsProcessor::from_sampling(c.seed, sampling(&c));
+        let mut ours = Sampler::new(0.8, Some(0.95), 7);
+        let mut theirs = LogitsProcessor::from_sampling(7, sampling_of(0.8, Some(0.95)));
         for _ in 0..50 {
             assert_eq!(ours.sample(&row()?)?, theirs.sample(&row()?)?);
         }
