@@ -24,8 +24,8 @@ pub use engine::batch::{batch_step, generate_batch, BatchGeneration};
 pub use engine::generate::{
     generate, generate_settling, prefill, sampling, validate_request, GenerateConfig, Generation,
 };
-pub use engine::sampler::Sampler;
 pub use engine::reuse::{generate_reusing, layer_specs, CachedGeneration, ReuseSources};
+pub use engine::sampler::Sampler;
 pub use error::{Message, ModelError, ModelInput, Result};
 pub use load::fingerprint::fingerprint;
 pub use load::gguf::file::GgufFile;
