@@ -298,6 +298,45 @@ fn tiny_sampling_values_give_the_greedy_tokens() -> Result<()> {
     Ok(())
 }
 
+/// The text the example prints is the tokenizer's decoding of the tokens, even when a
+/// later byte token turns a run of bytes already valid into U+FFFD: before, every word
+/// after such a run was lost (issue "Hardening IV", class 10). Gemma 3's vocabulary has
+/// SentencePiece byte fallback; the tokens are forced with `--decode-ids`.
+#[test]
+fn printed_text_is_the_decoding_of_the_tokens() -> Result<()> {
+    let gguf = common::gemma3_gguf()?;
+    let g = kvpolicy::models::GgufFile::open(&gguf)?;
+    let tok = kvpolicy::models::TextTokenizer::from_gguf(&g)?;
+    let byte = |b: u8| -> Result<u32> {
+        tok.inner()
+            .token_to_id(&format!("<0x{b:02X}>"))
+            .ok_or_else(|| anyhow::anyhow!("no byte token {b:02X}"))
+    };
+    let words = tok.encode_raw(" Paris is a city")?;
+    let ids = [
+        &[byte(0x41)?, byte(0x80)?][..],
+        &words,
+        &[byte(0xC3)?, byte(0xA9)?],
+        &words,
+    ]
+    .concat();
+    let list = ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+    let o = llama(&[
+        "--gguf",
+        &gguf.to_string_lossy(),
+        "--prompt-ids",
+        "2,818",
+        "--decode-ids",
+        &list,
+    ])?;
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let printed = String::from_utf8(o.stdout)?;
+    let want = tok.decode(&ids)?;
+    assert_eq!(printed.trim_end_matches('\n'), want);
+    assert_eq!(printed.matches("Paris").count(), 2, "{printed:?}");
+    Ok(())
+}
+
 #[test]
 fn recompute_option_errors_and_stats() -> Result<()> {
     let f = common::fixture("llama_mha").to_string_lossy().into_owned();

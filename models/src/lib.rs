@@ -31,4 +31,5 @@ pub use load::fingerprint::fingerprint;
 pub use load::gguf::file::GgufFile;
 pub use load::source::{activation_dtype, load, resolve, Loaded, ModelFiles, ModelSpec};
 pub use model::{CausalLm, LogitsMode, ModelInfo, SeqChunk};
+pub use tokenizer::stream::{Release, TextStream};
 pub use tokenizer::{ChatMessage, TextTokenizer};

@@ -2,13 +2,14 @@
 //! closed stdout ends the text, not the run.
 use std::io::Write;
 
-use kvpolicy::models::TextTokenizer;
+use kvpolicy::models::{Release, TextStream, TextTokenizer};
 
 /// Streams generated text to stdout (or ids when the model has no tokenizer).
 pub struct Printer<'a> {
     tok: Option<&'a TextTokenizer>,
-    ids: Vec<u32>,
-    shown: usize,
+    /// The text so far: every piece it releases is printed, and they add up to the
+    /// tokens' decoding.
+    text: TextStream,
     /// stdout stopped accepting text (a closed pipe): print nothing more, but the run and
     /// its output files go on.
     closed: bool,
@@ -18,8 +19,7 @@ impl<'a> Printer<'a> {
     pub fn new(tok: Option<&'a TextTokenizer>) -> Self {
         Self {
             tok,
-            ids: Vec::new(),
-            shown: 0,
+            text: TextStream::new(Vec::new()),
             closed: false,
         }
     }
@@ -31,27 +31,18 @@ impl<'a> Printer<'a> {
     }
 
     pub fn push(&mut self, id: u32) {
-        self.ids.push(id);
         let text = match self.tok {
-            Some(t) => {
-                // Decode the whole continuation and print what is new: multi-byte characters
-                // split across tokens come out whole.
-                match t.decode(&self.ids) {
-                    Ok(text)
-                        if text.len() > self.shown
-                            && text.is_char_boundary(self.shown)
-                            && !text.ends_with('\u{FFFD}') =>
-                    {
-                        let new = text[self.shown..].to_string();
-                        self.shown = text.len();
-                        new
-                    }
-                    _ => return,
-                }
-            }
+            // Multi-byte characters split across tokens come out whole, and a run of byte
+            // tokens once it has ended (a later byte may change how it decodes).
+            Some(t) => match self.text.push(t, id) {
+                Ok(Release::Text(piece) | Release::Stopped(piece)) => piece,
+                Err(_) => return,
+            },
             None => format!("{id} "),
         };
-        self.write(&text);
+        if !text.is_empty() {
+            self.write(&text);
+        }
     }
 
     fn write(&mut self, text: &str) {
@@ -65,6 +56,12 @@ impl<'a> Printer<'a> {
     }
 
     pub fn finish(&mut self) {
+        if let Some(t) = self.tok {
+            // What was held back: a partial character, a run of bytes.
+            if let Ok(rest) = self.text.finish(t) {
+                self.write(&rest.into_text());
+            }
+        }
         self.write("\n");
     }
 }

@@ -217,10 +217,13 @@ fn run(
                 .unwrap_or("The capital of France is");
             if args.chat {
                 // The text is a user's turn: control tokens it spells stay text.
-                tok.encode_chat(&[kvpolicy::models::ChatMessage {
-                    role: "user".into(),
-                    content: text.into(),
-                }])?
+                tok.encode_chat(
+                    &[kvpolicy::models::ChatMessage {
+                        role: "user".into(),
+                        content: text.into(),
+                    }],
+                    usize::MAX,
+                )?
             } else {
                 tok.encode(text)?
             }

@@ -17,11 +17,10 @@ use std::sync::{mpsc, Arc};
 use std::time::Instant;
 
 use candle_core::Tensor;
-use kvpolicy::models::TextTokenizer;
 use kvpolicy::models::{CausalLm, SeqChunk};
+use kvpolicy::models::{Release, TextStream, TextTokenizer};
 use kvpolicy::KvPolicy;
 
-use crate::detok::{Detok, Release};
 use crate::error::internal_message;
 use crate::events::{logprobs, Event, Finish, Job};
 use crate::metrics::Metrics;
@@ -106,7 +105,7 @@ struct Active {
     computed: Option<kvpolicy::prefix::ChunkKv>,
     generated: Vec<u32>,
     chooser: Chooser,
-    detok: Detok,
+    detok: TextStream,
     last_token_at: Option<Instant>,
 }
 
@@ -242,7 +241,7 @@ impl Engine {
             };
             self.slots[free] = Some(Active {
                 chooser: Chooser::new(&job.params, job.seed),
-                detok: Detok::new(job.params.stop.clone()),
+                detok: TextStream::new(job.params.stop.clone()),
                 job,
                 pos: restored,
                 restored,
@@ -450,7 +449,7 @@ impl Engine {
         self.metrics.completion_tokens.inc();
         let finish = if self.model.info().eos.contains(&tok) {
             // What the detokenizer held back (a partial stop sequence, half a character).
-            Some((Finish::Stop, a.detok.finish(&self.tok)?))
+            Some((Finish::Stop, a.detok.finish(&self.tok)?.into_text()))
         } else {
             let logprob = match a.job.params.logprobs {
                 Some(top) => Some(logprobs(&self.tok, &row, tok, top)?),
@@ -464,7 +463,13 @@ impl Engine {
                 Release::Text(text) => {
                     a.job.events.send(Event::Token { text, logprob });
                     (a.generated.len() >= a.job.max_tokens)
-                        .then(|| a.detok.finish(&self.tok).map(|t| (Finish::Length, t)))
+                        .then(|| {
+                            a.detok.finish(&self.tok).map(|r| match r {
+                                // A stop sequence in what was held back ends it first.
+                                Release::Stopped(t) => (Finish::Stop, t),
+                                Release::Text(t) => (Finish::Length, t),
+                            })
+                        })
                         .transpose()?
                 }
             }

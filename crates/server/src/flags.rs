@@ -69,9 +69,9 @@ pub struct ServerArgs {
     /// Require `Authorization: Bearer KEY` on the /v1/ routes (401 without it; not empty).
     #[arg(long, value_name = "KEY")]
     pub api_key: Option<String>,
-    /// Host names the `Host` header may carry (any port), comma-separated; `*` takes any.
-    /// Default: on loopback `localhost`, `127.0.0.1` and `::1`; elsewhere the --host
-    /// address (name the server's DNS names here). Against DNS rebinding.
+    /// Host names the `Host` header may carry besides IP addresses and `localhost` (any
+    /// port), comma-separated; `*` takes any. A DNS-rebinding page sends its own name,
+    /// which is refused; name the server's DNS names here.
     #[arg(long, value_name = "NAMES", value_delimiter = ',')]
     pub allowed_hosts: Option<Vec<String>>,
     /// The model's name in responses and /v1/models (default: the model's source).
@@ -93,6 +93,10 @@ pub struct ServerArgs {
     /// Seconds a request may take to send its body (408 past it).
     #[arg(long, default_value_t = 30.0)]
     pub body_timeout: f64,
+    /// Seconds an answer may wait for the client to read it (its socket full) before the
+    /// connection is closed and the request cancelled.
+    #[arg(long, default_value_t = 30.0)]
+    pub send_timeout: f64,
     /// Requests parsed and tokenized at once, on threads of their own (the rest wait).
     #[arg(long, default_value_t = 2)]
     pub tokenizer_threads: usize,
@@ -151,6 +155,7 @@ impl ServerArgs {
         seconds("--shutdown-timeout", self.shutdown_timeout, true)?;
         seconds("--header-timeout", self.header_timeout, false)?;
         seconds("--body-timeout", self.body_timeout, false)?;
+        seconds("--send-timeout", self.send_timeout, false)?;
         if let Some(key) = &self.api_key {
             ensure!(
                 !key.trim().is_empty(),
@@ -166,6 +171,11 @@ impl ServerArgs {
                 hosts.iter().all(|h| !h.trim().is_empty()),
                 "--allowed-hosts has an empty name: give names separated by commas, or `*`"
             );
+            if let Some(h) = hosts.iter().find(|h| h.contains([':', '/', ' '])) {
+                anyhow::bail!(
+                    "--allowed-hosts {h}: give host names alone (any port is taken), without a port, scheme or path"
+                );
+            }
         }
         if let Some(n) = self.max_prompt_tokens {
             ensure!(n > 0, "--max-prompt-tokens 0: give at least 1");

@@ -91,7 +91,12 @@ impl Intake {
 
     /// Whether `bytes` of text hold more than `tokens` tokens however they are tokenized.
     pub fn exceeds(&self, bytes: usize, tokens: usize) -> bool {
-        bytes > tokens.saturating_mul(self.bytes_per_token)
+        bytes > self.most_bytes(tokens)
+    }
+
+    /// The most bytes of text that `tokens` tokens can hold.
+    pub fn most_bytes(&self, tokens: usize) -> usize {
+        tokens.saturating_mul(self.bytes_per_token)
     }
 
     /// `work` on a blocking thread once one of the `--tokenizer-threads` places is free.

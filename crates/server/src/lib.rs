@@ -6,10 +6,10 @@
 pub mod answer;
 pub mod api;
 pub mod app;
-pub mod detok;
 pub mod engine;
 pub mod error;
 pub mod events;
+pub mod fields;
 pub mod flags;
 // A fuzz body reports what it finds by panicking.
 #[allow(clippy::panic)]

@@ -13,32 +13,46 @@
 //!   that sends nothing, part of its headers, or stays idle between requests — is closed
 //!   (hyper's header-read timer, armed whenever a connection waits for a head). A body
 //!   slower than `--body-timeout` is a 408 ([`crate::intake`]).
+//! - A connection whose answer makes no progress for `--send-timeout` — a client that
+//!   stopped reading, its socket buffers full — is closed, and its request cancelled
+//!   ([`SendDeadline`]): a reader that stalls cannot hold a place for ever.
 //! - On shutdown the listener closes, every connection is told to finish its current
 //!   response and close, and [`Connections::drained`] says when none is left; the caller
 //!   bounds that wait by `--shutdown-timeout` (half-open connections are dropped with the
 //!   runtime after it).
 use std::collections::BTreeMap;
 use std::convert::Infallible;
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use anyhow::{ensure, Result};
 use axum::body::Body;
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::IntoResponse;
 use axum::Router;
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{watch, Notify, Semaphore};
+use tokio::time::Sleep;
 use tower::ServiceExt;
 
+use crate::error::ApiError;
 use crate::flags::FD_RESERVE;
 use crate::metrics::Metrics;
 
 /// How long a newcomer waits for an evicted connection's place.
-const EVICTION_WAIT: Duration = Duration::from_millis(200);
+const EVICTION_WAIT: Duration = Duration::from_millis(500);
+/// How long an evicted connection may take to answer a request that raced its eviction.
+const EVICTION_GRACE: Duration = Duration::from_millis(250);
 
 /// The table, even if a task panicked while holding it (it holds no invariant a panic
 /// could break halfway).
@@ -53,6 +67,96 @@ pub struct Limits {
     pub max_connections: usize,
     /// Time to send a request head, or to stay idle between requests.
     pub header_timeout: Duration,
+    /// Time a write to the client may make no progress.
+    pub send_timeout: Duration,
+}
+
+/// A socket whose writes fail once they have made no progress for `limit` (the client
+/// stopped reading); reads pass through.
+pub struct SendDeadline<T> {
+    io: T,
+    limit: Duration,
+    /// Armed while a write waits.
+    stalled: Option<Pin<Box<Sleep>>>,
+}
+
+impl<T> SendDeadline<T> {
+    /// `io` with writes bounded by `limit`.
+    pub fn new(io: T, limit: Duration) -> Self {
+        Self {
+            io,
+            limit,
+            stalled: None,
+        }
+    }
+
+    /// After a write came back pending: an error once it has waited `limit`.
+    fn waited(&mut self, cx: &mut Context<'_>) -> Poll<io::Error> {
+        let limit = self.limit;
+        let sleep = self
+            .stalled
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+        sleep.as_mut().poll(cx).map(|()| {
+            io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the client read nothing of its answer for --send-timeout",
+            )
+        })
+    }
+
+    /// A write's outcome: progress disarms the timer; waiting arms it.
+    fn progress<R>(&mut self, cx: &mut Context<'_>, p: Poll<io::Result<R>>) -> Poll<io::Result<R>> {
+        match p {
+            Poll::Ready(r) => {
+                self.stalled = None;
+                Poll::Ready(r)
+            }
+            Poll::Pending => self.waited(cx).map(Err),
+        }
+    }
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for SendDeadline<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for SendDeadline<T> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let p = Pin::new(&mut self.io).poll_write(cx, buf);
+        self.progress(cx, p)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let p = Pin::new(&mut self.io).poll_write_vectored(cx, bufs);
+        self.progress(cx, p)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let p = Pin::new(&mut self.io).poll_flush(cx);
+        self.progress(cx, p)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
 }
 
 /// Raises the open-file limit to its hard limit and checks that `max_connections` fit in it
@@ -96,10 +200,16 @@ struct Table {
 impl Table {
     /// Closes the oldest connection with no request in progress; whether there was one.
     fn evict_idle(&mut self) -> bool {
+        // Marked evicted only while no request is in progress: one that begins after
+        // this is answered 503 (see `Busy::start`), none is cut off.
         let idle = self
             .open
             .iter()
-            .find(|(_, c)| c.busy.load(Ordering::SeqCst) == 0)
+            .find(|(_, c)| {
+                c.busy
+                    .compare_exchange(0, EVICTED, Ordering::SeqCst, Ordering::SeqCst)
+                    .is_ok()
+            })
             .map(|(&id, _)| id);
         match idle.and_then(|id| self.open.remove(&id)) {
             Some(c) => {
@@ -111,13 +221,21 @@ impl Table {
     }
 }
 
+/// A connection's request count once it has been evicted: no request may start.
+const EVICTED: usize = usize::MAX;
+
 /// Counts a request in progress on its connection until dropped (with its response body).
 struct Busy(Arc<AtomicUsize>);
 
 impl Busy {
-    fn start(count: &Arc<AtomicUsize>) -> Self {
-        count.fetch_add(1, Ordering::SeqCst);
-        Self(count.clone())
+    /// A request begins; `None` when its connection was evicted just before.
+    fn start(count: &Arc<AtomicUsize>) -> Option<Self> {
+        count
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                (n != EVICTED).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| Self(count.clone()))
     }
 }
 
@@ -229,13 +347,13 @@ pub async fn serve(
         };
         let (app, metrics, table) = (app.clone(), metrics.clone(), table.clone());
         let stopping = stopping.clone();
-        let timeout = limits.header_timeout;
+        let limits = limits.clone();
         tokio::spawn(async move {
             metrics.connections.inc();
             connection(
                 stream,
                 app,
-                timeout,
+                &limits,
                 Control {
                     stopping,
                     close,
@@ -263,13 +381,25 @@ struct Control {
 
 /// One connection, served until it closes, is evicted, or is told to stop (then it
 /// finishes its response).
-async fn connection(stream: TcpStream, app: Router, header_timeout: Duration, mut c: Control) {
+async fn connection(stream: TcpStream, app: Router, limits: &Limits, mut c: Control) {
     let _ = stream.set_nodelay(true);
     let busy = c.busy.clone();
     let service = hyper::service::service_fn(move |req: axum::http::Request<Incoming>| {
         let working = Busy::start(&busy);
         let app = app.clone();
         async move {
+            let Some(working) = working else {
+                // Evicted for a newcomer between requests: closed after this answer.
+                let mut e = ApiError::status(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "this idle connection was closed for another client; retry on a new one",
+                );
+                e.retry_after = Some(1);
+                let mut r = e.into_response();
+                r.headers_mut()
+                    .insert(header::CONNECTION, HeaderValue::from_static("close"));
+                return Ok(r);
+            };
             let response = app.oneshot(req.map(Body::new)).await?;
             // The count ends with the response's body (a stream may run long after).
             Ok::<_, Infallible>(response.map(|b| {
@@ -283,17 +413,28 @@ async fn connection(stream: TcpStream, app: Router, header_timeout: Duration, mu
     let mut builder = http1::Builder::new();
     builder
         .timer(TokioTimer::new())
-        .header_read_timeout(header_timeout)
+        .header_read_timeout(limits.header_timeout)
         .keep_alive(true);
-    let conn = builder.serve_connection(TokioIo::new(stream), service);
+    let io = SendDeadline::new(stream, limits.send_timeout);
+    let conn = builder.serve_connection(TokioIo::new(io), service);
     tokio::pin!(conn);
     tokio::select! {
         _ = conn.as_mut() => return,
-        () = c.close.notified() => return,
-        _ = c.stopping.wait_for(|s| *s) => {}
+        () = c.close.notified() => {
+            // Evicted: a request that raced the eviction gets its 503, then it closes.
+            conn.as_mut().graceful_shutdown();
+            let _ = tokio::time::timeout(EVICTION_GRACE, conn).await;
+            return;
+        }
+        () = stop_asked(&mut c.stopping) => {}
     }
     conn.as_mut().graceful_shutdown();
     let _ = conn.await;
+}
+
+/// Resolves once shutdown is asked for.
+async fn stop_asked(stopping: &mut watch::Receiver<bool>) {
+    let _ = stopping.wait_for(|s| *s).await;
 }
 
 /// A connection past the cap: a 503 written if the socket takes it now, then closed.

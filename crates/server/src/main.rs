@@ -54,6 +54,7 @@ fn run(
     args.check()?;
     fit_open_files(args.max_connections)?;
     let header_timeout = seconds("--header-timeout", args.header_timeout, false)?;
+    let send_timeout = seconds("--send-timeout", args.send_timeout, false)?;
     let deadline = seconds("--shutdown-timeout", args.shutdown_timeout, true)?;
     let App {
         router: app,
@@ -77,8 +78,9 @@ fn run(
     let limits = Limits {
         max_connections: args.max_connections,
         header_timeout,
+        send_timeout,
     };
-    let at_once = rt.block_on(async move {
+    let (at_once, since) = rt.block_on(async move {
         let mut signals = Signals::listen()?;
         let addr = SocketAddr::new(args.host, args.port);
         let listener = tokio::net::TcpListener::bind(addr)
@@ -96,6 +98,7 @@ fn run(
         let conns = listen::serve(listener, app, limits, metrics, until).await;
         conns.close_all();
         let mut signals = rx.await.context("the signal listener stopped")?;
+        let since = std::time::Instant::now();
         let at_once = tokio::select! {
             () = conns.drained() => false,
             () = tokio::time::sleep(deadline) => {
@@ -108,13 +111,27 @@ fn run(
             }
         };
         cancel.cancel_all();
-        anyhow::Ok(at_once)
+        anyhow::Ok((at_once, since))
     })?;
+    // The runtime's signal handlers go with it: from here on a signal ends the process.
+    #[cfg(unix)]
+    for sig in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
+        // SAFETY: restoring a signal's default disposition, nothing else.
+        unsafe {
+            libc::signal(sig, libc::SIG_DFL);
+        }
+    }
     // The last handle gone, the engine finishes and drops the policy (and its files).
     drop(handle);
     rt.shutdown_timeout(Duration::from_millis(if at_once { 100 } else { 1000 }));
-    // The engine ends its current step, then frees the policy; a step takes well under this.
-    let wait = Duration::from_secs(if at_once { 2 } else { 30 });
+    // The engine ends its current step, then frees the policy (its disk-tier files with it):
+    // within what is left of the deadline, at least a step's time.
+    let step = Duration::from_secs(2);
+    let wait = if at_once {
+        step
+    } else {
+        deadline.saturating_sub(since.elapsed()).max(step)
+    };
     let start = std::time::Instant::now();
     while !engine.is_finished() && start.elapsed() < wait {
         std::thread::sleep(Duration::from_millis(10));

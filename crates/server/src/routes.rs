@@ -18,10 +18,11 @@ use serde_json::json;
 use tokio::sync::mpsc;
 
 use crate::answer;
-use crate::api::{self, ChatBody, Common, CompletionBody, Fields, Params, Prompt, Room};
+use crate::api::{self, ChatBody, Common, CompletionBody, Params, Prompt, Room};
 use crate::engine::{EngineHandle, Refused};
 use crate::error::ApiError;
 use crate::events::{Job, Outbox};
+use crate::fields::{check_fields, Fields};
 use crate::guard::Access;
 use crate::intake::Intake;
 use crate::metrics::Metrics;
@@ -71,9 +72,14 @@ impl AppState {
         }
     }
 
+    /// Prompt tokens at most: `--max-prompt-tokens` or the context.
+    fn prompt_limit(&self) -> usize {
+        self.max_prompt.unwrap_or(self.context).min(self.context)
+    }
+
     /// Refuses `bytes` of text in `field` that no tokenization fits in the prompt limit.
     fn refuse_long_text(&self, bytes: usize, field: &str) -> Result<(), ApiError> {
-        let most = self.max_prompt.unwrap_or(self.context).min(self.context);
+        let most = self.prompt_limit();
         if !self.intake.exceeds(bytes, most) {
             return Ok(());
         }
@@ -198,7 +204,7 @@ async fn completions(State(s): State<Arc<AppState>>, req: Request) -> Response {
 
 fn completion_request(s: &AppState, tok: &TextTokenizer, body: &[u8]) -> Result<Parsed, ApiError> {
     let v = api::object(body)?;
-    api::check_fields(&v, Fields::Completion)?;
+    check_fields(&v, Fields::Completion)?;
     let b: CompletionBody = api::read(&v)?;
     let common: Common = api::read(&v)?;
     if b.echo == Some(true) {
@@ -252,7 +258,7 @@ async fn chat(State(s): State<Arc<AppState>>, req: Request) -> Response {
 
 fn chat_request(s: &AppState, tok: &TextTokenizer, body: &[u8]) -> Result<Parsed, ApiError> {
     let v = api::object(body)?;
-    api::check_fields(&v, Fields::Chat)?;
+    check_fields(&v, Fields::Chat)?;
     let b: ChatBody = api::read(&v)?;
     let common: Common = api::read(&v)?;
     let logprobs = match (b.logprobs, b.top_logprobs) {
@@ -268,10 +274,21 @@ fn chat_request(s: &AppState, tok: &TextTokenizer, body: &[u8]) -> Result<Parsed
     let max = b.max_completion_tokens.or(common.max_tokens);
     let params = api::params(&common, max, logprobs, s.room())?;
     let messages = api::chat_messages(&b.messages)?;
+    let most = s.prompt_limit();
+    if messages.len() > most {
+        return Err(ApiError::invalid(
+            "messages",
+            format!(
+                "{} messages: at most {most} fit in a prompt of {most} tokens",
+                messages.len()
+            ),
+        ));
+    }
     s.refuse_long_text(messages.iter().map(|m| m.content.len()).sum(), "messages")?;
-    // Only the template's own markers are control tokens: a message's text is text.
+    // Only the template's own markers are control tokens: a message's text is text. A
+    // rendering too long for the prompt is refused before it is tokenized.
     let ids = tok
-        .encode_chat(&messages)
+        .encode_chat(&messages, s.intake.most_bytes(most))
         .map_err(|e| ApiError::invalid("messages", format!("{e}")))?;
     Ok(Parsed {
         ids,

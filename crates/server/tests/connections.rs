@@ -138,6 +138,48 @@ fn a_flood_of_idle_connections_cannot_lock_others_out() -> Result<()> {
     Ok(())
 }
 
+/// A client that asks for a long stream and never reads it: once its socket is full the
+/// server gives up within --send-timeout, closes the connection and cancels the request.
+#[test]
+fn a_client_that_stops_reading_is_let_go() -> Result<()> {
+    use std::os::fd::AsRawFd;
+    let server = Server::start(&["--send-timeout", "1", "--max-batch", "16"])?;
+    let host = server.authority().to_string();
+    let mut c = connect(&server)?;
+    // A small receive buffer: the server's writes back up after a few events.
+    let small: libc::c_int = 4096;
+    // SAFETY: setsockopt on our own socket with a c_int of the size given.
+    unsafe {
+        libc::setsockopt(
+            c.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVBUF,
+            (&small as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        );
+    }
+    let body = json!({"prompt": "Once upon a time", "max_tokens": 4000, "n": 16,
+        "logprobs": 20, "stream": true})
+    .to_string();
+    write!(
+        c,
+        "POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )?;
+    // Never read: the 16 choices are cancelled once the server gives up on the socket.
+    common::wait_for_metrics(
+        &server,
+        PATIENCE * 4,
+        "the stalled request cancelled",
+        |m| {
+            metric(m, "kvpolicy_requests_cancelled_total") == Some(16.0)
+                && metric(m, "kvpolicy_requests_running") == Some(0.0)
+        },
+    )?;
+    drop(c);
+    Ok(())
+}
+
 #[test]
 fn shutdown_is_bounded_whatever_clients_hold() -> Result<()> {
     let half_open = |server: &Server| -> Result<Vec<TcpStream>> {

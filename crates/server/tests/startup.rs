@@ -41,6 +41,11 @@ fn bad_flags_are_refused_naming_the_flag() -> Result<()> {
         (&["--max-prompt-tokens", "0"][..], "--max-prompt-tokens 0"),
         (&["--api-key", ""][..], "--api-key is empty"),
         (&["--allowed-hosts", "a,,b"][..], "--allowed-hosts"),
+        (
+            &["--allowed-hosts", "api.example:8080"][..],
+            "--allowed-hosts api.example:8080",
+        ),
+        (&["--send-timeout", "0"][..], "--send-timeout 0"),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_kvpolicy-server"))
             .args(["--cpu", "--port", "0"])

