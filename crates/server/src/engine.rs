@@ -37,7 +37,7 @@ pub struct EngineConfig {
     pub max_queue: usize,
     /// Prompt tokens per step, and per piece of a prompt.
     pub prefill_chunk: usize,
-    /// Kernels chosen per request, not per packed batch (see [`Engine::forward`]).
+    /// Kernels chosen per request, not per packed batch (see [`crate::passes::forward`]).
     pub batch_invariant: bool,
 }
 

@@ -7,7 +7,7 @@
 //!   closed at once. Both are counted in `/metrics` and logged (the first time, then every
 //!   1000th). So a flood of idle sockets cannot lock other clients out, nor take the file
 //!   descriptors the server needs: the cap is checked at start-up against the open-file
-//!   limit (raised to its hard limit) with [`FD_RESERVE`](crate::flags::FD_RESERVE) kept
+//!   limit (raised to its hard limit) with [`FD_RESERVE`] kept
 //!   for the model, the caches and the engine.
 //! - A connection that has not sent a whole request head within `--header-timeout` — one
 //!   that sends nothing, part of its headers, or stays idle between requests — is closed
