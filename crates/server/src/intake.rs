@@ -32,6 +32,27 @@ pub struct Intake {
 /// tokens: a token's bytes are its input's times at most this.
 const NORMALIZER_MARGIN: usize = 4;
 
+/// The most bytes of text one token of `tok` stands for: its decoding (what it matched in
+/// the text, the vocabulary's own spelling of bytes and spaces aside), or the text of a
+/// control token when prompts may spell those.
+fn longest_token(tok: &TextTokenizer, parse_special: bool) -> usize {
+    let inner = tok.inner();
+    let size = u32::try_from(inner.get_vocab_size(true)).unwrap_or(u32::MAX);
+    (0..size)
+        .map(|id| {
+            let decoded = inner.decode(&[id], true).map_or(0, |t| t.len());
+            let spelled = if parse_special && tok.is_control(id) {
+                inner.id_to_token(id).map_or(0, |t| t.len())
+            } else {
+                0
+            };
+            decoded.max(spelled)
+        })
+        .max()
+        .unwrap_or(1)
+        .max(1)
+}
+
 impl Intake {
     /// Intake over `tok` with `threads` requests parsed at once.
     pub fn new(
@@ -41,14 +62,7 @@ impl Intake {
         max_body: usize,
         parse_special: bool,
     ) -> Self {
-        let longest = tok
-            .inner()
-            .get_vocab(true)
-            .keys()
-            .map(String::len)
-            .max()
-            .unwrap_or(1)
-            .max(1);
+        let longest = longest_token(&tok, parse_special);
         Self {
             tok,
             work: Arc::new(Semaphore::new(threads.max(1))),
