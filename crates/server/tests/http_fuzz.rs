@@ -2,7 +2,7 @@
 //! hand-made requests, and any input a `cargo fuzz run http` found) and random mutations — bytes flipped,
 //! cut, repeated, and HTTP and JSON words spliced in — go through the same body as the
 //! fuzzer ([`kvpolicy_server::fuzzing::http`]), which panics on a 5xx, a hang or leaked
-//! internals. `KVPOLICY_HTTP_FUZZ_SECS` sets the time for mutations (default 20).
+//! internals. `KVPOLICY_HTTP_FUZZ_SECS` sets the time for mutations (default 10).
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -100,7 +100,7 @@ fn the_router_survives_its_corpus_and_mutations() -> Result<()> {
     let secs: u64 = std::env::var("KVPOLICY_HTTP_FUZZ_SECS")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(20);
+        .unwrap_or(10);
     let budget = Duration::from_secs(secs);
     let mut rng = Rng(0x2545_F491_4F6C_DD1D);
     let start = Instant::now();
