@@ -41,7 +41,7 @@ use hyper::server::conn::http1;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{watch, Notify, Semaphore};
+use tokio::sync::{watch, Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Sleep;
 use tower::ServiceExt;
 
@@ -49,8 +49,6 @@ use crate::error::ApiError;
 use crate::flags::FD_RESERVE;
 use crate::metrics::Metrics;
 
-/// How long a newcomer waits for an evicted connection's place.
-const EVICTION_WAIT: Duration = Duration::from_millis(500);
 /// How long an evicted connection may take to answer a request that raced its eviction.
 const EVICTION_GRACE: Duration = Duration::from_millis(250);
 
@@ -188,6 +186,8 @@ struct Open {
     busy: Arc<AtomicUsize>,
     /// Closes it at once.
     close: Arc<Notify>,
+    /// Its place among `--max-connections`: handed to the newcomer that evicts it.
+    place: OwnedSemaphorePermit,
 }
 
 /// The open connections, oldest first.
@@ -198,8 +198,9 @@ struct Table {
 }
 
 impl Table {
-    /// Closes the oldest connection with no request in progress; whether there was one.
-    fn evict_idle(&mut self) -> bool {
+    /// Closes the oldest connection with no request in progress; its place, if there was
+    /// one (the evicted connection's last moments no longer count against the cap).
+    fn evict_idle(&mut self) -> Option<OwnedSemaphorePermit> {
         // Marked evicted only while no request is in progress: one that begins after
         // this is answered 503 (see `Busy::start`), none is cut off.
         let idle = self
@@ -211,13 +212,9 @@ impl Table {
                     .is_ok()
             })
             .map(|(&id, _)| id);
-        match idle.and_then(|id| self.open.remove(&id)) {
-            Some(c) => {
-                c.close.notify_one();
-                true
-            }
-            None => false,
-        }
+        let c = self.open.remove(&idle?)?;
+        c.close.notify_one();
+        Some(c.place)
     }
 }
 
@@ -304,22 +301,20 @@ pub async fn serve(
         };
         let permit = match slots.clone().try_acquire_owned() {
             Ok(p) => Some(p),
-            Err(_) if lock(&table).evict_idle() => {
-                metrics.connections_evicted.inc();
-                evicted += 1;
-                if every_thousandth(evicted) {
-                    eprintln!(
-                        "{} connections open (--max-connections): the longest idle ones are closed for newcomers ({evicted} so far)",
-                        limits.max_connections
-                    );
+            Err(_) => {
+                let place = lock(&table).evict_idle();
+                if place.is_some() {
+                    metrics.connections_evicted.inc();
+                    evicted += 1;
+                    if every_thousandth(evicted) {
+                        eprintln!(
+                            "{} connections open (--max-connections): the longest idle ones are closed for newcomers ({evicted} so far)",
+                            limits.max_connections
+                        );
+                    }
                 }
-                // Its place frees once its task has closed it.
-                tokio::time::timeout(EVICTION_WAIT, slots.clone().acquire_owned())
-                    .await
-                    .ok()
-                    .and_then(Result::ok)
+                place
             }
-            Err(_) => None,
         };
         let Some(permit) = permit else {
             metrics.connections_shed.inc();
@@ -336,6 +331,7 @@ pub async fn serve(
         let open = Open {
             busy: Arc::new(AtomicUsize::new(0)),
             close: Arc::new(Notify::new()),
+            place: permit,
         };
         let (busy, close) = (open.busy.clone(), open.close.clone());
         let id = {
@@ -362,8 +358,8 @@ pub async fn serve(
             )
             .await;
             metrics.connections.dec();
+            // Its place back (unless an eviction handed it on already).
             lock(&table).open.remove(&id);
-            drop(permit);
         });
     }
     Connections { slots, max, stop }
