@@ -14,6 +14,7 @@
 use std::net::IpAddr;
 
 use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
+use subtle::ConstantTimeEq;
 
 use crate::error::ApiError;
 
@@ -99,7 +100,7 @@ impl Access {
         }
         if let (Some(key), true) = (&self.api_key, path.starts_with("/v1/")) {
             let given = text(header::AUTHORIZATION).and_then(bearer);
-            if !given.is_some_and(|g| same_secret(g.as_bytes(), key.as_bytes())) {
+            if !given.is_some_and(|g| bool::from(g.as_bytes().ct_eq(key.as_bytes()))) {
                 let mut e = ApiError::status(
                     StatusCode::UNAUTHORIZED,
                     "missing or wrong API key: send `Authorization: Bearer KEY` with the server's --api-key",
@@ -118,15 +119,6 @@ fn bearer(value: &str) -> Option<&str> {
     scheme
         .eq_ignore_ascii_case("bearer")
         .then(|| token.trim_start_matches(' '))
-}
-
-/// Equal bytes, in a time that does not depend on where they differ.
-fn same_secret(a: &[u8], b: &[u8]) -> bool {
-    let mut diff = (a.len() ^ b.len()) as u64;
-    for (i, &x) in a.iter().enumerate() {
-        diff |= u64::from(x ^ b.get(i % b.len().max(1)).copied().unwrap_or(0));
-    }
-    diff == 0
 }
 
 /// `application/json`, parameters (`; charset=utf-8`) and case aside.

@@ -279,7 +279,7 @@ pub async fn serve(
     let slots = Arc::new(Semaphore::new(max as usize));
     let (stop, stopping) = watch::channel(false);
     let table = Arc::new(Mutex::new(Table::default()));
-    let (mut evicted, mut shed_count, mut accept_errors) = (0u64, 0u64, 0u64);
+    let mut accept_errors = 0u64;
     tokio::pin!(until);
     loop {
         let accepted = tokio::select! {
@@ -304,8 +304,7 @@ pub async fn serve(
             Err(_) => {
                 let place = lock(&table).evict_idle();
                 if place.is_some() {
-                    metrics.connections_evicted.inc();
-                    evicted += 1;
+                    let evicted = metrics.connections_evicted.inc() + 1;
                     if every_thousandth(evicted) {
                         eprintln!(
                             "{} connections open (--max-connections): the longest idle ones are closed for newcomers ({evicted} so far)",
@@ -317,8 +316,7 @@ pub async fn serve(
             }
         };
         let Some(permit) = permit else {
-            metrics.connections_shed.inc();
-            shed_count += 1;
+            let shed_count = metrics.connections_shed.inc() + 1;
             if every_thousandth(shed_count) {
                 eprintln!(
                     "{} connections open (--max-connections), every one serving a request: new ones are answered 503 and closed ({shed_count} so far)",

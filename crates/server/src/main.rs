@@ -51,7 +51,7 @@ fn run(
     reg: &kvpolicy::PolicyRegistry,
     matches: &clap::ArgMatches,
 ) -> Result<()> {
-    args.check()?;
+    // Every other flag is checked by `app::build`, before the model loads.
     fit_open_files(args.max_connections)?;
     let header_timeout = seconds("--header-timeout", args.header_timeout, false)?;
     let send_timeout = seconds("--send-timeout", args.send_timeout, false)?;

@@ -187,17 +187,34 @@ async fn metrics(State(s): State<Arc<AppState>>) -> Response {
 }
 
 async fn completions(State(s): State<Arc<AppState>>, req: Request) -> Response {
+    take(s, req, Endpoint::Completion).await
+}
+
+async fn chat(State(s): State<Arc<AppState>>, req: Request) -> Response {
+    take(s, req, Endpoint::Chat).await
+}
+
+/// A generation request: its body read, parsed and tokenized off the I/O threads
+/// ([`Intake`]), then served.
+async fn take(s: Arc<AppState>, req: Request, endpoint: Endpoint) -> Response {
     let body = match s.intake.body(req.into_body()).await {
         Ok(b) => b,
         Err(e) => return e.into_response(),
     };
     let st = s.clone();
-    match s
+    let parsed = s
         .intake
-        .run(move |tok| completion_request(&st, tok, &body))
-        .await
-    {
-        Ok(p) => serve(&s, Endpoint::Completion, p, "prompt").await,
+        .run(move |tok| match endpoint {
+            Endpoint::Completion => completion_request(&st, tok, &body),
+            Endpoint::Chat => chat_request(&st, tok, &body),
+        })
+        .await;
+    let field = match endpoint {
+        Endpoint::Completion => "prompt",
+        Endpoint::Chat => "messages",
+    };
+    match parsed {
+        Ok(p) => serve(&s, endpoint, p, field).await,
         Err(e) => e.into_response(),
     }
 }
@@ -242,18 +259,6 @@ fn completion_request(s: &AppState, tok: &TextTokenizer, body: &[u8]) -> Result<
         params,
         asked: common.max_tokens,
     })
-}
-
-async fn chat(State(s): State<Arc<AppState>>, req: Request) -> Response {
-    let body = match s.intake.body(req.into_body()).await {
-        Ok(b) => b,
-        Err(e) => return e.into_response(),
-    };
-    let st = s.clone();
-    match s.intake.run(move |tok| chat_request(&st, tok, &body)).await {
-        Ok(p) => serve(&s, Endpoint::Chat, p, "messages").await,
-        Err(e) => e.into_response(),
-    }
 }
 
 fn chat_request(s: &AppState, tok: &TextTokenizer, body: &[u8]) -> Result<Parsed, ApiError> {
