@@ -440,3 +440,38 @@ fn shed(stream: TcpStream) {
     );
     let _ = stream.try_write(reply.as_bytes());
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// A peer that reads nothing: the write fails once it has waited the limit. A peer
+    /// that reads slowly, but within the limit each time, gets everything.
+    #[tokio::test(start_paused = true)]
+    async fn a_write_that_makes_no_progress_fails_after_the_limit() -> anyhow::Result<()> {
+        let limit = Duration::from_secs(5);
+        let (ours, _silent) = tokio::io::duplex(64);
+        let stalled = SendDeadline::new(ours, limit).write_all(&[7u8; 1024]).await;
+        let e = stalled
+            .err()
+            .ok_or_else(|| anyhow::anyhow!("the write went through"))?;
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut);
+
+        let (ours, mut theirs) = tokio::io::duplex(64);
+        let reader = tokio::spawn(async move {
+            let mut got = 0;
+            let mut buf = [0u8; 64];
+            while got < 1024 {
+                tokio::time::sleep(Duration::from_secs(4)).await;
+                got += theirs.read(&mut buf).await?;
+            }
+            anyhow::Ok(got)
+        });
+        SendDeadline::new(ours, limit)
+            .write_all(&[7u8; 1024])
+            .await?;
+        assert_eq!(reader.await??, 1024);
+        Ok(())
+    }
+}

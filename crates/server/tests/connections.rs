@@ -168,9 +168,12 @@ fn a_client_that_stops_reading_is_let_go() -> Result<()> {
         body.len()
     )?;
     // Never read: the 16 choices are cancelled once the server gives up on the socket.
+    // How soon depends on how fast the model fills the socket buffers (megabytes on
+    // loopback): seconds on an idle machine, minutes on a loaded one. The deadline itself
+    // is tested exactly in `listen.rs` (paused time).
     common::wait_for_metrics(
         &server,
-        PATIENCE * 4,
+        PATIENCE * 10,
         "the stalled request cancelled",
         |m| {
             metric(m, "kvpolicy_requests_cancelled_total") == Some(16.0)
