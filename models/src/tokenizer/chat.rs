@@ -39,7 +39,10 @@ impl TextTokenizer {
             ));
         }
         let skeleton = self.apply_chat_template_to(&marked(messages)).ok();
-        let markers = self.markers(skeleton.as_deref());
+        // The template's markers: every control token, and the other added tokens it
+        // writes itself (a turn marker a vocabulary did not mark special).
+        let written = self.written_by(skeleton.as_deref());
+        let is_marker = |id: &u32| self.is_control(*id) || written.contains(id);
         let spans = skeleton
             .as_deref()
             .and_then(|k| message_spans(messages, k, &text));
@@ -49,7 +52,7 @@ impl TextTokenizer {
             if let Some((i, m)) = messages
                 .iter()
                 .enumerate()
-                .find(|(_, m)| self.holds_marker(&markers, &m.content))
+                .find(|(_, m)| self.holds(&m.content, is_marker))
             {
                 return Err(forging(i, m));
             }
@@ -65,17 +68,15 @@ impl TextTokenizer {
                 while next.peek().is_some_and(|s| s.end <= a) {
                     next.next();
                 }
-                markers.contains(id) && next.peek().is_some_and(|s| s.start < b)
+                is_marker(id) && next.peek().is_some_and(|s| s.start < b)
             });
         if !forged {
             return Ok(enc.get_ids().to_vec());
         }
-        // Tokenized as text, a message still matches the tokens that are not control
-        // tokens: one spelling a marker of this kind cannot be kept apart.
-        let specials = self.special_ids();
+        // Tokenized as text, a message still matches the added tokens that are not control
+        // tokens: one spelling a marker of that kind cannot be kept apart.
         for (i, (m, s)) in messages.iter().zip(&spans).enumerate() {
-            let loose: HashSet<u32> = markers.difference(specials).copied().collect();
-            if self.holds_marker(&loose, &text[s.clone()]) {
+            if self.holds(&text[s.clone()], |id| written.contains(id)) {
                 return Err(forging(i, m));
             }
         }
@@ -91,28 +92,22 @@ impl TextTokenizer {
         Ok(ids)
     }
 
-    /// The template's markers: every control token, and every other added token whose
-    /// text the template writes itself (a turn marker a vocabulary did not mark special).
-    fn markers(&self, skeleton: Option<&str>) -> HashSet<u32> {
-        let mut m = self.special_ids().clone();
-        if let Some(k) = skeleton {
-            m.extend(
-                self.inner
-                    .get_added_tokens_decoder()
-                    .into_iter()
-                    .filter(|(_, t)| {
-                        !t.special && !t.content.trim().is_empty() && k.contains(&t.content)
-                    })
-                    .map(|(id, _)| id),
-            );
-        }
-        m
+    /// The added tokens that are not control tokens and whose text the template wrote.
+    fn written_by(&self, skeleton: Option<&str>) -> HashSet<u32> {
+        let Some(k) = skeleton else {
+            return HashSet::new();
+        };
+        self.plain_added()
+            .iter()
+            .filter(|(_, t)| k.contains(t.as_str()))
+            .map(|&(id, _)| id)
+            .collect()
     }
 
-    /// Whether `text`, tokenized with control tokens matched, holds one of `markers`.
-    fn holds_marker(&self, markers: &HashSet<u32>, text: &str) -> bool {
+    /// Whether `text`, tokenized with added tokens matched, holds a token `marker` picks.
+    fn holds(&self, text: &str, marker: impl Fn(&u32) -> bool) -> bool {
         self.guarded_encode(text, false)
-            .is_ok_and(|e| e.get_ids().iter().any(|id| markers.contains(id)))
+            .is_ok_and(|e| e.get_ids().iter().any(marker))
     }
 }
 

@@ -55,8 +55,17 @@ pub struct TextTokenizer {
     eos_text: String,
     /// `inner` with control tokens' text tokenized as text (made when first needed).
     plain: std::sync::OnceLock<Tokenizer>,
-    /// The ids of the control (special) tokens (gathered when first needed).
-    specials: std::sync::OnceLock<std::collections::HashSet<u32>>,
+    /// The added tokens by kind (gathered when first needed).
+    added: std::sync::OnceLock<AddedTokens>,
+}
+
+/// A vocabulary's added tokens, by kind.
+struct AddedTokens {
+    /// The control (special) tokens' ids.
+    control: std::collections::HashSet<u32>,
+    /// The others with some text (user-defined tokens: runs of newlines, markers a
+    /// vocabulary did not mark special), with their text.
+    plain: Vec<(u32, String)>,
 }
 
 /// A byte-level BPE (`gpt2`) vocabulary with the pre-tokenizer llama.cpp uses for the file's
@@ -143,7 +152,7 @@ impl TextTokenizer {
             bos_text: String::new(),
             eos_text: String::new(),
             plain: std::sync::OnceLock::new(),
-            specials: std::sync::OnceLock::new(),
+            added: std::sync::OnceLock::new(),
         };
         if let Some(cfg) = config {
             let text = crate::load::files::read_text_capped(
@@ -218,7 +227,7 @@ impl TextTokenizer {
             bos_prepend: if add_bos { bos } else { None },
             chat_template: g.meta_str("tokenizer.chat_template"),
             plain: std::sync::OnceLock::new(),
-            specials: std::sync::OnceLock::new(),
+            added: std::sync::OnceLock::new(),
         })
     }
 
@@ -304,19 +313,30 @@ impl TextTokenizer {
     /// Whether token `id` is a control token, which [`decode`](Self::decode) skips: it
     /// does not end a run of byte tokens.
     pub fn is_control(&self, id: u32) -> bool {
-        self.special_ids().contains(&id)
+        self.added().control.contains(&id)
     }
 
-    /// The ids of the control (special) tokens.
-    pub(crate) fn special_ids(&self) -> &std::collections::HashSet<u32> {
-        self.specials.get_or_init(|| {
-            self.inner
-                .get_added_tokens_decoder()
-                .into_iter()
-                .filter(|(_, t)| t.special)
-                .map(|(id, _)| id)
-                .collect()
+    /// The added tokens by kind.
+    fn added(&self) -> &AddedTokens {
+        self.added.get_or_init(|| {
+            let mut a = AddedTokens {
+                control: std::collections::HashSet::new(),
+                plain: Vec::new(),
+            };
+            for (id, t) in self.inner.get_added_tokens_decoder() {
+                if t.special {
+                    a.control.insert(id);
+                } else if !t.content.trim().is_empty() {
+                    a.plain.push((id, t.content));
+                }
+            }
+            a
         })
+    }
+
+    /// The added tokens that are not control tokens, with their text (not blank).
+    pub(crate) fn plain_added(&self) -> &[(u32, String)] {
+        &self.added().plain
     }
 
     /// The underlying `tokenizers` tokenizer (for streaming decode).
