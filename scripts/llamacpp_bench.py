@@ -10,7 +10,8 @@ decode tokens per second are the medians over `--repeats`. llama.cpp's KV cache 
 (`type_k/type_v = 0`) like kvpolicy's on the CPU, unless `--kv-type` says f16 (its default),
 bf16 or q8_0 (`--cache-type-k/v q8_0`; a quantized V cache needs `--flash-attn`).
 
-Prints one JSON object: {"prefill_tok_s": …, "decode_tok_s": …, "llama_cpp_python": …}.
+Prints one JSON object: {"prefill_tok_s": …, "decode_tok_s": …, "load_s": …, "llama_cpp_python": …}
+(`load_s`: the seconds `Llama(...)` took to load the file and make its context).
 
 Pinned: llama-cpp-python==0.3.36.
     python3 scripts/llamacpp_bench.py --gguf F --context 512 --steps 64 --repeats 3 --threads 2
@@ -50,9 +51,11 @@ def main():
         sys.exit(f"pinned to llama-cpp-python {PINNED}, this is {llama_cpp.__version__}")
     t = GGML_TYPES["f16" if a.f16_kv else a.kv_type]
     kv = {"type_k": t, "type_v": t}
+    started = time.perf_counter()
     llm = llama_cpp.Llama(model_path=a.gguf, n_ctx=a.context + a.steps + 1, n_batch=max(a.chunk, 1),
                           n_ubatch=max(a.chunk, 1), n_threads=a.threads, n_threads_batch=a.threads,
                           verbose=False, flash_attn=a.flash_attn, **kv)
+    load_s = time.perf_counter() - started
     vocab = llm.n_vocab()
     prompt, steps = ids(a.context, 0, vocab), ids(a.steps, a.context, vocab)
     pre, dec = [], []
@@ -67,6 +70,7 @@ def main():
             llm.eval([tok])
         dec.append(a.steps / (time.perf_counter() - t))
     print(json.dumps({"prefill_tok_s": statistics.median(pre), "decode_tok_s": statistics.median(dec),
+                      "load_s": load_s,
                       "llama_cpp_python": llama_cpp.__version__}))
 
 

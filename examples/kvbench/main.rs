@@ -210,7 +210,9 @@ fn run(mut args: Args) -> Result<()> {
         _ => ModelSpec::Default,
     };
     let files = resolve(&spec)?;
+    let started = std::time::Instant::now();
     let loaded = load(&files, &dev, dtype, None)?;
+    let load_s = started.elapsed().as_secs_f64();
     let model = loaded.model.as_ref();
     let info = model.info().clone();
     let max_ctx = args.context.iter().copied().max().unwrap_or(0);
@@ -246,6 +248,7 @@ fn run(mut args: Args) -> Result<()> {
         candle_core::utils::get_num_threads(),
         dev.location()
     );
+    println!("load: {load_s:.2} s");
     if let Some(c) = &info.conversion {
         println!("LOSSY model: {c}; its logits differ from the original model's");
     }

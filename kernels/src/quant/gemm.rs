@@ -17,7 +17,7 @@
 //! scalar code, for the tests.
 use super::blocks::{quantize_row, quantize_row_q8k, ActBlock, QK};
 use super::disjoint::Disjoint;
-use super::panel::{Panel, PanelFormat, NR};
+use super::panel::{Panel, PanelFormat, WeightRows, NR};
 
 /// A micro-kernel of the integer GEMM.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -165,6 +165,23 @@ pub fn gemm(
     k: usize,
     x: &[f32],
 ) -> Vec<f32> {
+    gemm_rows(kernel, fmt, WeightRows::Plain(data), n, k, x)
+}
+
+/// [`gemm`] for a weight in either layout ([`WeightRows`]): the same result from the same
+/// weight.
+///
+/// # Panics
+/// If this CPU does not run `kernel` for `fmt` ([`Kernel::runs`]).
+pub fn gemm_rows(
+    kernel: Kernel,
+    fmt: PanelFormat,
+    weight: WeightRows<'_>,
+    n: usize,
+    k: usize,
+    x: &[f32],
+) -> Vec<f32> {
+    let (WeightRows::Plain(data) | WeightRows::Rows8(data)) = weight;
     assert!(
         kernel.runs(fmt),
         "{kernel:?} does not run {fmt:?} on this CPU"
@@ -187,7 +204,7 @@ pub fn gemm(
     candle_core::utils::barrier_pool().execute_chunked(n.div_ceil(NR), |panels| {
         let mut panel = Panel::default();
         for p in panels {
-            panel.pack(fmt, data, n, k, p);
+            panel.pack_from(fmt, weight, n, k, p);
             let cols = NR.min(n - NR * p);
             let mut r0 = 0;
             while r0 < m {

@@ -28,6 +28,8 @@ pub mod avx2;
 #[cfg(target_arch = "x86_64")]
 pub mod avx2_kquants;
 #[cfg(target_arch = "x86_64")]
+pub mod avx2_rows8;
+#[cfg(target_arch = "x86_64")]
 pub mod avx2_tile;
 #[cfg(target_arch = "x86_64")]
 pub mod avx512;
@@ -38,10 +40,11 @@ mod features;
 pub mod gemm;
 pub mod kquants;
 pub mod panel;
+pub mod rows8;
 
 pub use blocks::{ActBlock, WeightFormat, QK};
 pub use kquants::{KQuant, Q8KRow};
-pub use panel::PanelFormat;
+pub use panel::{PanelFormat, WeightRows};
 
 use disjoint::Disjoint;
 
@@ -192,10 +195,19 @@ impl RowActs {
     }
 }
 
+/// Where a [`QuantMatMul`]'s weight bytes live.
+#[derive(Debug, Clone)]
+enum Weight {
+    /// Candle's tensor, row-major blocks as in the GGUF.
+    Tensor(Arc<QTensor>),
+    /// Q4_0 interleaved eight rows at a time ([`rows8`]), the only copy.
+    Rows8(Arc<Vec<u8>>),
+}
+
 /// `x·Wᵀ` for a quantized `W` of a format this module handles.
 #[derive(Debug, Clone)]
 pub struct QuantMatMul {
-    w: Arc<QTensor>,
+    w: Weight,
     fmt: PanelFormat,
     n: usize,
     k: usize,
@@ -207,8 +219,86 @@ impl QuantMatMul {
     pub fn new(w: Arc<QTensor>) -> Option<Self> {
         let fmt = panel_format_of(w.dtype())?;
         let (n, k) = w.shape().dims2().ok()?;
-        (k % fmt.block_elems() == 0 && matches!(w.device(), candle_core::Device::Cpu))
-            .then_some(Self { w, fmt, n, k })
+        (k % fmt.block_elems() == 0 && matches!(w.device(), candle_core::Device::Cpu)).then_some(
+            Self {
+                w: Weight::Tensor(w),
+                fmt,
+                n,
+                k,
+            },
+        )
+    }
+
+    /// This op with its weight interleaved eight rows at a time ([`rows8`]) for the decode
+    /// step's kernel, where that applies: Q4_0, whole groups of rows, a CPU with AVX2 (and
+    /// so one of the integer GEMM's kernels for prefill chunks). The new op holds the only
+    /// copy: once every other holder of the tensor drops it, the row-major bytes are freed.
+    /// `None` where it does not apply.
+    pub fn interleaved(&self) -> Option<Self> {
+        let Weight::Tensor(t) = &self.w else {
+            return None;
+        };
+        let PanelFormat::Block(fmt) = self.fmt else {
+            return None;
+        };
+        #[cfg(target_arch = "x86_64")]
+        let simd = features::avx2() && gemm::kernel_for(self.fmt).is_some();
+        #[cfg(not(target_arch = "x86_64"))]
+        let simd = false;
+        if !simd || !rows8::fits(fmt, self.n, self.k) {
+            return None;
+        }
+        let packed = rows8::interleave(&t.data().ok()?, self.n, self.k)?;
+        Some(Self {
+            w: Weight::Rows8(Arc::new(packed)),
+            ..self.clone()
+        })
+    }
+
+    /// Whether the weight is held interleaved ([`Self::interleaved`]).
+    pub fn is_interleaved(&self) -> bool {
+        matches!(self.w, Weight::Rows8(_))
+    }
+
+    /// The weight's shape `(n, k)` and its GGML type.
+    pub fn dims(&self) -> (usize, usize) {
+        (self.n, self.k)
+    }
+
+    /// Rows `ids` of the weight as row-major blocks of its format (an embedding lookup
+    /// through a tied table), one after the other; an error names an id past the rows.
+    pub fn plain_rows(&self, ids: &[u32]) -> Result<Vec<u8>> {
+        let row_bytes = self.fmt.row_bytes(self.k);
+        let mut out = Vec::with_capacity(ids.len() * row_bytes);
+        for &id in ids {
+            let r = id as usize;
+            if r >= self.n {
+                candle_core::bail!(
+                    "token id {id} is outside the embedding table's {} rows",
+                    self.n
+                );
+            }
+            match &self.w {
+                Weight::Tensor(t) => {
+                    out.extend_from_slice(&t.data()?[r * row_bytes..(r + 1) * row_bytes])
+                }
+                Weight::Rows8(d) => rows8::plain_row(d, self.k, r, &mut out),
+            }
+        }
+        Ok(out)
+    }
+
+    /// The GGML type of the weight.
+    pub fn ggml_dtype(&self) -> GgmlDType {
+        match self.fmt {
+            PanelFormat::Q4K => GgmlDType::Q4K,
+            PanelFormat::Q6K => GgmlDType::Q6K,
+            PanelFormat::Block(WeightFormat::Q4_0) => GgmlDType::Q4_0,
+            PanelFormat::Block(WeightFormat::Q4_1) => GgmlDType::Q4_1,
+            PanelFormat::Block(WeightFormat::Q5_0) => GgmlDType::Q5_0,
+            PanelFormat::Block(WeightFormat::Q5_1) => GgmlDType::Q5_1,
+            PanelFormat::Block(WeightFormat::Q8_0) => GgmlDType::Q8_0,
+        }
     }
 
     /// Whether a call with `rows` activation rows runs here: as the integer GEMM from
@@ -217,8 +307,13 @@ impl QuantMatMul {
         rows < GEMM_MIN_ROWS || gemm::kernel_for(self.fmt).is_some()
     }
 
-    /// Applies the op to `x` `(…, k)`, f32.
+    /// Applies the op to `x` `(…, k)` (f32; another float type is computed in f32 and
+    /// returned in its own).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if x.dtype() != DType::F32 {
+            let y = self.forward(&x.to_dtype(DType::F32)?)?;
+            return y.to_dtype(x.dtype());
+        }
         x.contiguous()?.apply_op1_no_bwd(self)
     }
 }
@@ -243,20 +338,31 @@ impl CustomOp1 for QuantMatMul {
             candle_core::bail!("quantized matmul: x is {dims:?}, the weight takes {k} inputs");
         }
         let m = x.len() / k;
-        let data = self.w.data()?;
         let row_bytes = self.fmt.row_bytes(k);
+        let data = match &self.w {
+            Weight::Tensor(t) => t.data()?,
+            Weight::Rows8(d) => std::borrow::Cow::Borrowed(d.as_slice()),
+        };
         if data.len() != n * row_bytes {
             candle_core::bail!(
                 "quantized matmul: weight holds {} bytes, expected {n} rows of {row_bytes}",
                 data.len()
             );
         }
+        let weight = match &self.w {
+            Weight::Tensor(_) => WeightRows::Plain(&data),
+            Weight::Rows8(_) => WeightRows::Rows8(&data),
+        };
         let mut out_dims = dims.to_vec();
         if let Some(last) = out_dims.last_mut() {
             *last = n;
         }
         if let Some(kernel) = gemm::kernel_for(self.fmt).filter(|_| m >= GEMM_MIN_ROWS) {
-            let y = gemm::gemm(kernel, self.fmt, &data, n, k, x);
+            let y = gemm::gemm_rows(kernel, self.fmt, weight, n, k, x);
+            return Ok((CpuStorage::F32(y), Shape::from(out_dims)));
+        }
+        if let WeightRows::Rows8(data) = weight {
+            let y = rows8_products(data, n, k, x);
             return Ok((CpuStorage::F32(y), Shape::from(out_dims)));
         }
         let acts = RowActs::new(self.fmt, x, k);
@@ -299,6 +405,34 @@ impl CustomOp1 for QuantMatMul {
         };
         Ok((CpuStorage::F32(y), Shape::from(out_dims)))
     }
+}
+
+/// `x·Wᵀ` `(m, n)` for the interleaved Q4_0 weight `data` `(n, k)`: each activation row
+/// quantized once, then every task's groups of rows ([`ROWS_PER_TASK`], whole groups)
+/// dotted with each row.
+fn rows8_products(data: &[u8], n: usize, k: usize, x: &[f32]) -> Vec<f32> {
+    let per_row = k / QK;
+    let m = x.len() / k;
+    let mut acts = vec![ActBlock::ZERO; m * per_row];
+    for (row, out) in x.chunks_exact(k).zip(acts.chunks_exact_mut(per_row)) {
+        blocks::quantize_row(row, out);
+    }
+    let sums = rows8::block_sums(&acts);
+    // Output transposed, (m, n) row-major: task t owns columns of every row.
+    let mut y = vec![0f32; m * n];
+    let out = Disjoint(y.as_mut_ptr());
+    candle_core::utils::barrier_pool().execute_chunked(n.div_ceil(ROWS_PER_TASK), |tasks| {
+        let rows = tasks.start * ROWS_PER_TASK..(tasks.end * ROWS_PER_TASK).min(n);
+        for i in 0..m {
+            // SAFETY: `execute_chunked` hands each range of rows to one worker, so columns
+            // `rows` of output row i are written by this thread alone, and `y` outlives the
+            // call, which returns when every worker is done.
+            let mine = unsafe { out.slice(i * n + rows.start..i * n + rows.end) };
+            let at = i * per_row..(i + 1) * per_row;
+            rows8::dot_rows(data, &acts[at.clone()], &sums[at], rows.start, mine);
+        }
+    });
+    y
 }
 
 /// Whether a [`QuantMatMul`] applies to `x` for this weight: f32 activations on the CPU.

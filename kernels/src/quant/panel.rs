@@ -16,7 +16,17 @@
 //! (256-element super-blocks, eight 32-element sub-blocks with 6-bit scales and mins) and
 //! Q6_K (sixteen 16-element sub-blocks, 8-bit scales, values `q − 32`).
 use super::blocks::{self, f16_at, WeightFormat, QK};
-use super::kquants;
+use super::{kquants, rows8};
+
+/// Where a weight's blocks are read from: its row-major bytes, or Q4_0 interleaved eight
+/// rows at a time ([`rows8`]), whose row-major blocks are reassembled as they are packed.
+#[derive(Debug, Clone, Copy)]
+pub enum WeightRows<'a> {
+    /// Row-major blocks (GGUF's own layout).
+    Plain(&'a [u8]),
+    /// Q4_0 in [`rows8`]'s layout.
+    Rows8(&'a [u8]),
+}
 
 /// Output columns per panel (one 512-bit register of i32 lanes).
 pub const NR: usize = 16;
@@ -141,6 +151,18 @@ pub fn decode(fmt: PanelFormat, b: &[u8], j: usize) -> Decoded {
 impl Panel {
     /// Packs columns `NR·p ..` of the `(n, k)` weight `data` (columns past `n` zero).
     pub fn pack(&mut self, fmt: PanelFormat, data: &[u8], n: usize, k: usize, p: usize) {
+        self.pack_from(fmt, WeightRows::Plain(data), n, k, p)
+    }
+
+    /// [`Self::pack`] from either layout (the same panel from the same weight).
+    pub fn pack_from(
+        &mut self,
+        fmt: PanelFormat,
+        data: WeightRows<'_>,
+        n: usize,
+        k: usize,
+        p: usize,
+    ) {
         // One copy of the loop per format, so that `decode` is compiled for a constant
         // format (its per-format branches gone, its value loops vectorized).
         macro_rules! each {
@@ -166,7 +188,7 @@ impl Panel {
     fn pack_with(
         &mut self,
         fmt: PanelFormat,
-        data: &[u8],
+        data: WeightRows<'_>,
         n: usize,
         k: usize,
         p: usize,
@@ -184,11 +206,21 @@ impl Panel {
         }
         let per_stored = fmt.block_elems() / QK;
         let row_bytes = fmt.row_bytes(k);
+        let mut reassembled: [u8; 18];
         for c in 0..NR.min(n.saturating_sub(NR * p)) {
-            let row = &data[(NR * p + c) * row_bytes..(NR * p + c + 1) * row_bytes];
+            let r = NR * p + c;
             for blk in 0..blocks {
                 let stored = blk / per_stored;
-                let b = &row[stored * fmt.block_bytes()..(stored + 1) * fmt.block_bytes()];
+                let b: &[u8] = match data {
+                    WeightRows::Plain(data) => {
+                        let at = r * row_bytes + stored * fmt.block_bytes();
+                        &data[at..at + fmt.block_bytes()]
+                    }
+                    WeightRows::Rows8(data) => {
+                        reassembled = rows8::plain_block(data, k, r, stored);
+                        &reassembled
+                    }
+                };
                 let dec = decode(b, blk % per_stored);
                 let qs = &mut self.qs[blk * BLOCK_QS..(blk + 1) * BLOCK_QS];
                 for (g, four) in dec.q.chunks_exact(4).enumerate() {

@@ -17,8 +17,9 @@ pub enum Linear {
     Dense(candle_nn::Linear),
     /// Quantized weights (GGUF block formats) and an optional dense bias.
     Quant {
-        /// The quantized matmul.
-        w: QMatMul,
+        /// Candle's quantized matmul; `None` when `fast` holds the weight's only copy
+        /// (Q4_0 interleaved for the decode kernel, `QuantMatMul::interleaved`).
+        w: Option<QMatMul>,
         /// Our CPU kernels (`kvpolicy_kernels::quant`): row dot products for GGML's
         /// 32-element formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) below [`DEQUANT_MIN_ROWS`]
         /// rows, the integer GEMM for those and Q4_K/Q6_K from there where the CPU runs it.
@@ -42,6 +43,9 @@ pub enum Embedding {
     Dense(candle_nn::Embedding),
     /// A quantized `(vocab, hidden)` table.
     Quant(Arc<QTensor>),
+    /// A quantized table held by the tied LM head's own kernel (interleaved for it): rows
+    /// are reassembled and dequantized at lookup, with no second copy of the table.
+    Shared(QuantMatMul),
 }
 
 impl Embedding {
@@ -50,6 +54,22 @@ impl Embedding {
         let table = match self {
             Self::Dense(e) => return Ok(e.forward(ids)?),
             Self::Quant(t) => t,
+            Self::Shared(op) => {
+                let flat = ids.flatten_all()?.to_vec1::<u32>()?;
+                let (_, hidden) = op.dims();
+                let rows = op.plain_rows(&flat)?;
+                let picked = QTensor::new(
+                    QStorage::from_data(
+                        Cow::Owned(rows),
+                        &candle_core::Device::Cpu,
+                        op.ggml_dtype(),
+                    )?,
+                    (flat.len(), hidden),
+                )?;
+                let mut dims = ids.dims().to_vec();
+                dims.push(hidden);
+                return Ok(picked.dequantize(ids.device())?.reshape(dims)?);
+            }
         };
         let (vocab, hidden) = table.shape().dims2()?;
         let dtype = table.dtype();
@@ -90,11 +110,17 @@ fn rows(x: &Tensor) -> usize {
 }
 
 impl Linear {
-    /// A quantized layer `(out, inp)` with an optional bias.
+    /// A quantized layer `(out, inp)` with an optional bias. A Q4_0 weight on a CPU with
+    /// AVX2 is interleaved for the decode kernel (`QuantMatMul::interleaved`) and its
+    /// row-major copy let go (freed once no other holder, such as a tied embedding, keeps it).
     pub fn quantized(w: QMatMul, bias: Option<Tensor>, out: usize, inp: usize) -> Self {
         let fast = match &w {
             QMatMul::QTensor(q) => QuantMatMul::new(q.clone()),
             _ => None,
+        };
+        let (w, fast) = match fast.as_ref().and_then(QuantMatMul::interleaved) {
+            Some(op) => (None, Some(op)),
+            None => (Some(w), fast),
         };
         Self::Quant {
             w,
@@ -102,6 +128,15 @@ impl Linear {
             bias,
             out,
             inp,
+        }
+    }
+
+    /// The layer's own quantized kernel, when it has one (a tied embedding reads the table
+    /// through it).
+    pub fn quant_op(&self) -> Option<&QuantMatMul> {
+        match self {
+            Self::Quant { fast, .. } => fast.as_ref(),
+            Self::Dense(_) => None,
         }
     }
 
@@ -130,7 +165,9 @@ impl Linear {
                     // Ours: row dot products for a few rows, the integer GEMM for a chunk
                     // where the CPU runs one of its kernels (`QuantMatMul::handles`).
                     (_, Some(op)) if quant::applies(x) && op.handles(rows(x)) => op.forward(x)?,
-                    (QMatMul::QTensor(q), _)
+                    // The interleaved weight's only reader (it handles every row count).
+                    (None, Some(op)) => op.forward(x)?,
+                    (Some(QMatMul::QTensor(q)), _)
                         if x.device().is_cpu() && rows(x) >= DEQUANT_MIN_ROWS =>
                     {
                         // No integer GEMM here: candle's CPU quantized matmul dots one
@@ -140,7 +177,8 @@ impl Linear {
                         let dense = q.dequantize(x.device())?.to_dtype(x.dtype())?;
                         x.broadcast_matmul(&dense.t()?)?
                     }
-                    _ => w.forward(x)?,
+                    (Some(w), _) => w.forward(x)?,
+                    (None, None) => unreachable!("a quantized layer without a weight"),
                 };
                 match bias {
                     Some(b) => y.broadcast_add(b)?,

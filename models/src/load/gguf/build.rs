@@ -45,16 +45,6 @@ pub fn from_gguf(g: &GgufFile, device: &Device) -> Result<Decoder> {
         eps: hp.eps,
     };
     let embed_q = std::sync::Arc::new(g.tensor("token_embd.weight", device)?);
-    // On the CPU the table stays quantized and rows are dequantized at lookup; on a GPU a
-    // lookup would copy the quantized table to the host, so it is dequantized once.
-    let embed = if device.is_cpu() {
-        Embedding::Quant(embed_q.clone())
-    } else {
-        Embedding::Dense(candle_nn::Embedding::new(
-            embed_q.dequantize(device)?,
-            hp.hidden,
-        ))
-    };
     let mut layers = Vec::new(); // n_layers comes from the file: no reservation
     for i in 0..hp.n_layers {
         layers.push(t.block(i, &hp, &rules, &ropes)?);
@@ -64,7 +54,20 @@ pub fn from_gguf(g: &GgufFile, device: &Device) -> Result<Decoder> {
     let lm_head = if g.has_tensor("output.weight") {
         t.linear("output.weight".to_string(), vocab, h, None)?
     } else {
-        Linear::quantized(QMatMul::from_arc(embed_q)?, None, vocab, h)
+        Linear::quantized(QMatMul::from_arc(embed_q.clone())?, None, vocab, h)
+    };
+    // On the CPU the table stays quantized and rows are dequantized at lookup (through the
+    // tied head's kernel when it holds the table interleaved); on a GPU a lookup would copy
+    // the quantized table to the host, so it is dequantized once.
+    let embed = match lm_head.quant_op() {
+        Some(op) if op.is_interleaved() && !g.has_tensor("output.weight") => {
+            Embedding::Shared(op.clone())
+        }
+        _ if device.is_cpu() => Embedding::Quant(embed_q),
+        _ => Embedding::Dense(candle_nn::Embedding::new(
+            embed_q.dequantize(device)?,
+            hp.hidden,
+        )),
     };
     let parts = DecoderParts {
         embed,

@@ -1,0 +1,113 @@
+//! Q4_0 weights interleaved eight rows at a time, once at load, for the decode step's
+//! matrix–vector product — llama.cpp's load-time "repack" of Q4_0 (`block_q4_0x8`,
+//! `ggml-cpu/repack.cpp`) without its second copy: the interleaved bytes replace the
+//! row-major ones (the same 18 bytes per 32 weights), and everything else that reads the
+//! weight (the prefill GEMM's panels, the embedding lookup of a tied table) reassembles
+//! row-major blocks from them ([`plain_block`]).
+//!
+//! Layout: rows in groups of [`ROWS`]; a group's blocks one after the other, each
+//! [`GROUP_BLOCK_BYTES`] bytes: the eight rows' f16 scales (16 bytes), then four 32-byte
+//! runs — run `h` holds, for rows 0…7, bytes `4h … 4h+3` of that row's 16 nibble bytes.
+//! One run's low nibbles are elements `4h … 4h+3` of all eight rows, its high nibbles
+//! elements `16+4h … 19+4h`: a 32-bit lane per row, so one `maddubs`/`vpdpbusd` against
+//! four broadcast activation bytes sums four products for each of the eight rows, and the
+//! eight scales convert in one instruction. A decode step reads each group as one stream.
+//!
+//! Results are bit for bit [`super::blocks::dot_scalar`]'s on the row-major block: per
+//! row and block the exact integer sum `Σ (q − 8)·x` (the `− 8` folded in as `− 8·Σx`, an
+//! integer), then `acc += d_w·d_x·sum` in f32 in block order, as the portable loop adds.
+use super::blocks::{ActBlock, WeightFormat, QK};
+
+/// Rows per interleaved group.
+pub const ROWS: usize = 8;
+
+/// Bytes of one block of one group: eight f16 scales and eight rows' 16 nibble bytes.
+pub const GROUP_BLOCK_BYTES: usize = ROWS * 18;
+
+/// Whether an `(n, k)` weight of `fmt` can be interleaved: Q4_0, whole groups of rows.
+pub fn fits(fmt: WeightFormat, n: usize, k: usize) -> bool {
+    fmt == WeightFormat::Q4_0 && n > 0 && n.is_multiple_of(ROWS) && k > 0 && k.is_multiple_of(QK)
+}
+
+/// The row-major Q4_0 weight `plain` `(n, k)` interleaved; `None` unless [`fits`] and
+/// `plain` holds exactly `n` rows.
+pub fn interleave(plain: &[u8], n: usize, k: usize) -> Option<Vec<u8>> {
+    let blocks = k / QK;
+    if !fits(WeightFormat::Q4_0, n, k) || plain.len() != n * blocks * 18 {
+        return None;
+    }
+    let mut out = vec![0u8; plain.len()];
+    for (g, group) in out.chunks_exact_mut(blocks * GROUP_BLOCK_BYTES).enumerate() {
+        for (b, dst) in group.chunks_exact_mut(GROUP_BLOCK_BYTES).enumerate() {
+            for r in 0..ROWS {
+                let src = &plain[((g * ROWS + r) * blocks + b) * 18..][..18];
+                dst[2 * r..2 * r + 2].copy_from_slice(&src[..2]);
+                for h in 0..4 {
+                    let at = 16 + 32 * h + 4 * r;
+                    dst[at..at + 4].copy_from_slice(&src[2 + 4 * h..6 + 4 * h]);
+                }
+            }
+        }
+    }
+    Some(out)
+}
+
+/// Block `b` of row `row` of an interleaved weight with `k` columns, as its row-major 18
+/// bytes.
+#[inline]
+pub fn plain_block(data: &[u8], k: usize, row: usize, b: usize) -> [u8; 18] {
+    let blocks = k / QK;
+    let src = &data[((row / ROWS) * blocks + b) * GROUP_BLOCK_BYTES..][..GROUP_BLOCK_BYTES];
+    let r = row % ROWS;
+    let mut out = [0u8; 18];
+    out[..2].copy_from_slice(&src[2 * r..2 * r + 2]);
+    for h in 0..4 {
+        let at = 16 + 32 * h + 4 * r;
+        out[2 + 4 * h..6 + 4 * h].copy_from_slice(&src[at..at + 4]);
+    }
+    out
+}
+
+/// Row `row` of an interleaved weight with `k` columns, row-major, appended to `out`.
+pub fn plain_row(data: &[u8], k: usize, row: usize, out: &mut Vec<u8>) {
+    for b in 0..k / QK {
+        out.extend_from_slice(&plain_block(data, k, row, b));
+    }
+}
+
+/// The integer sums `Σq` of each activation block (the `− 8·Σx` term of every row).
+pub fn block_sums(x: &[ActBlock]) -> Vec<i32> {
+    x.iter()
+        .map(|b| b.qs.iter().map(|&q| q as i32).sum())
+        .collect()
+}
+
+/// Rows `first .. first + out.len()` (whole groups) of the interleaved weight `data` dotted
+/// with `x` (`xsum` its [`block_sums`]) into `out`; each result bit for bit
+/// [`super::blocks::dot_scalar`]'s on the row-major row. AVX2 where the CPU has it.
+pub fn dot_rows(data: &[u8], x: &[ActBlock], xsum: &[i32], first: usize, out: &mut [f32]) {
+    let group_bytes = x.len() * GROUP_BLOCK_BYTES;
+    assert!(
+        first.is_multiple_of(ROWS)
+            && out.len().is_multiple_of(ROWS)
+            && xsum.len() == x.len()
+            && data.len() >= (first + out.len()) / ROWS * group_bytes,
+        "rows8::dot_rows: rows {first}..+{} of {} bytes ({} blocks per row)",
+        out.len(),
+        data.len(),
+        x.len()
+    );
+    let groups = &data[first / ROWS * group_bytes..(first + out.len()) / ROWS * group_bytes];
+    #[cfg(target_arch = "x86_64")]
+    if super::features::avx2() {
+        // SAFETY: `features::avx2` checked AVX2, FMA and F16C; `groups` holds
+        // `out.len() / ROWS` whole groups of `x.len()` blocks (asserted).
+        return unsafe { super::avx2_rows8::dot_groups(groups, x, xsum, out) };
+    }
+    let k = x.len() * QK;
+    for (r, o) in out.iter_mut().enumerate() {
+        let mut row = Vec::with_capacity(x.len() * 18);
+        plain_row(groups, k, r, &mut row);
+        *o = super::blocks::dot_scalar(WeightFormat::Q4_0, &row, x);
+    }
+}
