@@ -229,23 +229,49 @@ impl QuantMatMul {
         )
     }
 
-    /// This op with its weight interleaved eight rows at a time ([`rows8`]) for the decode
-    /// step's kernel, where that applies: Q4_0, whole groups of rows, a CPU with AVX2 (and
-    /// so one of the integer GEMM's kernels for prefill chunks). The new op holds the only
-    /// copy: once every other holder of the tensor drops it, the row-major bytes are freed.
-    /// `None` where it does not apply.
+    /// Whether an `(n, k)` weight of `dtype` is held interleaved eight rows at a time
+    /// ([`rows8`]) for the decode step's kernel: Q4_0, whole groups of rows, a CPU with AVX2
+    /// (and so one of the integer GEMM's kernels for prefill chunks).
+    pub fn interleaves(dtype: GgmlDType, n: usize, k: usize) -> bool {
+        let Some(fmt) = format_of(dtype) else {
+            return false;
+        };
+        #[cfg(target_arch = "x86_64")]
+        let simd = features::avx2() && gemm::kernel_for(PanelFormat::Block(fmt)).is_some();
+        #[cfg(not(target_arch = "x86_64"))]
+        let simd = false;
+        simd && rows8::fits(fmt, n, k)
+    }
+
+    /// The op for the row-major Q4_0 weight `bytes` `(n, k)` (as a GGUF stores it),
+    /// interleaved where it lies (no second copy, [`rows8::interleave_in_place`]) — what a
+    /// loader calls where [`Self::interleaves`]; the bytes back, untouched, otherwise.
+    pub fn interleave_owned(
+        mut bytes: Vec<u8>,
+        n: usize,
+        k: usize,
+    ) -> std::result::Result<Self, Vec<u8>> {
+        if !Self::interleaves(GgmlDType::Q4_0, n, k)
+            || !rows8::interleave_in_place(&mut bytes, n, k)
+        {
+            return Err(bytes);
+        }
+        Ok(Self {
+            w: Weight::Rows8(Arc::new(bytes)),
+            fmt: PanelFormat::Block(WeightFormat::Q4_0),
+            n,
+            k,
+        })
+    }
+
+    /// This op with its weight interleaved ([`Self::interleaves`]) in a new buffer; the new
+    /// op holds its only copy, so once every other holder of the tensor drops it the
+    /// row-major bytes are freed. `None` where it does not apply.
     pub fn interleaved(&self) -> Option<Self> {
         let Weight::Tensor(t) = &self.w else {
             return None;
         };
-        let PanelFormat::Block(fmt) = self.fmt else {
-            return None;
-        };
-        #[cfg(target_arch = "x86_64")]
-        let simd = features::avx2() && gemm::kernel_for(self.fmt).is_some();
-        #[cfg(not(target_arch = "x86_64"))]
-        let simd = false;
-        if !simd || !rows8::fits(fmt, self.n, self.k) {
+        if !Self::interleaves(t.dtype(), self.n, self.k) {
             return None;
         }
         let packed = rows8::interleave(&t.data().ok()?, self.n, self.k)?;

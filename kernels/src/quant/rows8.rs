@@ -29,18 +29,29 @@ pub fn fits(fmt: WeightFormat, n: usize, k: usize) -> bool {
     fmt == WeightFormat::Q4_0 && n > 0 && n.is_multiple_of(ROWS) && k > 0 && k.is_multiple_of(QK)
 }
 
-/// The row-major Q4_0 weight `plain` `(n, k)` interleaved; `None` unless [`fits`] and
-/// `plain` holds exactly `n` rows.
+/// The row-major Q4_0 weight `plain` `(n, k)` interleaved into a new buffer; `None` unless
+/// [`fits`] and `plain` holds exactly `n` rows.
 pub fn interleave(plain: &[u8], n: usize, k: usize) -> Option<Vec<u8>> {
+    let mut out = plain.to_vec();
+    interleave_in_place(&mut out, n, k).then_some(out)
+}
+
+/// Interleaves the row-major Q4_0 weight `bytes` `(n, k)` where it lies: a group of eight
+/// rows occupies the same bytes in both layouts, so each group is copied aside (one
+/// group's bytes of scratch) and written back interleaved. `false`, and `bytes` untouched,
+/// unless [`fits`] and `bytes` holds exactly `n` rows.
+pub fn interleave_in_place(bytes: &mut [u8], n: usize, k: usize) -> bool {
     let blocks = k / QK;
-    if !fits(WeightFormat::Q4_0, n, k) || plain.len() != n * blocks * 18 {
-        return None;
+    if !fits(WeightFormat::Q4_0, n, k) || bytes.len() != n * blocks * 18 {
+        return false;
     }
-    let mut out = vec![0u8; plain.len()];
-    for (g, group) in out.chunks_exact_mut(blocks * GROUP_BLOCK_BYTES).enumerate() {
+    let row_bytes = blocks * 18;
+    let mut plain = vec![0u8; ROWS * row_bytes];
+    for group in bytes.chunks_exact_mut(blocks * GROUP_BLOCK_BYTES) {
+        plain.copy_from_slice(group);
         for (b, dst) in group.chunks_exact_mut(GROUP_BLOCK_BYTES).enumerate() {
             for r in 0..ROWS {
-                let src = &plain[((g * ROWS + r) * blocks + b) * 18..][..18];
+                let src = &plain[r * row_bytes + b * 18..][..18];
                 dst[2 * r..2 * r + 2].copy_from_slice(&src[..2]);
                 for h in 0..4 {
                     let at = 16 + 32 * h + 4 * r;
@@ -49,7 +60,7 @@ pub fn interleave(plain: &[u8], n: usize, k: usize) -> Option<Vec<u8>> {
             }
         }
     }
-    Some(out)
+    true
 }
 
 /// Block `b` of row `row` of an interleaved weight with `k` columns, as its row-major 18

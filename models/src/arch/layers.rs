@@ -131,6 +131,18 @@ impl Linear {
         }
     }
 
+    /// A quantized layer `(out, inp)` whose weight only `op` holds (interleaved at load,
+    /// `QuantMatMul::interleave_owned`), with an optional bias.
+    pub fn from_op(op: QuantMatMul, bias: Option<Tensor>, out: usize, inp: usize) -> Self {
+        Self::Quant {
+            w: None,
+            fast: Some(op),
+            bias,
+            out,
+            inp,
+        }
+    }
+
     /// The layer's own quantized kernel, when it has one (a tied embedding reads the table
     /// through it).
     pub fn quant_op(&self) -> Option<&QuantMatMul> {

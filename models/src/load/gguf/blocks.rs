@@ -52,6 +52,27 @@ pub(crate) fn read_cpu<R: Read + Seek>(
     QTensor::new(storage, info.shape.clone())
 }
 
+/// Tensor `info`'s bytes read from `r` into one vector (for a kernel that rearranges them
+/// where they lie, `QuantMatMul::interleave_owned`). Checked as [`read_cpu`] is.
+pub(crate) fn read_bytes<R: Read + Seek>(
+    r: &mut R,
+    info: &TensorInfo,
+    data_offset: u64,
+) -> candle_core::Result<Vec<u8>> {
+    let dtype = info.ggml_dtype;
+    let elems = info.shape.elem_count();
+    if !elems.is_multiple_of(dtype.block_size()) {
+        candle_core::bail!(
+            "{elems} values are not whole blocks of {}",
+            dtype.block_size()
+        );
+    }
+    let mut v = vec![0u8; elems / dtype.block_size() * dtype.type_size()];
+    r.seek(SeekFrom::Start(data_offset + info.offset))?;
+    r.read_exact(&mut v)?;
+    Ok(v)
+}
+
 /// `n` blocks of `T` read from `r` into their own vector.
 fn blocks<T: GgmlType + 'static>(
     r: &mut impl Read,

@@ -14,6 +14,7 @@
 use candle_core::quantized::QMatMul;
 use candle_core::{DType, Device, Tensor};
 use kvpolicy_core::AttnSpec;
+use kvpolicy_kernels::quant::QuantMatMul;
 
 use crate::arch::attention::{Attention, KvProjections};
 use crate::arch::decoder::{Block, Decoder, DecoderParts, ModelIdentity};
@@ -44,30 +45,43 @@ pub fn from_gguf(g: &GgufFile, device: &Device) -> Result<Decoder> {
         device,
         eps: hp.eps,
     };
-    let embed_q = std::sync::Arc::new(g.tensor("token_embd.weight", device)?);
     let mut layers = Vec::new(); // n_layers comes from the file: no reservation
     for i in 0..hp.n_layers {
         layers.push(t.block(i, &hp, &rules, &ropes)?);
     }
-    // A tied head reads the embedding table itself (one copy of it in memory).
     let (vocab, h) = (hp.vocab, hp.hidden);
-    let lm_head = if g.has_tensor("output.weight") {
-        t.linear("output.weight".to_string(), vocab, h, None)?
-    } else {
-        Linear::quantized(QMatMul::from_arc(embed_q.clone())?, None, vocab, h)
+    let tied = !g.has_tensor("output.weight");
+    // A tied head reads the embedding table itself (one copy of it in memory): held
+    // interleaved by the head's kernel where that applies, the lookup reassembling rows.
+    let shared = match tied {
+        true => t.interleaved("token_embd.weight", vocab, h)?,
+        false => None,
     };
-    // On the CPU the table stays quantized and rows are dequantized at lookup (through the
-    // tied head's kernel when it holds the table interleaved); on a GPU a lookup would copy
-    // the quantized table to the host, so it is dequantized once.
-    let embed = match lm_head.quant_op() {
-        Some(op) if op.is_interleaved() && !g.has_tensor("output.weight") => {
-            Embedding::Shared(op.clone())
+    let (embed, lm_head) = match shared {
+        Some(op) => (
+            Embedding::Shared(op.clone()),
+            Linear::from_op(op, None, vocab, h),
+        ),
+        _ => {
+            let embed_q = std::sync::Arc::new(g.tensor("token_embd.weight", device)?);
+            let lm_head = if tied {
+                Linear::quantized(QMatMul::from_arc(embed_q.clone())?, None, vocab, h)
+            } else {
+                t.linear("output.weight".to_string(), vocab, h, None)?
+            };
+            // On the CPU the table stays quantized and rows are dequantized at lookup; on
+            // a GPU a lookup would copy the quantized table to the host, so it is
+            // dequantized once.
+            let embed = if device.is_cpu() {
+                Embedding::Quant(embed_q)
+            } else {
+                Embedding::Dense(candle_nn::Embedding::new(
+                    embed_q.dequantize(device)?,
+                    hp.hidden,
+                ))
+            };
+            (embed, lm_head)
         }
-        _ if device.is_cpu() => Embedding::Quant(embed_q),
-        _ => Embedding::Dense(candle_nn::Embedding::new(
-            embed_q.dequantize(device)?,
-            hp.hidden,
-        )),
     };
     let parts = DecoderParts {
         embed,
@@ -148,6 +162,9 @@ struct Tensors<'a> {
 impl Tensors<'_> {
     /// A quantized `(out, inp)` projection with an optional bias.
     fn linear(&self, name: String, out: usize, inp: usize, bias: Option<Tensor>) -> Result<Linear> {
+        if let Some(op) = self.interleaved(&name, out, inp)? {
+            return Ok(Linear::from_op(op, bias, out, inp));
+        }
         let t = self.g.tensor(&name, self.device)?;
         if t.shape().dims() != [out, inp] {
             return Err(self.g.corrupt(format!(
@@ -156,6 +173,20 @@ impl Tensors<'_> {
             )));
         }
         Ok(Linear::quantized(QMatMul::from_qtensor(t)?, bias, out, inp))
+    }
+
+    /// The Q4_0 weight `name` `(out, inp)` read straight into the decode kernel's
+    /// interleaved layout (`QuantMatMul::interleave_owned`: one buffer, rearranged where it
+    /// lies), where that layout applies (the CPU, Q4_0, whole groups of rows, AVX2).
+    fn interleaved(&self, name: &str, out: usize, inp: usize) -> Result<Option<QuantMatMul>> {
+        let dtype = self.g.tensor_dtype(name)?;
+        if !self.device.is_cpu()
+            || self.g.tensor_dims(name)? != [out, inp]
+            || !QuantMatMul::interleaves(dtype, out, inp)
+        {
+            return Ok(None);
+        }
+        Ok(QuantMatMul::interleave_owned(self.g.raw_bytes(name)?, out, inp).ok())
     }
 
     /// The bias `name` of width `out`, when the architecture has q/k/v biases.

@@ -274,6 +274,31 @@ impl GgufFile {
             .ok_or_else(|| self.corrupt(format!("lacks the tensor `{name}`")))
     }
 
+    /// A tensor's GGML type.
+    pub fn tensor_dtype(&self, name: &str) -> Result<candle_core::quantized::GgmlDType> {
+        self.content
+            .tensor_infos
+            .get(name)
+            .map(|i| i.ggml_dtype)
+            .ok_or_else(|| self.corrupt(format!("lacks the tensor `{name}`")))
+    }
+
+    /// A tensor's bytes as the file stores them (into one buffer, nothing else kept).
+    pub fn raw_bytes(&self, name: &str) -> Result<Vec<u8>> {
+        let info = self
+            .content
+            .tensor_infos
+            .get(name)
+            .ok_or_else(|| self.corrupt(format!("lacks the tensor `{name}`")))?;
+        let mut r = self.reader.borrow_mut();
+        super::blocks::read_bytes(&mut *r, info, self.content.tensor_data_offset).map_err(|e| {
+            self.corrupt(format!(
+                "cannot read tensor `{name}`: {}",
+                crate::error::candle_message(&e)
+            ))
+        })
+    }
+
     /// Reads a (possibly quantized) tensor onto `device`.
     pub fn tensor(&self, name: &str, device: &Device) -> Result<QTensor> {
         if !self.has_tensor(name) {
