@@ -76,7 +76,7 @@ fn check_rows(plain: &[u8], n: usize, k: usize, seed: u64) -> Result<()> {
         })
         .collect();
     let mut got = vec![0f32; n];
-    rows8::dot_rows(&packed, &x, &sums, 0, &mut got);
+    kvpolicy_kernels::quant::dot_rows8(&packed, &x, &sums, 0, &mut got);
     ensure_eq!(
         got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
         want.clone(),
@@ -104,7 +104,7 @@ fn check_rows(plain: &[u8], n: usize, k: usize, seed: u64) -> Result<()> {
     // A group range from the middle.
     if n >= 16 {
         let mut got = vec![0f32; 8];
-        rows8::dot_rows(&packed, &x, &sums, 8, &mut got);
+        kvpolicy_kernels::quant::dot_rows8(&packed, &x, &sums, 8, &mut got);
         ensure_eq!(
             got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
             want[8..16].to_vec(),

@@ -18,6 +18,11 @@
 //!
 //! From [`GEMM_MIN_ROWS`] activation rows (a prefill chunk) a call is the integer GEMM
 //! ([`gemm`]) where the CPU runs one of its micro-kernels, for every format here.
+//!
+//! Q4_0 weights whose rows come in whole groups of eight are held interleaved eight rows at
+//! a time on a CPU with AVX2 ([`rows8`], [`avx2_rows8`]; [`QuantMatMul::interleave_owned`]
+//! at load, in place): a decode step's products then sum eight rows per instruction, at the
+//! memory's bandwidth on 1B–8B shapes (bench-results/2026-11-27-cpu-scale.md).
 use std::sync::Arc;
 
 use candle_core::quantized::{GgmlDType, QTensor};
@@ -34,6 +39,7 @@ pub mod avx2_tile;
 #[cfg(target_arch = "x86_64")]
 pub mod avx512;
 pub mod blocks;
+mod decode8;
 mod disjoint;
 #[cfg(target_arch = "x86_64")]
 mod features;
@@ -43,6 +49,7 @@ pub mod panel;
 pub mod rows8;
 
 pub use blocks::{ActBlock, WeightFormat, QK};
+pub use decode8::dot_rows8;
 pub use kquants::{KQuant, Q8KRow};
 pub use panel::{PanelFormat, WeightRows};
 
@@ -388,7 +395,7 @@ impl CustomOp1 for QuantMatMul {
             return Ok((CpuStorage::F32(y), Shape::from(out_dims)));
         }
         if let WeightRows::Rows8(data) = weight {
-            let y = rows8_products(data, n, k, x);
+            let y = decode8::products(data, n, k, x);
             return Ok((CpuStorage::F32(y), Shape::from(out_dims)));
         }
         let acts = RowActs::new(self.fmt, x, k);
@@ -431,34 +438,6 @@ impl CustomOp1 for QuantMatMul {
         };
         Ok((CpuStorage::F32(y), Shape::from(out_dims)))
     }
-}
-
-/// `x·Wᵀ` `(m, n)` for the interleaved Q4_0 weight `data` `(n, k)`: each activation row
-/// quantized once, then every task's groups of rows ([`ROWS_PER_TASK`], whole groups)
-/// dotted with each row.
-fn rows8_products(data: &[u8], n: usize, k: usize, x: &[f32]) -> Vec<f32> {
-    let per_row = k / QK;
-    let m = x.len() / k;
-    let mut acts = vec![ActBlock::ZERO; m * per_row];
-    for (row, out) in x.chunks_exact(k).zip(acts.chunks_exact_mut(per_row)) {
-        blocks::quantize_row(row, out);
-    }
-    let sums = rows8::block_sums(&acts);
-    // Output transposed, (m, n) row-major: task t owns columns of every row.
-    let mut y = vec![0f32; m * n];
-    let out = Disjoint(y.as_mut_ptr());
-    candle_core::utils::barrier_pool().execute_chunked(n.div_ceil(ROWS_PER_TASK), |tasks| {
-        let rows = tasks.start * ROWS_PER_TASK..(tasks.end * ROWS_PER_TASK).min(n);
-        for i in 0..m {
-            // SAFETY: `execute_chunked` hands each range of rows to one worker, so columns
-            // `rows` of output row i are written by this thread alone, and `y` outlives the
-            // call, which returns when every worker is done.
-            let mine = unsafe { out.slice(i * n + rows.start..i * n + rows.end) };
-            let at = i * per_row..(i + 1) * per_row;
-            rows8::dot_rows(data, &acts[at.clone()], &sums[at], rows.start, mine);
-        }
-    });
-    y
 }
 
 /// Whether a [`QuantMatMul`] applies to `x` for this weight: f32 activations on the CPU.

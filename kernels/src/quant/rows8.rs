@@ -92,33 +92,3 @@ pub fn block_sums(x: &[ActBlock]) -> Vec<i32> {
         .map(|b| b.qs.iter().map(|&q| q as i32).sum())
         .collect()
 }
-
-/// Rows `first .. first + out.len()` (whole groups) of the interleaved weight `data` dotted
-/// with `x` (`xsum` its [`block_sums`]) into `out`; each result bit for bit
-/// [`super::blocks::dot_scalar`]'s on the row-major row. AVX2 where the CPU has it.
-pub fn dot_rows(data: &[u8], x: &[ActBlock], xsum: &[i32], first: usize, out: &mut [f32]) {
-    let group_bytes = x.len() * GROUP_BLOCK_BYTES;
-    assert!(
-        first.is_multiple_of(ROWS)
-            && out.len().is_multiple_of(ROWS)
-            && xsum.len() == x.len()
-            && data.len() >= (first + out.len()) / ROWS * group_bytes,
-        "rows8::dot_rows: rows {first}..+{} of {} bytes ({} blocks per row)",
-        out.len(),
-        data.len(),
-        x.len()
-    );
-    let groups = &data[first / ROWS * group_bytes..(first + out.len()) / ROWS * group_bytes];
-    #[cfg(target_arch = "x86_64")]
-    if super::features::avx2() {
-        // SAFETY: `features::avx2` checked AVX2, FMA and F16C; `groups` holds
-        // `out.len() / ROWS` whole groups of `x.len()` blocks (asserted).
-        return unsafe { super::avx2_rows8::dot_groups(groups, x, xsum, out) };
-    }
-    let k = x.len() * QK;
-    for (r, o) in out.iter_mut().enumerate() {
-        let mut row = Vec::with_capacity(x.len() * 18);
-        plain_row(groups, k, r, &mut row);
-        *o = super::blocks::dot_scalar(WeightFormat::Q4_0, &row, x);
-    }
-}
