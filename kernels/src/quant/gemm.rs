@@ -168,7 +168,7 @@ pub fn gemm(
     gemm_rows(kernel, fmt, WeightRows::Plain(data), n, k, x)
 }
 
-/// [`gemm`] for a weight in either layout ([`WeightRows`]): the same result from the same
+/// [`gemm()`] for a weight in either layout ([`WeightRows`]): the same result from the same
 /// weight.
 ///
 /// # Panics
