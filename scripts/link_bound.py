@@ -4,7 +4,8 @@ over a simulated host-device link, as a share of what the link allows (bytes mov
 decoded token ÷ bandwidth), with the link's busy share of decode time.
 
 Rows: SmolLM2-135M Q4_1 at 3.9K tokens and Gemma 3 270M Q4_K_M at 16K tokens (the default
-models of the `llama` and `gemma` examples, fetched once), and a synthetic 128K-token
+models of the `llama` and `gemma` examples, fetched once; Gemma also through `--prompts-file`,
+the batched path the server runs, one random prompt), and a synthetic 128K-token
 history on SmolLM2-135M's shape with random weights (kvbench --synthetic-history). Each
 run is its own process; bytes per token come from `--stats-out`'s decode counters.
 
@@ -20,6 +21,7 @@ import argparse
 import csv
 import json
 import os
+import random
 import subprocess
 import tempfile
 
@@ -43,6 +45,34 @@ def example_run(binary, context, steps, policy, bandwidth, tmp):
         "bytes_per_token": (st["decode_link_bytes"] / max(st["decode_tokens"], 1)
                             if "decode_link_bytes" in st else None),
         "utilization": st.get("link_utilization"),
+    }
+
+
+def batch_run(binary, context, steps, policy, bandwidth, tmp):
+    """One `llama`/`gemma` run through `--prompts-file` (the batched path the server uses too)
+    with one random prompt of `context` ids: decode bytes and link time from the per-step
+    stats (`steps`: one entry per prefill chunk, then one per decode step)."""
+    prompts = os.path.join(tmp, "prompts.jsonl")
+    rng = random.Random(context)
+    with open(prompts, "w") as f:
+        f.write(json.dumps([rng.randrange(300, 32000) for _ in range(context)]) + "\n")
+    stats = os.path.join(tmp, "stats.json")
+    cmd = [binary, "--cpu", "--prompts-file", prompts, "--max-new-tokens", str(steps + 1),
+           "--temperature", "0", "--policy", policy, "--link-bandwidth", bandwidth,
+           "--stats-out", stats]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"error": proc.stderr.strip().splitlines()[-1][:160]}
+    with open(stats) as f:
+        st = json.load(f)
+    per_step, n = st["steps"], st["decode_tokens"]
+    start, end = per_step[len(per_step) - n - 1], per_step[-1]
+    moved = sum(end[k] - start[k] for k in ("h2d_bytes", "d2h_bytes"))
+    decode_s = max(st["decode_s"], 1e-9)
+    return {
+        "decode_tok_s": n / decode_s,
+        "bytes_per_token": moved / max(n, 1),
+        "utilization": (end["link_busy_s"] - start["link_busy_s"]) / decode_s,
     }
 
 
@@ -77,6 +107,7 @@ def synthetic_run(binary, context, steps, policy, bandwidth, tmp):
 ROWS = {
     "smollm2": ("SmolLM2-135M Q4_1", "llama", 3900, example_run, "128MiB"),
     "gemma3": ("Gemma 3 270M Q4_K_M", "gemma", 16000, example_run, "192MiB"),
+    "gemma3-batch": ("Gemma 3 270M Q4_K_M, --prompts-file", "gemma", 16000, batch_run, "192MiB"),
     "synthetic": ("SmolLM2-135M shape, synthetic", "kvbench", 131072, synthetic_run, None),
 }
 
@@ -93,7 +124,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bin-dir", default=RELEASE, help="where llama, gemma and kvbench are")
     ap.add_argument("--label", default="after", help="name of the build in the table")
-    ap.add_argument("--rows", default="smollm2,gemma3,synthetic")
+    ap.add_argument("--rows", default="smollm2,gemma3,gemma3-batch,synthetic")
     ap.add_argument("--policies", default="headwise,layer,auto",
                     help="`auto` takes the row's budget; `auto:SIZE` a budget of its own")
     ap.add_argument("--steps", type=int, default=24, help="decode steps per run")
