@@ -1,4 +1,4 @@
-//! Q4_0 interleaved eight rows at a time (`quant::rows8`): the layout holds every block
+//! Q4_0 and Q4_K interleaved eight rows at a time (`quant::rows8`, `quant::rows8_k`): the layout holds every block
 //! (row-major blocks reassemble byte for byte), the decode kernel's results are bit for bit
 //! the portable row dot product's (`blocks::dot_scalar`) on every integer path this CPU
 //! has (`maddubs`, AVX-VNNI, AVX-512 VNNI), and a `QuantMatMul` holding the interleaved
@@ -186,5 +186,138 @@ fn interleaved_op_matches_the_row_major_one() -> Result<()> {
         op.plain_rows(&[40]).is_err(),
         "an id past the table is an error"
     );
+    Ok(())
+}
+
+/// Raw random Q4_K bytes for `(n, k)`: every scale, min and nibble pattern; `d` and `dmin`
+/// finite f16 (2⁻⁸ … 2, either sign).
+fn raw_q4k(n: usize, k: usize, seed: u64) -> Vec<u8> {
+    let v = common::random(n * k / 256 * 144, seed, 1.0);
+    let mut bytes: Vec<u8> = v.iter().map(|f| ((f + 1.0) * 127.9) as u8).collect();
+    for (i, b) in bytes.chunks_exact_mut(144).enumerate() {
+        for (j, at) in [0usize, 2].into_iter().enumerate() {
+            let mag = 2f32.powi((i * 3 + j) as i32 % 9 - 8) * 1.37;
+            let d = half::f16::from_f32(if (i + j) % 3 == 0 { -mag } else { mag });
+            b[at..at + 2].copy_from_slice(&d.to_le_bytes());
+        }
+    }
+    bytes
+}
+
+/// The Q4_K kernel against `kquants::dot_scalar` on the row-major rows, bit for bit, on
+/// every path this CPU has; the layout reassembles every super-block.
+fn check_rows_k(plain: &[u8], n: usize, k: usize, seed: u64) -> Result<()> {
+    use kvpolicy_kernels::quant::kquants::{self, KQuant, Q8KRow};
+    use kvpolicy_kernels::quant::rows8_k;
+    let mut packed = plain.to_vec();
+    anyhow::ensure!(rows8_k::interleave_in_place(&mut packed, n, k), "fits");
+    let row_bytes = k / 256 * 144;
+    for r in 0..n {
+        for b in 0..k / 256 {
+            let want = &plain[r * row_bytes + b * 144..][..144];
+            ensure_eq!(
+                &rows8_k::plain_block(&packed, k, r, b)[..],
+                want,
+                "row {} super-block {}",
+                r,
+                b
+            );
+        }
+    }
+    let mut xv = common::random(k, seed, 3.0);
+    // A super-block at the activations' extremes (−127 sets the scale; +127).
+    if k >= 512 {
+        for (e, v) in xv[256..512].iter_mut().enumerate() {
+            *v = [-127.0, 127.0, 0.0, -126.0][e % 4];
+        }
+    }
+    let x = Q8KRow::new(&xv);
+    let want: Vec<u32> = (0..n)
+        .map(|r| {
+            kquants::dot_scalar(KQuant::Q4K, &plain[r * row_bytes..(r + 1) * row_bytes], &x)
+                .to_bits()
+        })
+        .collect();
+    let mut got = vec![0f32; n];
+    kvpolicy_kernels::quant::dot_rows8_k(&packed, &x, 0, &mut got);
+    ensure_eq!(
+        got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+        want.clone(),
+        "dispatched"
+    );
+    #[cfg(target_arch = "x86_64")]
+    for path in 0..3u8 {
+        if !kvpolicy_kernels::quant::avx2::available() {
+            break;
+        }
+        let mut got = vec![0f32; n];
+        // SAFETY: AVX2 checked; `packed` holds n / 8 groups of x's super-blocks.
+        let ran = unsafe {
+            kvpolicy_kernels::quant::avx2_rows8_k::dot_groups(&packed, &x, &mut got, Some(path))
+        };
+        if ran.is_some() {
+            ensure_eq!(
+                got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                want.clone(),
+                "path {}",
+                path
+            );
+        }
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 16, ..ProptestConfig::default() })]
+
+    #[test]
+    fn interleaved_q4k_rows_are_the_portable_dot_bit_for_bit(groups in 1usize..4, supers in 1usize..5, seed in 0u64..1000) {
+        let (n, k) = (groups * 8, supers * 256);
+        let fail = |e: anyhow::Error| TestCaseError::fail(e.to_string());
+        let w = Tensor::from_vec(common::random(n * k, seed, 1.0), (n, k), &Device::Cpu).map_err(|e| fail(e.into()))?;
+        let q = QTensor::quantize(&w, GgmlDType::Q4K).map_err(|e| fail(e.into()))?;
+        let plain = q.data().map_err(|e| fail(e.into()))?.to_vec();
+        check_rows_k(&plain, n, k, seed + 1).map_err(fail)?;
+        check_rows_k(&raw_q4k(n, k, seed), n, k, seed + 2).map_err(fail)?;
+    }
+}
+
+/// The Q4_K op with the interleaved weight: a few rows bit for bit the portable dot, a
+/// prefill chunk exactly the row-major op's GEMM, rows for a lookup the row-major bytes.
+#[test]
+fn interleaved_q4k_op_matches_the_row_major_one() -> Result<()> {
+    use kvpolicy_kernels::quant::kquants::{self, KQuant, Q8KRow};
+    let (n, k) = (24, 512);
+    let w = Tensor::from_vec(common::random(n * k, 9, 1.0), (n, k), &Device::Cpu)?;
+    let w = Arc::new(QTensor::quantize(&w, GgmlDType::Q4K)?);
+    let plain_op = QuantMatMul::new(w.clone()).expect("Q4_K handled");
+    let Some(op) = plain_op.interleaved() else {
+        return Ok(());
+    };
+    let plain = w.data()?.to_vec();
+    let row_bytes = k / 256 * 144;
+    for m in [1usize, 2, 33] {
+        let xv = common::random(m * k, 50 + m as u64, 2.0);
+        let x = Tensor::from_vec(xv.clone(), (m, k), &Device::Cpu)?;
+        let got = op.forward(&x)?.to_vec2::<f32>()?;
+        if m < kvpolicy_kernels::quant::GEMM_MIN_ROWS {
+            for (i, row) in got.iter().enumerate() {
+                let a = Q8KRow::new(&xv[i * k..(i + 1) * k]);
+                for (r, v) in row.iter().enumerate() {
+                    let want = kquants::dot_scalar(
+                        KQuant::Q4K,
+                        &plain[r * row_bytes..(r + 1) * row_bytes],
+                        &a,
+                    );
+                    assert_eq!(v.to_bits(), want.to_bits(), "m {m} row {i} col {r}");
+                }
+            }
+        } else {
+            assert_eq!(got, plain_op.forward(&x)?.to_vec2::<f32>()?, "m {m}");
+        }
+    }
+    let rows = op.plain_rows(&[23, 0])?;
+    assert_eq!(&rows[..row_bytes], &plain[23 * row_bytes..24 * row_bytes]);
+    assert_eq!(&rows[row_bytes..], &plain[..row_bytes]);
     Ok(())
 }

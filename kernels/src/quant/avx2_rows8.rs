@@ -20,7 +20,7 @@ const AVX_VNNI: u8 = 1;
 const AVX512_VNNI: u8 = 2;
 
 /// Whether this CPU has AVX-512 VNNI on 256-bit registers (AVX512VL), checked once.
-fn avx512_vnni() -> bool {
+pub fn avx512_vnni() -> bool {
     static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *HAS.get_or_init(|| {
         is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl")

@@ -35,6 +35,8 @@ pub mod avx2_kquants;
 #[cfg(target_arch = "x86_64")]
 pub mod avx2_rows8;
 #[cfg(target_arch = "x86_64")]
+pub mod avx2_rows8_k;
+#[cfg(target_arch = "x86_64")]
 pub mod avx2_tile;
 #[cfg(target_arch = "x86_64")]
 pub mod avx512;
@@ -47,9 +49,10 @@ pub mod gemm;
 pub mod kquants;
 pub mod panel;
 pub mod rows8;
+pub mod rows8_k;
 
 pub use blocks::{ActBlock, WeightFormat, QK};
-pub use decode8::dot_rows8;
+pub use decode8::{dot_rows8, dot_rows8_k, Interleaved};
 pub use kquants::{KQuant, Q8KRow};
 pub use panel::{PanelFormat, WeightRows};
 
@@ -236,39 +239,46 @@ impl QuantMatMul {
         )
     }
 
-    /// Whether an `(n, k)` weight of `dtype` is held interleaved eight rows at a time
-    /// ([`rows8`]) for the decode step's kernel: Q4_0, whole groups of rows, a CPU with AVX2
-    /// (and so one of the integer GEMM's kernels for prefill chunks).
-    pub fn interleaves(dtype: GgmlDType, n: usize, k: usize) -> bool {
-        let Some(fmt) = format_of(dtype) else {
-            return false;
+    /// The interleaved layout an `(n, k)` weight of `dtype` is held in for the decode step's
+    /// kernels, if any: Q4_0 ([`rows8`]) or Q4_K ([`rows8_k`]) in whole groups of eight
+    /// rows, on a CPU with AVX2 (and so one of the integer GEMM's kernels for prefill).
+    pub fn interleaves(dtype: GgmlDType, n: usize, k: usize) -> Option<Interleaved> {
+        let (fmt, fits) = match dtype {
+            GgmlDType::Q4_0 => (Interleaved::Q4_0, rows8::fits(WeightFormat::Q4_0, n, k)),
+            GgmlDType::Q4K => (Interleaved::Q4K, rows8_k::fits(n, k)),
+            _ => return None,
         };
         #[cfg(target_arch = "x86_64")]
-        let simd = features::avx2() && gemm::kernel_for(PanelFormat::Block(fmt)).is_some();
+        let simd = features::avx2()
+            && panel_format_of(dtype).is_some_and(|f| gemm::kernel_for(f).is_some());
         #[cfg(not(target_arch = "x86_64"))]
         let simd = false;
-        simd && rows8::fits(fmt, n, k)
+        (simd && fits).then_some(fmt)
     }
 
-    /// The op for the row-major Q4_0 weight `bytes` `(n, k)` (as a GGUF stores it),
-    /// interleaved where it lies (no second copy, [`rows8::interleave_in_place`]) — what a
-    /// loader calls where [`Self::interleaves`]; the bytes back, untouched, otherwise.
+    /// The op for the row-major weight `bytes` `(n, k)` of `dtype` (as a GGUF stores it),
+    /// interleaved where it lies (no second copy) — what a loader calls where
+    /// [`Self::interleaves`]; the bytes back, untouched, otherwise.
     pub fn interleave_owned(
         mut bytes: Vec<u8>,
+        dtype: GgmlDType,
         n: usize,
         k: usize,
     ) -> std::result::Result<Self, Vec<u8>> {
-        if !Self::interleaves(GgmlDType::Q4_0, n, k)
-            || !rows8::interleave_in_place(&mut bytes, n, k)
-        {
-            return Err(bytes);
+        let done = match Self::interleaves(dtype, n, k) {
+            Some(Interleaved::Q4_0) => rows8::interleave_in_place(&mut bytes, n, k),
+            Some(Interleaved::Q4K) => rows8_k::interleave_in_place(&mut bytes, n, k),
+            None => false,
+        };
+        match (done, panel_format_of(dtype)) {
+            (true, Some(fmt)) => Ok(Self {
+                w: Weight::Rows8(Arc::new(bytes)),
+                fmt,
+                n,
+                k,
+            }),
+            _ => Err(bytes),
         }
-        Ok(Self {
-            w: Weight::Rows8(Arc::new(bytes)),
-            fmt: PanelFormat::Block(WeightFormat::Q4_0),
-            n,
-            k,
-        })
     }
 
     /// This op with its weight interleaved ([`Self::interleaves`]) in a new buffer; the new
@@ -278,14 +288,7 @@ impl QuantMatMul {
         let Weight::Tensor(t) = &self.w else {
             return None;
         };
-        if !Self::interleaves(t.dtype(), self.n, self.k) {
-            return None;
-        }
-        let packed = rows8::interleave(&t.data().ok()?, self.n, self.k)?;
-        Some(Self {
-            w: Weight::Rows8(Arc::new(packed)),
-            ..self.clone()
-        })
+        Self::interleave_owned(t.data().ok()?.to_vec(), t.dtype(), self.n, self.k).ok()
     }
 
     /// Whether the weight is held interleaved ([`Self::interleaved`]).
@@ -314,6 +317,9 @@ impl QuantMatMul {
             match &self.w {
                 Weight::Tensor(t) => {
                     out.extend_from_slice(&t.data()?[r * row_bytes..(r + 1) * row_bytes])
+                }
+                Weight::Rows8(d) if self.fmt == PanelFormat::Q4K => {
+                    rows8_k::plain_row(d, self.k, r, &mut out)
                 }
                 Weight::Rows8(d) => rows8::plain_row(d, self.k, r, &mut out),
             }
@@ -395,7 +401,11 @@ impl CustomOp1 for QuantMatMul {
             return Ok((CpuStorage::F32(y), Shape::from(out_dims)));
         }
         if let WeightRows::Rows8(data) = weight {
-            let y = decode8::products(data, n, k, x);
+            let fmt = match self.fmt {
+                PanelFormat::Q4K => Interleaved::Q4K,
+                _ => Interleaved::Q4_0,
+            };
+            let y = decode8::products(fmt, data, n, k, x);
             return Ok((CpuStorage::F32(y), Shape::from(out_dims)));
         }
         let acts = RowActs::new(self.fmt, x, k);

@@ -16,7 +16,7 @@
 //! (256-element super-blocks, eight 32-element sub-blocks with 6-bit scales and mins) and
 //! Q6_K (sixteen 16-element sub-blocks, 8-bit scales, values `q − 32`).
 use super::blocks::{self, f16_at, WeightFormat, QK};
-use super::{kquants, rows8};
+use super::{kquants, rows8, rows8_k};
 
 /// Where a weight's blocks are read from: its row-major bytes, or Q4_0 interleaved eight
 /// rows at a time ([`rows8`]), whose row-major blocks are reassembled as they are packed.
@@ -24,7 +24,7 @@ use super::{kquants, rows8};
 pub enum WeightRows<'a> {
     /// Row-major blocks (GGUF's own layout).
     Plain(&'a [u8]),
-    /// Q4_0 in [`rows8`]'s layout.
+    /// Q4_0 in [`rows8`]'s layout, or Q4_K in [`rows8_k`]'s.
     Rows8(&'a [u8]),
 }
 
@@ -206,7 +206,7 @@ impl Panel {
         }
         let per_stored = fmt.block_elems() / QK;
         let row_bytes = fmt.row_bytes(k);
-        let mut reassembled: [u8; 18];
+        let mut reassembled = [0u8; rows8_k::SUPER_BYTES];
         for c in 0..NR.min(n.saturating_sub(NR * p)) {
             let r = NR * p + c;
             for blk in 0..blocks {
@@ -216,9 +216,13 @@ impl Panel {
                         let at = r * row_bytes + stored * fmt.block_bytes();
                         &data[at..at + fmt.block_bytes()]
                     }
-                    WeightRows::Rows8(data) => {
-                        reassembled = rows8::plain_block(data, k, r, stored);
+                    WeightRows::Rows8(data) if fmt == PanelFormat::Q4K => {
+                        reassembled = rows8_k::plain_block(data, k, r, stored);
                         &reassembled
+                    }
+                    WeightRows::Rows8(data) => {
+                        reassembled[..18].copy_from_slice(&rows8::plain_block(data, k, r, stored));
+                        &reassembled[..18]
                     }
                 };
                 let dec = decode(b, blk % per_stored);

@@ -175,18 +175,18 @@ impl Tensors<'_> {
         Ok(Linear::quantized(QMatMul::from_qtensor(t)?, bias, out, inp))
     }
 
-    /// The Q4_0 weight `name` `(out, inp)` read straight into the decode kernel's
+    /// The Q4_0 or Q4_K weight `name` `(out, inp)` read straight into the decode kernel's
     /// interleaved layout (`QuantMatMul::interleave_owned`: one buffer, rearranged where it
-    /// lies), where that layout applies (the CPU, Q4_0, whole groups of rows, AVX2).
+    /// lies), where that layout applies (the CPU, whole groups of rows, AVX2).
     fn interleaved(&self, name: &str, out: usize, inp: usize) -> Result<Option<QuantMatMul>> {
         let dtype = self.g.tensor_dtype(name)?;
         if !self.device.is_cpu()
             || self.g.tensor_dims(name)? != [out, inp]
-            || !QuantMatMul::interleaves(dtype, out, inp)
+            || QuantMatMul::interleaves(dtype, out, inp).is_none()
         {
             return Ok(None);
         }
-        Ok(QuantMatMul::interleave_owned(self.g.raw_bytes(name)?, out, inp).ok())
+        Ok(QuantMatMul::interleave_owned(self.g.raw_bytes(name)?, dtype, out, inp).ok())
     }
 
     /// The bias `name` of width `out`, when the architecture has q/k/v biases.
