@@ -288,6 +288,8 @@ impl QuantMatMul {
         let Weight::Tensor(t) = &self.w else {
             return None;
         };
+        // Checked before the copy: a weight that stays row-major is never copied.
+        Self::interleaves(t.dtype(), self.n, self.k)?;
         Self::interleave_owned(t.data().ok()?.to_vec(), t.dtype(), self.n, self.k).ok()
     }
 
