@@ -19,10 +19,11 @@
 //! From [`GEMM_MIN_ROWS`] activation rows (a prefill chunk) a call is the integer GEMM
 //! ([`gemm`]) where the CPU runs one of its micro-kernels, for every format here.
 //!
-//! Q4_0 weights whose rows come in whole groups of eight are held interleaved eight rows at
-//! a time on a CPU with AVX2 ([`rows8`], [`avx2_rows8`]; [`QuantMatMul::interleave_owned`]
-//! at load, in place): a decode step's products then sum eight rows per instruction, at the
-//! memory's bandwidth on 1B–8B shapes (bench-results/2026-11-27-cpu-scale.md).
+//! Q4_0 and Q4_K weights whose rows come in whole groups of eight are held interleaved
+//! eight rows at a time on a CPU with AVX2 ([`rows8`], [`avx2_rows8`], [`rows8_k`],
+//! [`avx2_rows8_k`]; [`QuantMatMul::interleave_owned`] at load, in place): a decode step's
+//! products then sum eight rows per instruction, at the memory's bandwidth on 1B–8B shapes
+//! (bench-results/2026-11-27-cpu-scale.md).
 use std::sync::Arc;
 
 use candle_core::quantized::{GgmlDType, QTensor};
