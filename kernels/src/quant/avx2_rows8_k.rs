@@ -6,7 +6,7 @@
 //! activation bytes — `maddubs` summed in i16 over a sub-block's eight runs (at most 16
 //! products of 15·128: no overflow) then one `madd`, or `vpdpbusd` (AVX-VNNI, or AVX-512
 //! VNNI on 256 bits) — then scaled by the sub-block's scales in i32, exactly, and finished
-//! in f32 for eight rows at once as [`finish`] does for one.
+//! in f32 for eight rows at once as [`super::kquants::finish`] does for one.
 #![allow(unsafe_code)]
 
 use std::arch::x86_64::*;
