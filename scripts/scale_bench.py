@@ -2,7 +2,8 @@
 """kvpolicy against llama.cpp at the model sizes people run (issue 57): random-weight GGUFs of
 real shapes (scripts/scale_gguf.py: Llama 3.2 1B, Llama 3 8B, Qwen2.5 1.5B / 7B, Mistral 7B;
 Q4_0, Q8_0, a Q4_K_M-like mix), prefill, decode, peak RSS and load time on the same file, the
-same ids, chunk, steps and threads, the two sides alternated, the best of `--runs` for speed and
+same ids, chunk, steps and threads, the two sides alternated (llama.cpp once per cell, with the
+first policy; the other policies' rows share its runs), the best of `--runs` for speed and
 load time and the median for peak RSS — and each decode rate as a share of the machine's memory
 roofline (weight bytes a decode step reads ÷ the read bandwidth `examples/membw.rs` measures
 with the same threads before every run; the best probe of the whole run is the denominator,
@@ -132,12 +133,14 @@ def main():
         shape, quant, context = spec.split(":")
         f = model_file(a.python, shape, quant)
         per_token = bytes_per_token(f)
-        for policy in a.policies.split(";"):
-            mine, theirs = [], []
+        theirs = []  # llama.cpp's runs of this cell: measured with the first policy, then shared
+        for n, policy in enumerate(a.policies.split(";")):
+            mine = []
             for i in range(a.runs):
                 probe()
-                sides = [lambda: mine.append(ours(f, context, a.steps, policy, a.threads)),
-                         lambda: theirs.append(llamacpp(a.python, f, context, a.steps, a.threads))]
+                sides = [lambda: mine.append(ours(f, context, a.steps, policy, a.threads))]
+                if n == 0:
+                    sides.append(lambda: theirs.append(llamacpp(a.python, f, context, a.steps, a.threads)))
                 for side in sides if i % 2 == 0 else sides[::-1]:
                     side()
             o, t = summary(mine), summary(theirs)
