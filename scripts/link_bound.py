@@ -29,6 +29,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RELEASE = os.path.join(ROOT, "target", "release", "examples")
 
 
+def last_line(proc):
+    """The last line of a failed run's stderr, or its exit status when it printed nothing."""
+    lines = proc.stderr.strip().splitlines()
+    return lines[-1][:160] if lines else f"exit status {proc.returncode}"
+
+
 def example_run(binary, context, steps, policy, bandwidth, tmp):
     """One `llama`/`gemma` run: its --stats-out as a dict."""
     stats = os.path.join(tmp, "stats.json")
@@ -37,7 +43,7 @@ def example_run(binary, context, steps, policy, bandwidth, tmp):
            "--link-bandwidth", bandwidth, "--stats-out", stats]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        return {"error": proc.stderr.strip().splitlines()[-1][:160]}
+        return {"error": last_line(proc)}
     with open(stats) as f:
         st = json.load(f)
     return {
@@ -62,7 +68,7 @@ def batch_run(binary, context, steps, policy, bandwidth, tmp):
            "--stats-out", stats]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        return {"error": proc.stderr.strip().splitlines()[-1][:160]}
+        return {"error": last_line(proc)}
     with open(stats) as f:
         st = json.load(f)
     per_step, n = st["steps"], st["decode_tokens"]
@@ -90,7 +96,7 @@ def synthetic_run(binary, context, steps, policy, bandwidth, tmp):
            "--policies", policy, "--no-stock", "--link-bandwidth", bandwidth, "--csv", out]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        return {"error": proc.stderr.strip().splitlines()[-1][:160]}
+        return {"error": last_line(proc)}
     with open(out) as f:
         row = next(r for r in csv.DictReader(f) if r["policy"] == policy)
     return {

@@ -6,7 +6,8 @@ same ids, chunk, steps and threads, the two sides alternated (llama.cpp once per
 first policy; the other policies' rows share its runs), the best of `--runs` for speed and
 load time and the median for peak RSS — and each decode rate as a share of the machine's memory
 roofline (weight bytes a decode step reads ÷ the read bandwidth `examples/membw.rs` measures
-with the same threads before every run; the best probe of the whole run is the denominator,
+with the same threads before each round of runs; the best probe of the whole run is the
+denominator,
 since a virtual machine's bandwidth moves between probes — 30 to 47 GB/s within minutes on the
 2-core EPYC of bench-results/2026-11-27-cpu-scale.md).
 
@@ -31,6 +32,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 
 import gguf
 
@@ -43,9 +45,14 @@ MEMBW = ROOT / "target/release/examples/membw"
 def run(cmd, threads=None):
     """`cmd`'s stdout and its peak RSS in MiB (exits with its stderr if it fails)."""
     env = dict(os.environ, **({"RAYON_NUM_THREADS": str(threads)} if threads else {}))
-    p = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=env)
-    out, err = p.stdout.read(), p.stderr.read()
-    _, status, usage = os.wait4(p.pid, 0)
+    # stderr to a file (a child filling a second pipe while we drain the first would
+    # block), stdout read to its end, then the child reaped with wait4 for its own rusage.
+    with tempfile.TemporaryFile() as errf:
+        p = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=errf, cwd=ROOT, env=env)
+        out = p.stdout.read()
+        _, status, usage = os.wait4(p.pid, 0)
+        errf.seek(0)
+        err = errf.read()
     code = os.waitstatus_to_exitcode(status)
     if code != 0:
         sys.exit(f"{' '.join(map(str, cmd))} failed ({code}):\n{err.decode()[-2000:]}")
@@ -125,9 +132,6 @@ def main():
         return max(probes)
 
     probe()
-    print("| shape | quant | context | policy | kvpolicy prefill / decode tok/s, RSS, load | llama.cpp "
-          "| prefill ratio | decode ratio | RSS ratio | decode ÷ roofline (ours / llama.cpp) |")
-    print("|---|---|---:|---|---|---|---:|---:|---:|---|")
     cells = []
     for spec in a.cells.split(","):
         shape, quant, context = spec.split(":")
@@ -144,18 +148,27 @@ def main():
                 for side in sides if i % 2 == 0 else sides[::-1]:
                     side()
             o, t = summary(mine), summary(theirs)
-            roofline = max(probes) * 1e9 / per_token
+            print(f"{shape} {quant} {context} {policy}: decode {o['decode_tok_s']:.2f} vs {t['decode_tok_s']:.2f} "
+                  "tok/s", file=sys.stderr, flush=True)
             cells.append({"shape": shape, "quant": quant, "context": int(context), "policy": policy,
                           "file_bytes": f.stat().st_size, "decode_bytes_per_token": per_token,
-                          "roofline_tok_s": roofline,
                           "kvpolicy": mine, "llama_cpp": theirs, "best": {"kvpolicy": o, "llama_cpp": t}})
-            print(f"| {shape} | {quant} | {context} | {policy} "
-                  f"| {o['prefill_tok_s']:.1f} / {o['decode_tok_s']:.2f}, {o['peak_rss_mib']:.0f} MiB, {o['load_s']:.2f} s "
-                  f"| {t['prefill_tok_s']:.1f} / {t['decode_tok_s']:.2f}, {t['peak_rss_mib']:.0f} MiB, {t['load_s']:.2f} s "
-                  f"| {o['prefill_tok_s'] / t['prefill_tok_s']:.2f} | {o['decode_tok_s'] / t['decode_tok_s']:.2f} "
-                  f"| {o['peak_rss_mib'] / t['peak_rss_mib']:.2f} "
-                  f"| {o['decode_tok_s'] / roofline:.2f} / {t['decode_tok_s'] / roofline:.2f} |", flush=True)
-    print(f"\nmemory read bandwidth: {max(probes):.2f} GB/s, the best of {len(probes)} probes "
+    # Every cell's roofline from the best probe of the whole run (printed below).
+    best = max(probes)
+    seconds = lambda v: "–" if v is None else f"{v:.2f} s"
+    print("| shape | quant | context | policy | kvpolicy prefill / decode tok/s, RSS, load | llama.cpp "
+          "| prefill ratio | decode ratio | RSS ratio | decode ÷ roofline (ours / llama.cpp) |")
+    print("|---|---|---:|---|---|---|---:|---:|---:|---|")
+    for c in cells:
+        c["roofline_tok_s"] = roofline = best * 1e9 / c["decode_bytes_per_token"]
+        o, t = c["best"]["kvpolicy"], c["best"]["llama_cpp"]
+        print(f"| {c['shape']} | {c['quant']} | {c['context']} | {c['policy']} "
+              f"| {o['prefill_tok_s']:.1f} / {o['decode_tok_s']:.2f}, {o['peak_rss_mib']:.0f} MiB, {seconds(o['load_s'])} "
+              f"| {t['prefill_tok_s']:.1f} / {t['decode_tok_s']:.2f}, {t['peak_rss_mib']:.0f} MiB, {seconds(t['load_s'])} "
+              f"| {o['prefill_tok_s'] / t['prefill_tok_s']:.2f} | {o['decode_tok_s'] / t['decode_tok_s']:.2f} "
+              f"| {o['peak_rss_mib'] / t['peak_rss_mib']:.2f} "
+              f"| {o['decode_tok_s'] / roofline:.2f} / {t['decode_tok_s'] / roofline:.2f} |")
+    print(f"\nmemory read bandwidth: {best:.2f} GB/s, the best of {len(probes)} probes "
           f"({min(probes):.2f} the least; {a.threads} threads, examples/membw.rs) — the roofline's denominator")
     if a.out:
         cpu = re.search(r"model name\s*:\s*(.*)", pathlib.Path("/proc/cpuinfo").read_text())

@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Writes random-weight GGUFs of real model shapes for speed benchmarks at scale
-(scripts/scale_bench.py): Llama 3.2 1B, Llama 3 8B, Qwen2.5 1.5B / 7B, Mistral 7B, as Q4_0, Q8_0
-or a Q4_K_M-like mix (Q4_K, with Q6_K for attention V, MLP down and the output, as llama.cpp's
-Q4_K_M keeps them).
+(scripts/scale_bench.py): Llama 3.2 1B, Llama 3 8B, Qwen2.5 1.5B / 7B, Mistral 7B, as Q4_0 or
+Q8_0 — every matrix in that type, embedding and output included, as `llama-quantize --pure`
+writes them (llama.cpp's default Q4_0 would keep the output, or a tied table, in Q6_K) — or a
+Q4_K_M-like mix (Q4_K, with Q6_K for attention V, MLP down and the output or the tied table,
+as llama.cpp's Q4_K_M keeps them).
 
 The weights are random quantized blocks (uniform bytes, scales of a few thousandths), written
 directly in their block layout — no f32 copy of an 8B model is ever made — with a placeholder
@@ -92,7 +94,8 @@ def write(shape, quant, out, seed=0):
     def norm(name, n):
         wr.add_tensor(name, (1.0 + 0.01 * rng.standard_normal(n)).astype(np.float32))
 
-    weight("token_embd.weight", n_vocab, hidden, main)
+    # A tied table is also the output: Q6_K in the Q4_K_M mix, as llama.cpp makes it.
+    weight("token_embd.weight", n_vocab, hidden, big if tied else main)
     norm("output_norm.weight", hidden)
     if not tied:
         weight("output.weight", n_vocab, hidden, big)

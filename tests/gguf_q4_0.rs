@@ -35,6 +35,20 @@ fn write_q4_0(out: &std::path::Path) -> Result<usize> {
         let dims = t.shape().dims().to_vec();
         let t = if dims.len() == 2 && dims[1] % 32 == 0 {
             quantized += 1;
+            // The loader interleaves exactly where this says so (`Tensors::interleaved`): on
+            // an x86-64 CPU with AVX2 (CI's) every quantized matrix here takes that path.
+            #[cfg(target_arch = "x86_64")]
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                anyhow::ensure!(
+                    kvpolicy_kernels::quant::QuantMatMul::interleaves(
+                        GgmlDType::Q4_0,
+                        dims[0],
+                        dims[1]
+                    )
+                    .is_some(),
+                    "{name} {dims:?} would stay row-major"
+                );
+            }
             QTensor::quantize(&t.dequantize(&Device::Cpu)?, GgmlDType::Q4_0)?
         } else {
             t

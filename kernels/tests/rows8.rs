@@ -101,6 +101,48 @@ fn check_rows(plain: &[u8], n: usize, k: usize, seed: u64) -> Result<()> {
             );
         }
     }
+    // An activation block whose f16 sum overflows (`s` infinite): the portable dot stays
+    // finite (no `0·s` for Q4_0), and the kernel equals it.
+    let mut big = common::random(k, seed + 7, 3.0);
+    big[..QK].iter_mut().for_each(|v| *v = 4000.0 + v.abs());
+    let mut xb = vec![ActBlock::ZERO; k / QK];
+    blocks::quantize_row(&big, &mut xb);
+    ensure_eq!(
+        xb[0].s.is_infinite(),
+        true,
+        "the first block's f16 sum overflows"
+    );
+    let want_big: Vec<u32> = (0..n)
+        .map(|r| {
+            blocks::dot_scalar(
+                WeightFormat::Q4_0,
+                &plain[r * row_bytes..(r + 1) * row_bytes],
+                &xb,
+            )
+            .to_bits()
+        })
+        .collect();
+    ensure_eq!(
+        want_big.iter().all(|b| f32::from_bits(*b).is_finite()),
+        true,
+        "finite"
+    );
+    // The row-major SIMD path too (it added `0·s` before).
+    for r in 0..n {
+        let v = kvpolicy_kernels::quant::dot(
+            WeightFormat::Q4_0,
+            &plain[r * row_bytes..(r + 1) * row_bytes],
+            &xb,
+        );
+        ensure_eq!(v.is_finite(), true, "row-major row {}", r);
+    }
+    let mut got = vec![0f32; n];
+    kvpolicy_kernels::quant::dot_rows8(&packed, &xb, &rows8::block_sums(&xb), 0, &mut got);
+    ensure_eq!(
+        got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+        want_big,
+        "overflowing block"
+    );
     // A group range from the middle.
     if n >= 16 {
         let mut got = vec![0f32; 8];
@@ -292,8 +334,11 @@ fn interleaved_q4k_op_matches_the_row_major_one() -> Result<()> {
     let w = Arc::new(QTensor::quantize(&w, GgmlDType::Q4K)?);
     let plain_op = QuantMatMul::new(w.clone()).expect("Q4_K handled");
     let Some(op) = plain_op.interleaved() else {
+        // No AVX2 (or no GEMM kernel): the weight stays row-major.
+        assert!(QuantMatMul::interleaves(GgmlDType::Q4K, n, k).is_none());
         return Ok(());
     };
+    assert!(op.is_interleaved());
     let plain = w.data()?.to_vec();
     let row_bytes = k / 256 * 144;
     for m in [1usize, 2, 33] {

@@ -138,10 +138,14 @@ unsafe fn block<const F: u8, const V: bool>(
             f16_at(b.add(2)),
         ),
     };
-    (
-        _mm256_fmadd_ps(_mm256_set1_ps(d * xb.d), sum, acc),
-        m * xb.s,
-    )
+    // The offset term only where the format has one (as the portable loop: `0·s` is NaN
+    // for an activation block whose f16 sum overflowed).
+    let off = if F == Q4_1 || F == Q5_1 {
+        m * xb.s
+    } else {
+        0.0
+    };
+    (_mm256_fmadd_ps(_mm256_set1_ps(d * xb.d), sum, acc), off)
 }
 
 /// The dot product for format `F`: two blocks per iteration into two accumulators (the

@@ -23,7 +23,9 @@ const AVX512_VNNI: u8 = 2;
 pub fn avx512_vnni() -> bool {
     static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *HAS.get_or_init(|| {
-        is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl")
+        is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512vnni")
+            && is_x86_feature_detected!("avx512vl")
     })
 }
 

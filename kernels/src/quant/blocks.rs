@@ -230,7 +230,8 @@ pub(crate) fn values(fmt: WeightFormat, qh: u32, qs: &[u8]) -> [i32; QK] {
 }
 
 /// The dot product of one weight row (its blocks' bytes) with quantized activations:
-/// per block `d_w·d_x·Σ q_w q_x (+ m_w·s_x)`, integer sums exact. The portable path.
+/// per block `d_w·d_x·Σ q_w q_x` (`+ m_w·s_x` for Q4_1 and Q5_1), integer sums exact. The
+/// portable path.
 pub fn dot_scalar(fmt: WeightFormat, row: &[u8], x: &[ActBlock]) -> f32 {
     let mut acc = 0f32;
     for (b, xb) in row.chunks_exact(fmt.block_bytes()).zip(x) {
@@ -240,7 +241,13 @@ pub fn dot_scalar(fmt: WeightFormat, row: &[u8], x: &[ActBlock]) -> f32 {
             .zip(&xb.qs)
             .map(|(w, x)| w * *x as i32)
             .sum();
-        acc += d * xb.d * sum as f32 + m * xb.s;
+        // The offset term only where the format has one: `0·s` would turn a block whose
+        // activation sum overflows f16 (`s` infinite, |Σx| past ~65,504) into NaN.
+        acc += if matches!(fmt, WeightFormat::Q4_1 | WeightFormat::Q5_1) {
+            d * xb.d * sum as f32 + m * xb.s
+        } else {
+            d * xb.d * sum as f32
+        };
     }
     acc
 }

@@ -56,7 +56,9 @@ pub fn dot_rows8(data: &[u8], x: &[ActBlock], xsum: &[i32], first: usize, out: &
 pub fn dot_rows8_k(data: &[u8], x: &Q8KRow, first: usize, out: &mut [f32]) {
     let group_bytes = x.blocks.len() / 8 * rows8_k::GROUP_SUPER_BYTES;
     assert!(
-        first.is_multiple_of(rows8_k::ROWS)
+        x.blocks.len().is_multiple_of(8)
+            && x.sums.len() == 2 * x.blocks.len()
+            && first.is_multiple_of(rows8_k::ROWS)
             && out.len().is_multiple_of(rows8_k::ROWS)
             && data.len() >= (first + out.len()) / rows8_k::ROWS * group_bytes,
         "dot_rows8_k: rows {first}..+{} of {} bytes ({} blocks per row)",

@@ -182,6 +182,13 @@ pub fn gemm_rows(
     x: &[f32],
 ) -> Vec<f32> {
     let (WeightRows::Plain(data) | WeightRows::Rows8(data)) = weight;
+    if let WeightRows::Rows8(_) = weight {
+        assert!(
+            matches!(fmt, PanelFormat::Q4K | PanelFormat::Block(super::WeightFormat::Q4_0))
+                && n.is_multiple_of(8),
+            "gemm: an interleaved weight is Q4_0 or Q4_K in whole groups of eight rows, not {fmt:?} with {n} rows"
+        );
+    }
     assert!(
         kernel.runs(fmt),
         "{kernel:?} does not run {fmt:?} on this CPU"

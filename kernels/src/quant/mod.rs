@@ -211,7 +211,7 @@ impl RowActs {
 enum Weight {
     /// Candle's tensor, row-major blocks as in the GGUF.
     Tensor(Arc<QTensor>),
-    /// Q4_0 interleaved eight rows at a time ([`rows8`]), the only copy.
+    /// Q4_0 or Q4_K interleaved eight rows at a time ([`rows8`], [`rows8_k`]), the only copy.
     Rows8(Arc<Vec<u8>>),
 }
 

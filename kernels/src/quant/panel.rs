@@ -18,8 +18,9 @@
 use super::blocks::{self, f16_at, WeightFormat, QK};
 use super::{kquants, rows8, rows8_k};
 
-/// Where a weight's blocks are read from: its row-major bytes, or Q4_0 interleaved eight
-/// rows at a time ([`rows8`]), whose row-major blocks are reassembled as they are packed.
+/// Where a weight's blocks are read from: its row-major bytes, or Q4_0 / Q4_K interleaved
+/// eight rows at a time ([`rows8`], [`rows8_k`]), whose row-major blocks are reassembled as
+/// they are packed.
 #[derive(Debug, Clone, Copy)]
 pub enum WeightRows<'a> {
     /// Row-major blocks (GGUF's own layout).
@@ -217,7 +218,10 @@ impl Panel {
                         &data[at..at + fmt.block_bytes()]
                     }
                     WeightRows::Rows8(data) if fmt == PanelFormat::Q4K => {
-                        reassembled = rows8_k::plain_block(data, k, r, stored);
+                        // Once per super-block, not per each of its eight 32-element blocks.
+                        if blk % per_stored == 0 {
+                            reassembled = rows8_k::plain_block(data, k, r, stored);
+                        }
                         &reassembled
                     }
                     WeightRows::Rows8(data) => {

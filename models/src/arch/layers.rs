@@ -18,7 +18,7 @@ pub enum Linear {
     /// Quantized weights (GGUF block formats) and an optional dense bias.
     Quant {
         /// Candle's quantized matmul; `None` when `fast` holds the weight's only copy
-        /// (Q4_0 interleaved for the decode kernel, `QuantMatMul::interleaved`).
+        /// (Q4_0 or Q4_K interleaved for the decode kernel, `QuantMatMul::interleaved`).
         w: Option<QMatMul>,
         /// Our CPU kernels (`kvpolicy_kernels::quant`): row dot products for GGML's
         /// 32-element formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) below [`DEQUANT_MIN_ROWS`]
@@ -110,8 +110,8 @@ fn rows(x: &Tensor) -> usize {
 }
 
 impl Linear {
-    /// A quantized layer `(out, inp)` with an optional bias. A Q4_0 weight on a CPU with
-    /// AVX2 is interleaved for the decode kernel (`QuantMatMul::interleaved`) and its
+    /// A quantized layer `(out, inp)` with an optional bias. A Q4_0 or Q4_K weight on a CPU
+    /// with AVX2 is interleaved for the decode kernel (`QuantMatMul::interleaved`) and its
     /// row-major copy let go (freed once no other holder, such as a tied embedding, keeps it).
     pub fn quantized(w: QMatMul, bias: Option<Tensor>, out: usize, inp: usize) -> Self {
         let fast = match &w {
