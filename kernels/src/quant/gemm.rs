@@ -15,7 +15,7 @@
 //! dequantize-and-f32-GEMM path ([`kernel_for`] says which) rather than a portable integer
 //! GEMM, which would be slower than that f32 one; [`reference()`] is the integer math in
 //! scalar code, for the tests.
-use super::blocks::{quantize_row, quantize_row_q8k, ActBlock, QK};
+use super::blocks::{quantize_row, quantize_row_q8k, ActBlock, WeightFormat, QK};
 use super::disjoint::Disjoint;
 use super::panel::{Panel, PanelFormat, WeightRows, NR};
 
@@ -184,7 +184,7 @@ pub fn gemm_rows(
     let (WeightRows::Plain(data) | WeightRows::Rows8(data)) = weight;
     if let WeightRows::Rows8(_) = weight {
         assert!(
-            matches!(fmt, PanelFormat::Q4K | PanelFormat::Block(super::WeightFormat::Q4_0))
+            matches!(fmt, PanelFormat::Q4K | PanelFormat::Block(WeightFormat::Q4_0))
                 && n.is_multiple_of(8),
             "gemm: an interleaved weight is Q4_0 or Q4_K in whole groups of eight rows, not {fmt:?} with {n} rows"
         );
