@@ -9,10 +9,9 @@
 mod common;
 
 use anyhow::Result;
-use candle_core::{Device, Tensor};
+use candle_core::Device;
 use candle_transformers::models::quantized_llama::ModelWeights;
 use kvpolicy::models::GgufFile;
-use kvpolicy::{build_policy, CausalLm, LogitsMode, PolicyOptions};
 
 #[test]
 fn logits_match_candle_quantized_llama() -> Result<()> {
@@ -24,28 +23,14 @@ fn logits_match_candle_quantized_llama() -> Result<()> {
     let mut file = std::fs::File::open(&path)?;
     let content = candle_core::quantized::gguf_file::Content::read(&mut file)?;
     let mut stock = ModelWeights::from_gguf(content, &mut file, &dev)?;
-    let mut policy = build_policy("full", &PolicyOptions::default())?;
 
     let refs = common::llamacpp_refs()?;
     let g = &refs["greedy"][1];
     let prompt = common::ids_of(&g["prompt_ids"])?;
     let decode = common::ids_of(&g["generated_ids"])?;
 
-    let ids = Tensor::new(prompt.as_slice(), &dev)?.unsqueeze(0)?;
-    let a = ours
-        .forward(&ids, 0, policy.as_mut(), LogitsMode::Last)?
-        .flatten_all()?;
-    let b = stock.forward(&ids, 0)?.flatten_all()?;
-    let mut worst = common::max_abs_diff(&a, &b)?;
-    for (i, &t) in decode.iter().take(24).enumerate() {
-        let ids = Tensor::new(&[t], &dev)?.unsqueeze(0)?;
-        let pos = prompt.len() + i;
-        let a = ours
-            .forward(&ids, pos, policy.as_mut(), LogitsMode::Last)?
-            .flatten_all()?;
-        let b = stock.forward(&ids, pos)?.flatten_all()?;
-        worst = worst.max(common::max_abs_diff(&a, &b)?);
-    }
+    let worst =
+        common::gap_to_stock_llama(&ours, &mut stock, &prompt, &decode[..24.min(decode.len())])?;
     println!("max |ours - candle quantized_llama| = {worst:.2e}");
     assert!(
         worst < 1e-3,

@@ -14,10 +14,10 @@ mod common;
 
 use anyhow::Result;
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
-use candle_core::{Device, Tensor};
+use candle_core::Device;
 use candle_transformers::models::quantized_llama::ModelWeights;
 use kvpolicy::models::GgufFile;
-use kvpolicy::{build_policy, CausalLm, LogitsMode, PolicyOptions};
+use kvpolicy::CausalLm;
 
 /// Writes the Q4_0, tied version of the Llama fixture GGUF to `out`; the number of
 /// tensors quantized.
@@ -77,28 +77,12 @@ fn interleaved_q4_0_model_matches_candle_quantized_llama() -> Result<()> {
     let mut file = std::fs::File::open(&path)?;
     let content = gguf_file::Content::read(&mut file)?;
     let mut stock = ModelWeights::from_gguf(content, &mut file, &dev)?;
-    let mut policy = build_policy("full", &PolicyOptions::default())?;
 
     let vocab = ours.info().vocab_size as u32;
     let prompt: Vec<u32> = (0..40u32).map(|i| (i * 97 + 5) % vocab).collect();
-    let ids = Tensor::new(prompt.as_slice(), &dev)?.unsqueeze(0)?;
-    let a = ours
-        .forward(&ids, 0, policy.as_mut(), LogitsMode::Last)?
-        .flatten_all()?;
-    let b = stock.forward(&ids, 0)?.flatten_all()?;
-    let mut worst = common::max_abs_diff(&a, &b)?;
-    let scale = b.abs()?.max(0)?.to_scalar::<f32>()?;
-    for i in 0..8u32 {
-        let t = (i * 31 + 7) % vocab;
-        let ids = Tensor::new(&[t], &dev)?.unsqueeze(0)?;
-        let pos = prompt.len() + i as usize;
-        let a = ours
-            .forward(&ids, pos, policy.as_mut(), LogitsMode::Last)?
-            .flatten_all()?;
-        let b = stock.forward(&ids, pos)?.flatten_all()?;
-        worst = worst.max(common::max_abs_diff(&a, &b)?);
-    }
-    println!("max |ours - candle quantized_llama| = {worst:.2e} (logits up to {scale:.2})");
+    let decode: Vec<u32> = (0..8u32).map(|i| (i * 31 + 7) % vocab).collect();
+    let worst = common::gap_to_stock_llama(&ours, &mut stock, &prompt, &decode)?;
+    println!("max |ours - candle quantized_llama| = {worst:.2e}");
     assert!(
         worst < 1e-3,
         "Q4_0 logits differ from candle-transformers by {worst}"

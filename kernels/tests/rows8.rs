@@ -295,7 +295,7 @@ fn check_rows_k(plain: &[u8], n: usize, k: usize, seed: u64) -> Result<()> {
         let mut got = vec![0f32; n];
         // SAFETY: AVX2 checked; `packed` holds n / 8 groups of x's super-blocks.
         let ran = unsafe {
-            kvpolicy_kernels::quant::avx2_rows8_k::dot_groups(&packed, &x, &mut got, Some(path))
+            kvpolicy_kernels::quant::avx2_rows8_k::dot_groups_on(path, &packed, &x, &mut got)
         };
         if ran.is_some() {
             ensure_eq!(

@@ -386,3 +386,30 @@ pub fn short_plan_logits(
     }
     Ok(rows)
 }
+
+/// The largest |ours − candle-transformers' quantized Llama| over the logits of `prompt`'s
+/// last position and of each teacher-forced `decode` step after it (`full` policy, CPU).
+pub fn gap_to_stock_llama(
+    ours: &dyn CausalLm,
+    stock: &mut candle_transformers::models::quantized_llama::ModelWeights,
+    prompt: &[u32],
+    decode: &[u32],
+) -> Result<f32> {
+    let dev = Device::Cpu;
+    let mut policy = build_policy("full", &PolicyOptions::default())?;
+    let mut worst = 0f32;
+    for (pos, ids) in std::iter::once((0, prompt.to_vec())).chain(
+        decode
+            .iter()
+            .enumerate()
+            .map(|(i, &t)| (prompt.len() + i, vec![t])),
+    ) {
+        let ids = Tensor::new(ids.as_slice(), &dev)?.unsqueeze(0)?;
+        let a = ours
+            .forward(&ids, pos, policy.as_mut(), kvpolicy::LogitsMode::Last)?
+            .flatten_all()?;
+        let b = stock.forward(&ids, pos)?.flatten_all()?;
+        worst = worst.max(max_abs_diff(&a, &b)?);
+    }
+    Ok(worst)
+}

@@ -14,10 +14,31 @@ use std::arch::x86_64::*;
 use super::blocks::ActBlock;
 use super::rows8::{GROUP_BLOCK_BYTES, ROWS};
 
-/// Which instruction sums a block's products.
-const MADDUBS: u8 = 0;
-const AVX_VNNI: u8 = 1;
-const AVX512_VNNI: u8 = 2;
+/// The integer paths of the eight-row kernels (this one and [`super::avx2_rows8_k`]):
+/// which instruction sums a block's products — `maddubs` (AVX2) …
+pub const MADDUBS: u8 = 0;
+/// … AVX-VNNI's `vpdpbusd` …
+pub const AVX_VNNI: u8 = 1;
+/// … or AVX-512 VNNI's on 256-bit registers. The same exact sums on each.
+pub const AVX512_VNNI: u8 = 2;
+
+/// Whether this CPU runs integer path `path`.
+pub fn runs(path: u8) -> bool {
+    match path {
+        MADDUBS => super::features::avx2(),
+        AVX_VNNI => super::avx2::vnni(),
+        AVX512_VNNI => super::features::avx2() && avx512_vnni(),
+        _ => false,
+    }
+}
+
+/// The widest integer path this CPU runs (given AVX2).
+pub fn best_path() -> u8 {
+    [AVX512_VNNI, AVX_VNNI]
+        .into_iter()
+        .find(|p| runs(*p))
+        .unwrap_or(MADDUBS)
+}
 
 /// Whether this CPU has AVX-512 VNNI on 256-bit registers (AVX512VL), checked once.
 pub fn avx512_vnni() -> bool {
@@ -110,17 +131,12 @@ unsafe fn groups_avx512_vnni(groups: &[u8], x: &[ActBlock], xsum: &[i32], out: &
 /// blocks; `xsum.len() == x.len()`.
 pub unsafe fn dot_groups(groups: &[u8], x: &[ActBlock], xsum: &[i32], out: &mut [f32]) {
     debug_assert!(groups.len() >= out.len() / ROWS * x.len() * GROUP_BLOCK_BYTES);
-    if avx512_vnni() {
-        groups_avx512_vnni(groups, x, xsum, out)
-    } else if super::avx2::vnni() {
-        groups_avx_vnni(groups, x, xsum, out)
-    } else {
-        groups_maddubs(groups, x, xsum, out)
-    }
+    // `best_path` runs here (AVX2 at least, by the caller's contract).
+    let _ = dot_groups_on(best_path(), groups, x, xsum, out);
 }
 
-/// [`dot_groups`] on a chosen path, for tests: `0` `maddubs`, `1` AVX-VNNI, `2` AVX-512
-/// VNNI; `None` when this CPU lacks it.
+/// [`dot_groups`] on a chosen path ([`MADDUBS`], [`AVX_VNNI`], [`AVX512_VNNI`]); `None`
+/// when this CPU lacks it ([`runs`]).
 ///
 /// # Safety
 /// As [`dot_groups`].
@@ -131,11 +147,13 @@ pub unsafe fn dot_groups_on(
     xsum: &[i32],
     out: &mut [f32],
 ) -> Option<()> {
+    if !runs(path) {
+        return None;
+    }
     match path {
         MADDUBS => groups_maddubs(groups, x, xsum, out),
-        AVX_VNNI if super::avx2::vnni() => groups_avx_vnni(groups, x, xsum, out),
-        AVX512_VNNI if avx512_vnni() => groups_avx512_vnni(groups, x, xsum, out),
-        _ => return None,
+        AVX_VNNI => groups_avx_vnni(groups, x, xsum, out),
+        _ => groups_avx512_vnni(groups, x, xsum, out),
     }
     Some(())
 }

@@ -14,9 +14,7 @@ use std::arch::x86_64::*;
 use super::kquants::{q4k_scales_mins, Q8KRow};
 use super::rows8_k::{GROUP_SUPER_BYTES, ROWS, RUNS_AT, SCALES_AT};
 
-const MADDUBS: u8 = 0;
-const AVX_VNNI: u8 = 1;
-const AVX512_VNNI: u8 = 2;
+use super::avx2_rows8::{runs, AVX512_VNNI, AVX_VNNI, MADDUBS};
 
 /// Four activation bytes `4i … 4i+3` of 32-element block `j` of `x`, broadcast.
 #[inline(always)]
@@ -125,32 +123,20 @@ unsafe fn groups_avx512_vnni(groups: &[u8], x: &Q8KRow, out: &mut [f32]) {
     groups_with::<AVX512_VNNI>(groups, x, out)
 }
 
-/// `out.len() / 8` whole interleaved Q4_K groups `groups` dotted with `x` into `out`, on
-/// the widest integer dot product this CPU has (`0` `maddubs`, `1` AVX-VNNI, `2` AVX-512
-/// VNNI forced by `path`, for tests; `None` when this CPU lacks it).
+/// `out.len() / 8` whole interleaved Q4_K groups `groups` dotted with `x` into `out` on
+/// integer path `path` ([`super::avx2_rows8::best_path`] for the widest); `None` when this
+/// CPU lacks it ([`runs`]).
 ///
 /// # Safety
-/// The CPU has AVX2, FMA and F16C; `groups` holds `out.len() / 8` groups of `x`'s
-/// super-blocks.
-pub unsafe fn dot_groups(
-    groups: &[u8],
-    x: &Q8KRow,
-    out: &mut [f32],
-    path: Option<u8>,
-) -> Option<()> {
-    let vnni = super::avx2::vnni();
-    let vnni512 = super::avx2_rows8::avx512_vnni();
-    match path.unwrap_or(if vnni512 {
-        AVX512_VNNI
-    } else if vnni {
-        AVX_VNNI
-    } else {
-        MADDUBS
-    }) {
+/// `groups` holds `out.len() / 8` groups of `x`'s super-blocks.
+pub unsafe fn dot_groups_on(path: u8, groups: &[u8], x: &Q8KRow, out: &mut [f32]) -> Option<()> {
+    if !runs(path) {
+        return None;
+    }
+    match path {
         MADDUBS => groups_maddubs(groups, x, out),
-        AVX_VNNI if vnni => groups_avx_vnni(groups, x, out),
-        AVX512_VNNI if vnni512 => groups_avx512_vnni(groups, x, out),
-        _ => return None,
+        AVX_VNNI => groups_avx_vnni(groups, x, out),
+        _ => groups_avx512_vnni(groups, x, out),
     }
     Some(())
 }

@@ -70,9 +70,10 @@ pub fn dot_rows8_k(data: &[u8], x: &Q8KRow, first: usize, out: &mut [f32]) {
         [first / rows8_k::ROWS * group_bytes..(first + out.len()) / rows8_k::ROWS * group_bytes];
     #[cfg(target_arch = "x86_64")]
     if super::features::avx2() {
-        // SAFETY: `features::avx2` checked AVX2, FMA and F16C; `groups` holds
-        // `out.len() / 8` whole groups of `x`'s super-blocks (asserted).
-        unsafe { super::avx2_rows8_k::dot_groups(groups, x, out, None) };
+        let path = super::avx2_rows8::best_path();
+        // SAFETY: `groups` holds `out.len() / 8` whole groups of `x`'s super-blocks
+        // (asserted); `dot_groups_on` runs only a path this CPU has.
+        unsafe { super::avx2_rows8_k::dot_groups_on(path, groups, x, out) };
         return;
     }
     let k = x.blocks.len() * QK;

@@ -299,7 +299,7 @@ impl QuantMatMul {
         matches!(self.w, Weight::Rows8(_))
     }
 
-    /// The weight's shape `(n, k)` and its GGML type.
+    /// The weight's shape `(n, k)`.
     pub fn dims(&self) -> (usize, usize) {
         (self.n, self.k)
     }

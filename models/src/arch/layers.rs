@@ -4,7 +4,7 @@
 use std::borrow::Cow;
 use std::sync::Arc;
 
-use candle_core::quantized::{QMatMul, QStorage, QTensor};
+use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{Module, Tensor};
 use kvpolicy_kernels::quant::{self, QuantMatMul};
 
@@ -56,19 +56,8 @@ impl Embedding {
             Self::Quant(t) => t,
             Self::Shared(op) => {
                 let flat = ids.flatten_all()?.to_vec1::<u32>()?;
-                let (_, hidden) = op.dims();
                 let rows = op.plain_rows(&flat)?;
-                let picked = QTensor::new(
-                    QStorage::from_data(
-                        Cow::Owned(rows),
-                        &candle_core::Device::Cpu,
-                        op.ggml_dtype(),
-                    )?,
-                    (flat.len(), hidden),
-                )?;
-                let mut dims = ids.dims().to_vec();
-                dims.push(hidden);
-                return Ok(picked.dequantize(ids.device())?.reshape(dims)?);
+                return dequantize_rows(rows, op.ggml_dtype(), op.dims().1, ids);
             }
         };
         let (vocab, hidden) = table.shape().dims2()?;
@@ -87,15 +76,20 @@ impl Embedding {
             }
             rows.extend_from_slice(&data[i * row_bytes..(i + 1) * row_bytes]);
         }
-        let device = ids.device();
-        let picked = QTensor::new(
-            QStorage::from_data(Cow::Owned(rows), &candle_core::Device::Cpu, dtype)?,
-            (flat.len(), hidden),
-        )?;
-        let mut dims = ids.dims().to_vec();
-        dims.push(hidden);
-        Ok(picked.dequantize(device)?.reshape(dims)?)
+        dequantize_rows(rows, dtype, hidden, ids)
     }
+}
+
+/// Looked-up table rows `rows` (row-major blocks of `dtype`, one row of `hidden` per id in
+/// `ids`) dequantized onto `ids`' device, shaped `(…ids, hidden)`.
+fn dequantize_rows(rows: Vec<u8>, dtype: GgmlDType, hidden: usize, ids: &Tensor) -> Result<Tensor> {
+    let picked = QTensor::new(
+        QStorage::from_data(Cow::Owned(rows), &candle_core::Device::Cpu, dtype)?,
+        (ids.elem_count(), hidden),
+    )?;
+    let mut dims = ids.dims().to_vec();
+    dims.push(hidden);
+    Ok(picked.dequantize(ids.device())?.reshape(dims)?)
 }
 
 /// Activation rows from which a quantized layer on the CPU runs as the integer GEMM

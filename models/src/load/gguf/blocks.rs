@@ -21,14 +21,7 @@ pub(crate) fn read_cpu<R: Read + Seek>(
     data_offset: u64,
 ) -> candle_core::Result<QTensor> {
     let dtype = info.ggml_dtype;
-    let elems = info.shape.elem_count();
-    if !elems.is_multiple_of(dtype.block_size()) {
-        candle_core::bail!(
-            "{elems} values are not whole blocks of {}",
-            dtype.block_size()
-        );
-    }
-    let n = elems / dtype.block_size();
+    let n = whole_blocks(info)?;
     r.seek(SeekFrom::Start(data_offset + info.offset))?;
     let storage = match dtype {
         GgmlDType::F32 => blocks::<f32>(r, n, dtype)?,
@@ -52,6 +45,15 @@ pub(crate) fn read_cpu<R: Read + Seek>(
     QTensor::new(storage, info.shape.clone())
 }
 
+/// The blocks tensor `info` holds: an error unless its values are whole blocks of its type.
+fn whole_blocks(info: &TensorInfo) -> candle_core::Result<usize> {
+    let (elems, block) = (info.shape.elem_count(), info.ggml_dtype.block_size());
+    if !elems.is_multiple_of(block) {
+        candle_core::bail!("{elems} values are not whole blocks of {block}");
+    }
+    Ok(elems / block)
+}
+
 /// Tensor `info`'s bytes read from `r` into one vector (for a kernel that rearranges them
 /// where they lie, `QuantMatMul::interleave_owned`). Checked as [`read_cpu`] is.
 pub(crate) fn read_bytes<R: Read + Seek>(
@@ -59,15 +61,7 @@ pub(crate) fn read_bytes<R: Read + Seek>(
     info: &TensorInfo,
     data_offset: u64,
 ) -> candle_core::Result<Vec<u8>> {
-    let dtype = info.ggml_dtype;
-    let elems = info.shape.elem_count();
-    if !elems.is_multiple_of(dtype.block_size()) {
-        candle_core::bail!(
-            "{elems} values are not whole blocks of {}",
-            dtype.block_size()
-        );
-    }
-    let mut v = vec![0u8; elems / dtype.block_size() * dtype.type_size()];
+    let mut v = vec![0u8; whole_blocks(info)? * info.ggml_dtype.type_size()];
     r.seek(SeekFrom::Start(data_offset + info.offset))?;
     r.read_exact(&mut v)?;
     Ok(v)
