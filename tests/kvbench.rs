@@ -57,6 +57,14 @@ fn sweep_writes_csv_and_charts() -> Result<()> {
     assert!(o.status.success(), "{err}");
     let stdout = String::from_utf8_lossy(&o.stdout);
     assert!(stdout.contains("simulated link: 953.67 MiB/s"), "{stdout}");
+    // The model's load time, a line of its own (scripts/scale_bench.py reads it).
+    assert!(
+        stdout.lines().any(|l| l
+            .strip_prefix("load: ")
+            .and_then(|t| t.strip_suffix(" s"))
+            .is_some_and(|t| t.parse::<f64>().is_ok())),
+        "no `load: X s` line: {stdout}"
+    );
     let text = std::fs::read_to_string(&csv)?;
     let mut lines = text.lines();
     assert_eq!(

@@ -1,7 +1,9 @@
 //! kvbench's arguments checked before the sweep (issue "Hardening II", item 9): an empty
 //! setting after `POLICY:` is an error, not the default; `--repeats 0` measures nothing and
 //! is refused; `--synthetic-history` with a policy that cannot take it fails before the
-//! other policies are measured; and a CSV named as `/dev/stdout` reaches a pipe.
+//! other policies are measured; and a CSV named as `/dev/stdout` reaches a pipe. The
+//! read-bandwidth probe beside it (`examples/membw.rs`, scripts/scale_bench.py's roofline)
+//! prints its JSON and refuses a buffer the caches would hold.
 mod common;
 
 use std::process::{Command, Output};
@@ -90,5 +92,35 @@ fn a_csv_on_stdout_reaches_a_pipe() -> Result<()> {
         out.lines().any(|l| l.starts_with("context,policy,")),
         "no CSV header in stdout: {out}"
     );
+    Ok(())
+}
+
+#[test]
+fn membw_prints_its_json_and_refuses_a_cache_sized_buffer() -> Result<()> {
+    let bin = common::example_bin("membw");
+    let o = Command::new(&bin)
+        .args(["--mib", "64", "--threads", "2", "--passes", "1"])
+        .output()?;
+    ensure!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout)?;
+    ensure!(v["threads"] == 2 && v["mib"] == 64, "{v}");
+    ensure!(v["read_gb_s"].as_f64().is_some_and(|g| g > 0.0), "{v}");
+    for (flag, value, needle) in [
+        ("--mib", "8", "--mib must be at least 64"),
+        ("--passes", "0", "--passes must be at least 1"),
+    ] {
+        let o = Command::new(&bin).args([flag, value]).output()?;
+        let err = String::from_utf8_lossy(&o.stderr);
+        ensure!(
+            o.status.code() == Some(1) && err.contains(needle),
+            "{flag} {value}: {:?} {err}",
+            o.status.code()
+        );
+        ensure!(
+            o.stdout.is_empty(),
+            "printed a result: {}",
+            String::from_utf8_lossy(&o.stdout)
+        );
+    }
     Ok(())
 }
