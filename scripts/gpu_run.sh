@@ -1,33 +1,66 @@
 #!/usr/bin/env bash
-# Runs on a GPU machine over a copy of the repo, with binaries built here by
-#   CARGO_TARGET_DIR=… cargo build --release --features nccl --example llama --example kvbench
-#   CARGO_TARGET_DIR=… cargo test --release --features nccl --test cuda --no-run
-# and copied (stripped) into .device-bin/ (the test binary as .device-bin/cuda-tests). Writes results under $OUT (default ./gpu-out).
-# Usage: bash scripts/gpu_run.sh [CONTEXT] [STEPS]
+# The whole GPU check, one bounded step after another (device time is short: every step has
+# its own time limit, so one hang or failure does not spend the rest). Runs on a GPU machine
+# over a copy of the repo, with binaries built here by `bash scripts/gpu_pack.sh`, which
+# leaves them (stripped, xz-compressed: a GPU machine takes 64 MiB per send) in
+# .device-bin/bins.tar.xz. Writes results under $OUT (default ./gpu-out).
+#
+# Usage: bash scripts/gpu_run.sh [CONTEXT] [STEPS] [STAGES]
+#   CONTEXT  the long context of the 8B-shaped bench (default 32768)
+#   STEPS    timed decode steps per run (default 8)
+#   STAGES   any of tests,exact,bench,long (default all four)
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
-CTX=${1:-32768}; STEPS=${2:-4}
-B=.device-bin
+CTX=${1:-32768}; STEPS=${2:-8}; STAGES=${3:-tests,exact,bench,long}
+B=/tmp/kvbin; mkdir -p "$B"
+tar -xJf .device-bin/bins.tar.xz -C "$B" || { echo "no .device-bin/bins.tar.xz: run scripts/gpu_pack.sh first"; exit 1; }
 NV=$(python3 -c "import nvidia,os;print(os.path.dirname(nvidia.__file__))" 2>/dev/null)
 export LD_LIBRARY_PATH="$NV/cu13/lib:$NV/nccl/lib:${LD_LIBRARY_PATH:-}"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-echo "== GPU tests (engine copies, pinned tier, every policy vs full in f32 and bf16, one-rank NCCL group)"
-"$B/cuda-tests" --test-threads 1 > "$OUT/cuda-tests.log" 2>&1
-echo "cuda tests exit $?"; tail -3 "$OUT/cuda-tests.log"
-echo "== zero-copy page gather (CLO) vs the copy engine on the same pages"
-"$B/cuda-tests" zero_copy_gathers --nocapture --test-threads 1 2>&1 | grep -E "zero-copy bandwidth|test result|panicked" | tee "$OUT/zero-copy.txt"
-echo "== exactness (fixtures, every policy vs full, f32 vs HF)"
-python3 scripts/policy_exactness.py "$B/llama" --out "$OUT/exactness.md" > "$OUT/exactness.log" 2>&1
-echo "exactness exit $?"; tail -3 "$OUT/exactness.log"
-echo "== Llama-3-8B-shaped, random bf16 weights on the GPU, ${CTX} tokens of context" | tee "$OUT/bench.txt"
-for p in full layer headwise:1 headwise:auto; do
+t0=$SECONDS
+step() { echo "== [$((SECONDS - t0)) s] $*"; }
+want() { [[ ",$STAGES," == *",$1,"* ]]; }
+
+# Peak GPU memory of a command: nvidia-smi sampled every 100 ms while it runs.
+peak() {
   nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 > "$OUT/mem.raw" &
-  SMI=$!
-  cmd="$B/kvbench --random-weights --config scripts/configs/llama3-8b.json --context $CTX --steps $STEPS --repeats 1 --policies $p --prefill-chunk 2048 --bandwidth-mib 2048"
+  local smi=$!
+  "$@"; local rc=$?
+  kill $smi; wait $smi 2>/dev/null
+  echo "peak GPU memory used (nvidia-smi, MiB): $(sort -n "$OUT/mem.raw" | tail -1)"
+  rm -f "$OUT/mem.raw"
+  return $rc
+}
+
+if want tests; then
+  step "GPU tests: engine copies, pinned tier, every policy vs full (f32, bf16, vs CPU), zero-copy gather, approximate policies, one-rank NCCL group"
+  timeout 120 "$B/cuda-tests" --test-threads 1 --nocapture > "$OUT/cuda-tests.log" 2>&1
+  echo "cuda tests exit $?"
+  grep -E "^test |zero-copy bandwidth|test result|panicked|Error" "$OUT/cuda-tests.log" | head -40
+fi
+
+if want exact; then
+  step "exactness through the examples: every policy vs HF in f32, vs full in bf16, greedy ids (fixtures)"
+  timeout 80 python3 scripts/policy_exactness.py "$B" --chunks 1,16 --jobs 12 --out "$OUT/exactness.md" > "$OUT/exactness.log" 2>&1
+  echo "exactness exit $?"; grep -E "FAIL|failures|Error|error" "$OUT/exactness.log" | head -20
+fi
+
+BENCH="$B/kvbench --random-weights --config scripts/configs/llama3-8b.json --repeats 1 --prefill-chunk 2048"
+if want bench; then
+  step "Llama-3-8B-shaped, random bf16 weights, 4096 tokens: every exact policy" | tee "$OUT/bench.txt"
+  cmd="$BENCH --context 4096 --steps $STEPS --bandwidth-mib 2048 --policies full layer headwise:1 headwise:auto recompute auto:1GiB"
   echo "\$ $cmd" >> "$OUT/bench.txt"
-  $cmd >> "$OUT/bench.txt" 2>&1; echo "exit $?" >> "$OUT/bench.txt"
-  kill $SMI; wait $SMI 2>/dev/null
-  echo "$p peak GPU memory used (nvidia-smi, MiB): $(sort -n "$OUT/mem.raw" | tail -1)" | tee -a "$OUT/mem.txt"
-done
-rm -f "$OUT/mem.raw"
-cat "$OUT/bench.txt"
+  peak timeout 100 $cmd >> "$OUT/bench.txt" 2>&1; echo "exit $?" >> "$OUT/bench.txt"
+  tail -30 "$OUT/bench.txt"
+fi
+
+if want long; then
+  for p in full headwise:1; do
+    step "Llama-3-8B-shaped, $CTX tokens, $p" | tee -a "$OUT/long.txt"
+    cmd="$BENCH --context $CTX --steps $STEPS --policies $p"
+    echo "\$ $cmd" >> "$OUT/long.txt"
+    peak timeout 55 $cmd >> "$OUT/long.txt" 2>&1; echo "exit $?" >> "$OUT/long.txt"
+    tail -12 "$OUT/long.txt"
+  done
+fi
+step "done"
