@@ -23,6 +23,6 @@ for e in $EX; do cp "$CARGO_TARGET_DIR/release/examples/$e" "$STAGE/"; done
 cp "$TEST" "$STAGE/cuda-tests"
 strip "$STAGE"/*
 mkdir -p .device-bin
-tar -C "$STAGE" -cf - . | xz -T1 --lzma2=preset=9e,dict=512MiB > .device-bin/bins.tar.xz  # a window past one binary: the copies cost nothing (~13 MB, ~6 min)
+tar -C "$STAGE" -cf - . | xz -T1 --lzma2=preset=6,dict=256MiB > .device-bin/bins.tar.xz  # a window past one binary: the copies cost nothing (~13 MB, ~6 min)
 rm -rf "$STAGE"
 ls -l .device-bin/bins.tar.xz

@@ -110,7 +110,15 @@ def main():
         ]
         fixtures.append((fx, runs, gen))
 
+    header = "| fixture | policy | dtype | chunk | comparison | max abs diff | result |\n|---|---|---|---|---|---:|---|"
+    print(header, flush=True)
     lines, failures = [], 0
+
+    def emit(line):
+        """A table row, also printed as it comes (a run cut short still shows its rows)."""
+        lines.append(line)
+        print(line, flush=True)
+
     for fx, runs, gen in fixtures:
         hf = np.load(fx / "logits.npy")
         for (dtype, chunk), results in runs.items():
@@ -123,19 +131,18 @@ def main():
                     ref = l
                     e = float(np.abs(l - hf).max())
                     tol = 2 * e
-                    lines.append(f"| {fx.name} | {name} | bf16 | {chunk} | vs HF f32: e (tolerance 2e) | {e:.2e} | - |")
+                    emit(f"| {fx.name} | {name} | bf16 | {chunk} | vs HF f32: e (tolerance 2e) | {e:.2e} | - |")
                     continue
                 else:
                     d, what = float(np.abs(l - ref).max()), "vs full bf16"
                 ok = d <= tol
                 failures += not ok
-                lines.append(f"| {fx.name} | {name} | {dtype} | {chunk} | {what} | {d:.2e} | {'ok' if ok else 'FAIL'} |")
+                emit(f"| {fx.name} | {name} | {dtype} | {chunk} | {what} | {d:.2e} | {'ok' if ok else 'FAIL'} |")
         ids = {name: fut.result() for name, fut in gen}
         same = all(v == ids["full"] for v in ids.values())
         failures += not same
-        lines.append(f"| {fx.name} | all policies | f32 | greedy 16 | ids equal full | {len(ids)} policies | {'ok' if same else 'FAIL'} |")
-    table = "| fixture | policy | dtype | chunk | comparison | max abs diff | result |\n|---|---|---|---|---|---:|---|\n" + "\n".join(lines)
-    print(table)
+        emit(f"| {fx.name} | all policies | f32 | greedy 16 | ids equal full | {len(ids)} policies | {'ok' if same else 'FAIL'} |")
+    table = header + "\n" + "\n".join(lines)
     print(f"failures: {failures}")
     if out:
         Path(out).write_text(table + f"\n\nfailures: {failures}\n")

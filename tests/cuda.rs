@@ -345,7 +345,9 @@ fn nccl_group_of_one_gathers_sums_and_carries_helix() -> Result<()> {
         let mut helix = HelixPolicy::new(local, world.clone())?;
         let got = common::teacher_forced_logits(model, &mut helix, &prompt, &decode, 5)?;
         let d = common::max_abs_diff(&got, &want)?;
-        assert!(d <= 1e-5, "{name} helix over NCCL: max |Δ| = {d}");
+        // f32 on the GPU: the merge of partial softmaxes sums in another order than `full`'s
+        // attention (H200: 1.2e-5 on mlkv_llama), as every GPU f32 comparison here, 1e-4.
+        assert!(d <= 1e-4, "{name} helix over NCCL: max |Δ| = {d}");
         assert!(
             helix.counters().decode_calls > 0,
             "{name}: no decode collective ran"

@@ -128,7 +128,9 @@ impl Rng {
 
 /// Largest absolute difference.
 pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
-    Ok((a.to_dtype(DType::F32)? - b.to_dtype(DType::F32)?)?
+    // Either side may be on a GPU (tests/cuda.rs compares the GPU's logits with the CPU's).
+    let cpu = |t: &Tensor| t.to_device(&Device::Cpu)?.to_dtype(DType::F32);
+    Ok((cpu(a)? - cpu(b)?)?
         .abs()?
         .flatten_all()?
         .max(0)?

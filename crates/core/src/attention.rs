@@ -113,7 +113,7 @@ pub fn attend_partial(x: AttnInputs<'_>, spec: &AttnSpec) -> Result<Partial> {
                 k_pos,
             },
             spec,
-            tiled::Tiles::default(),
+            tiled::Tiles::for_queries(t),
         );
     }
     // The kernel reads K/V of q's dtype, or f16/bf16/q8_0 under f32 queries (a cache stored
@@ -168,10 +168,8 @@ pub fn scratch_bound(call: &CallShape, device: &Device) -> u64 {
     if call.t == 0 || call.s == 0 {
         return 0;
     }
-    let (tq, tk) = (
-        call.t.min(tiled::TILE_QUERIES),
-        call.s.min(tiled::TILE_KEYS),
-    );
+    let tiles = tiled::Tiles::for_queries(call.t);
+    let (tq, tk) = (call.t.min(tiles.queries), call.s.min(tiles.keys));
     tiled::tile_scratch_bytes(call.b * call.n_kv * call.group * tq, tk, call.d)
 }
 

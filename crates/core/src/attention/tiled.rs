@@ -3,7 +3,11 @@
 //! ([`super::eager`]) and folded into a running result by its log-sum-exp (the online
 //! softmax of FlashAttention §3.1, one tile at a time). Key tiles a query tile cannot see
 //! (in its future, or before its sliding window) are skipped; wholly visible tiles need no
-//! mask. Scratch is bounded by one tile's scores, whatever the context.
+//! mask. Scratch is bounded by one tile's scores, whatever the context. A call of few queries
+//! (decode) takes proportionally more keys per tile ([`Tiles::for_queries`]): the same scratch
+//! bound as a full tile, in far fewer passes — each tile is some twenty kernel launches, and
+//! a decode step over 32K keys in 2,048-key tiles was launch-bound (H200: 4.98 tok/s at the
+//! Llama-3-8B shape, bench-results/2026-11-27-gpu-h200-first-run.md).
 use candle_core::Tensor;
 
 use super::eager;
@@ -30,6 +34,19 @@ impl Default for Tiles {
         Self {
             queries: TILE_QUERIES,
             keys: TILE_KEYS,
+        }
+    }
+}
+
+impl Tiles {
+    /// The tiles for a call of `t` query positions: [`TILE_QUERIES`] queries, and keys so that
+    /// a tile holds at most [`TILE_QUERIES`] × [`TILE_KEYS`] scores per head — `TILE_KEYS`
+    /// for `t` ≥ `TILE_QUERIES`, 512 × as many for one query.
+    pub fn for_queries(t: usize) -> Self {
+        let rows = t.clamp(1, TILE_QUERIES);
+        Self {
+            queries: TILE_QUERIES,
+            keys: TILE_KEYS * (TILE_QUERIES / rows),
         }
     }
 }
@@ -110,4 +127,21 @@ pub fn attend_partial_tiled(x: AttnInputs<'_>, spec: &AttnSpec, tiles: Tiles) ->
         lse: Tensor::cat(&lses, 2)?,
         scratch_bytes: scratch,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn few_queries_take_more_keys_within_one_tiles_scores() {
+        for t in [1, 2, 5, 100, 511, 512, 513, 4096] {
+            let tiles = Tiles::for_queries(t);
+            let rows = t.min(tiles.queries);
+            assert!(rows * tiles.keys <= TILE_QUERIES * TILE_KEYS, "t = {t}");
+            assert!(tiles.keys >= TILE_KEYS, "t = {t}");
+        }
+        assert_eq!(Tiles::for_queries(1).keys, TILE_KEYS * TILE_QUERIES);
+        assert_eq!(Tiles::for_queries(600), Tiles::default());
+    }
 }
