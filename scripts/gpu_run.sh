@@ -8,10 +8,10 @@
 # Usage: bash scripts/gpu_run.sh [CONTEXT] [STEPS] [STAGES]
 #   CONTEXT  the long context of the 8B-shaped bench (default 32768)
 #   STEPS    timed decode steps per run (default 8)
-#   STAGES   any of tests,exact,bench,decode,long (default all five)
+#   STAGES   any of tests,exact,bench,decode,scale,peer,long (default all seven)
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
-CTX=${1:-32768}; STEPS=${2:-8}; STAGES=${3:-tests,exact,bench,decode,long}
+CTX=${1:-32768}; STEPS=${2:-8}; STAGES=${3:-tests,exact,bench,decode,scale,peer,long}
 B=/tmp/kvbin; mkdir -p "$B"
 tar -xJf .device-bin/bins.tar.xz -C "$B" || { echo "no .device-bin/bins.tar.xz: run scripts/gpu_pack.sh first"; exit 1; }
 NV=$(python3 -c "import nvidia,os;print(os.path.dirname(nvidia.__file__))" 2>/dev/null)
@@ -63,6 +63,22 @@ if want decode; then
   echo "\$ $cmd" >> "$OUT/decode.txt"
   peak timeout 90 $cmd >> "$OUT/decode.txt" 2>&1; echo "exit $?" >> "$OUT/decode.txt"
   tail -12 "$OUT/decode.txt"
+fi
+
+if want scale; then
+  step "full's decode by context (synthetic history): how attention's cost grows with the keys" | tee "$OUT/scale.txt"
+  cmd="$BENCH --synthetic-history --context 512,4096,32768 --steps $STEPS --policies full"
+  echo "\$ $cmd" >> "$OUT/scale.txt"
+  timeout 60 $cmd >> "$OUT/scale.txt" 2>&1; echo "exit $?" >> "$OUT/scale.txt"
+  tail -8 "$OUT/scale.txt"
+fi
+
+if want peer; then
+  step "peer: HF transformers (eager PyTorch, SDPA), same config, cache on the GPU and offloaded" | tee "$OUT/peer.txt"
+  cmd="python3 scripts/hf_gpu_peer.py scripts/configs/llama3-8b.json --context 4096 $CTX --steps $STEPS"
+  echo "\$ $cmd" >> "$OUT/peer.txt"
+  timeout 150 $cmd >> "$OUT/peer.txt" 2>&1; echo "exit $?" >> "$OUT/peer.txt"
+  tail -12 "$OUT/peer.txt"
 fi
 
 if want long; then
