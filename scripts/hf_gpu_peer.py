@@ -7,7 +7,8 @@ with its KV cache on the GPU (`DynamicCache`) and offloaded to the host
 
     python3 scripts/hf_gpu_peer.py scripts/configs/llama3-8b.json --context 4096 32768
 
-Random weights make speed, not output, meaningful (GPU.md). Prints a Markdown table.
+Random weights make speed, not output, meaningful. A 512-token run comes first, untimed (cuBLAS
+and the allocator warm up). Prints a Markdown table.
 """
 import argparse
 import json
@@ -73,6 +74,7 @@ def main():
         torch.set_default_dtype(torch.bfloat16)
         model = LlamaForCausalLM(cfg).eval()
     print(f"HF transformers, random weights for {a.config}, bf16, sdpa, on {torch.cuda.get_device_name()}; init {time.perf_counter() - t:.1f} s")
+    run(model, cfg, 512, a.chunk, 2, False)  # warm-up, not reported
     print("| context | cache | prefill tok/s | decode tok/s | s/token | peak GPU memory (torch) |")
     print("|---:|---|---:|---:|---:|---:|")
     for c in a.context:

@@ -11,8 +11,10 @@ vs the HF logits (tolerance 1e-4: the exactness claim); in bf16, every policy vs
 within twice bf16 `full`'s own distance e from the HF f32 logits (a policy that regenerates
 K/V rounds its matmuls in another order, a second bf16 computation as far from HF as `full`
 is: by the triangle inequality |policy − full| ≤ 2e — a measured precision, not a constant;
-policies that move stored K/V are bit-equal in practice, and the table shows it); and greedy ids of 16
-sampled tokens (f32) equal to `full`'s. Exits non-zero on any failure.
+e itself must stay ≤ 1, bf16's error on these fixtures being 0.07–0.56: a broken bf16 path in
+`full` would widen every bound); and greedy ids of 16
+sampled tokens (f32) equal to `full`'s. A run that fails is a FAIL row with its error; the
+others still run. Exits non-zero on any failure.
 """
 import json
 import subprocess
@@ -119,27 +121,43 @@ def main():
         lines.append(line)
         print(line, flush=True)
 
+    def result(fut, what):
+        """The run's result, or None after a FAIL row naming its error."""
+        nonlocal failures
+        try:
+            return fut.result()
+        except Exception as e:  # a failed run is a row, not the end of the report
+            failures += 1
+            emit(f"| {what} | run failed: {str(e).splitlines()[-1][:200]} | | | | FAIL |")
+            return None
+
     for fx, runs, gen in fixtures:
         hf = np.load(fx / "logits.npy")
         for (dtype, chunk), results in runs.items():
             ref, tol = None, 1e-4
             for name, fut in results:
-                l = fut.result()
+                l = result(fut, f"{fx.name} | {name} | {dtype} | {chunk}")
+                if l is None:
+                    if ref is None and dtype == "bf16":
+                        break  # no bf16 `full` to compare with
+                    continue
                 if dtype == "f32":
                     d, what = float(np.abs(l - hf).max()), "vs HF f32"
                 elif ref is None:
                     ref = l
                     e = float(np.abs(l - hf).max())
                     tol = 2 * e
-                    emit(f"| {fx.name} | {name} | bf16 | {chunk} | vs HF f32: e (tolerance 2e) | {e:.2e} | - |")
+                    ok = e <= 1.0
+                    failures += not ok
+                    emit(f"| {fx.name} | {name} | bf16 | {chunk} | vs HF f32: e ≤ 1 (tolerance 2e) | {e:.2e} | {'ok' if ok else 'FAIL'} |")
                     continue
                 else:
                     d, what = float(np.abs(l - ref).max()), "vs full bf16"
                 ok = d <= tol
                 failures += not ok
                 emit(f"| {fx.name} | {name} | {dtype} | {chunk} | {what} | {d:.2e} | {'ok' if ok else 'FAIL'} |")
-        ids = {name: fut.result() for name, fut in gen}
-        same = all(v == ids["full"] for v in ids.values())
+        ids = {name: result(fut, f"{fx.name} | {name} | f32 | greedy 16") for name, fut in gen}
+        same = ids.get("full") is not None and all(v == ids["full"] for v in ids.values())
         failures += not same
         emit(f"| {fx.name} | all policies | f32 | greedy 16 | ids equal full | {len(ids)} policies | {'ok' if same else 'FAIL'} |")
     table = header + "\n" + "\n".join(lines)

@@ -113,7 +113,15 @@ pub fn attend_partial(x: AttnInputs<'_>, spec: &AttnSpec) -> Result<Partial> {
                 k_pos,
             },
             spec,
-            tiled::Tiles::for_queries(t),
+            tiled::Tiles::for_call(&CallShape {
+                b,
+                n_kv: nkv,
+                group: nh / nkv,
+                t,
+                s,
+                d,
+                half: q.dtype() != DType::F32,
+            }),
         );
     }
     // The kernel reads K/V of q's dtype, or f16/bf16/q8_0 under f32 queries (a cache stored
@@ -158,19 +166,15 @@ fn widen(t: &Tensor, dt: DType, d: usize) -> Result<Tensor> {
     }
 }
 
-/// The most attention scratch one call of `call`'s sizes may hold on `device`. Exact for
-/// calls where every query sees every key, an upper bound otherwise; bounded by the tiles
-/// for any context. Policies plan device budgets with it.
+/// The most attention scratch one call of `call`'s sizes may hold on `device`. On the CPU
+/// exact for calls where every query sees every key, an upper bound otherwise; elsewhere an
+/// upper bound for any call of at most `call.t` queries. Bounded by the tiles for any
+/// context. Policies plan device budgets with it.
 pub fn scratch_bound(call: &CallShape, device: &Device) -> u64 {
     if device.is_cpu() {
         return kvpolicy_kernels::flash::scratch_bytes(call, kvpolicy_kernels::flash::threads());
     }
-    if call.t == 0 || call.s == 0 {
-        return 0;
-    }
-    let tiles = tiled::Tiles::for_queries(call.t);
-    let (tq, tk) = (call.t.min(tiles.queries), call.s.min(tiles.keys));
-    tiled::tile_scratch_bytes(call.b * call.n_kv * call.group * tq, tk, call.d)
+    tiled::scratch_bound(call)
 }
 
 #[cfg(test)]
