@@ -128,7 +128,7 @@ def main():
             return fut.result()
         except Exception as e:  # a failed run is a row, not the end of the report
             failures += 1
-            emit(f"| {what} | run failed: {str(e).splitlines()[-1][:200]} | | | | FAIL |")
+            emit(f"| {what} | run failed: {str(e).splitlines()[-1][:200]} | - | FAIL |")
             return None
 
     for fx, runs, gen in fixtures:
