@@ -37,6 +37,15 @@ peak() {
   return $rc
 }
 
+# record FILE LIMIT CMD...: appends CMD's line, its output (cut at LIMIT seconds) and its exit
+# status to $OUT/FILE.
+record() {
+  local file=$OUT/$1 limit=$2; shift 2
+  echo "\$ $*" >> "$file"
+  timeout "$limit" "$@" >> "$file" 2>&1
+  echo "exit $?" >> "$file"
+}
+
 if want tests; then
   step "GPU tests: engine copies, pinned tier, every policy vs full (f32, bf16, vs CPU), zero-copy gather, approximate policies, one-rank NCCL group"
   timeout 120 "$B/cuda-tests" --test-threads 1 --nocapture > "$OUT/cuda-tests.log" 2>&1
@@ -53,42 +62,34 @@ fi
 BENCH="$B/kvbench --random-weights --config scripts/configs/llama3-8b.json --repeats 1 --prefill-chunk 2048"
 if want bench; then
   step "Llama-3-8B-shaped, random bf16 weights, 4096 tokens: every exact policy" | tee "$OUT/bench.txt"
-  cmd="$BENCH --context 4096 --steps $STEPS --bandwidth-mib 2048 --policies full,layer,headwise:1,headwise:auto,recompute,auto:1GiB"
-  echo "\$ $cmd" >> "$OUT/bench.txt"
-  peak timeout 100 $cmd >> "$OUT/bench.txt" 2>&1; echo "exit $?" >> "$OUT/bench.txt"
+  peak record bench.txt 100 $BENCH --context 4096 --steps "$STEPS" --bandwidth-mib 2048 \
+    --policies full,layer,headwise:1,headwise:auto,recompute,auto:1GiB >> "$OUT/bench.txt"
   tail -30 "$OUT/bench.txt"
 fi
 
 if want decode; then
   step "Llama-3-8B-shaped, decode after $CTX tokens of synthetic history (no prefill): full, layer, headwise:1" | tee "$OUT/decode.txt"
-  cmd="$BENCH --synthetic-history --context $CTX --steps $STEPS --bandwidth-mib 2048 --policies full,layer,headwise:1"
-  echo "\$ $cmd" >> "$OUT/decode.txt"
-  peak timeout 90 $cmd >> "$OUT/decode.txt" 2>&1; echo "exit $?" >> "$OUT/decode.txt"
+  peak record decode.txt 90 $BENCH --synthetic-history --context "$CTX" --steps "$STEPS" \
+    --bandwidth-mib 2048 --policies full,layer,headwise:1 >> "$OUT/decode.txt"
   tail -12 "$OUT/decode.txt"
 fi
 
 if want scale; then
   step "full's decode by context (synthetic history): how attention's cost grows with the keys" | tee "$OUT/scale.txt"
-  cmd="$BENCH --synthetic-history --context 512,4096,32768 --steps $STEPS --policies full"
-  echo "\$ $cmd" >> "$OUT/scale.txt"
-  timeout 60 $cmd >> "$OUT/scale.txt" 2>&1; echo "exit $?" >> "$OUT/scale.txt"
+  record scale.txt 60 $BENCH --synthetic-history --context 512,4096,32768 --steps "$STEPS" --policies full
   tail -8 "$OUT/scale.txt"
 fi
 
 if want peer; then
   step "peer: HF transformers (eager PyTorch, SDPA), same config, cache on the GPU and offloaded" | tee "$OUT/peer.txt"
-  cmd="python3 scripts/hf_gpu_peer.py scripts/configs/llama3-8b.json --context 4096 $CTX --steps $STEPS"
-  echo "\$ $cmd" >> "$OUT/peer.txt"
-  timeout 150 $cmd >> "$OUT/peer.txt" 2>&1; echo "exit $?" >> "$OUT/peer.txt"
+  record peer.txt 150 python3 scripts/hf_gpu_peer.py scripts/configs/llama3-8b.json --context 4096 "$CTX" --steps "$STEPS"
   tail -12 "$OUT/peer.txt"
 fi
 
 if want long; then
   for p in full headwise:1; do
     step "Llama-3-8B-shaped, $CTX tokens, $p" | tee -a "$OUT/long.txt"
-    cmd="$BENCH --context $CTX --steps $STEPS --policies $p"
-    echo "\$ $cmd" >> "$OUT/long.txt"
-    peak timeout 55 $cmd >> "$OUT/long.txt" 2>&1; echo "exit $?" >> "$OUT/long.txt"
+    peak record long.txt 55 $BENCH --context "$CTX" --steps "$STEPS" --policies "$p" >> "$OUT/long.txt"
     tail -12 "$OUT/long.txt"
   done
 fi
