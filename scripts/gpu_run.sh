@@ -8,7 +8,7 @@
 # Usage: bash scripts/gpu_run.sh [CONTEXT] [STEPS] [STAGES]
 #   CONTEXT  the long context of the 8B-shaped bench (default 32768)
 #   STEPS    timed decode steps per run (default 8)
-#   STAGES   any of tests,exact,bench,decode,scale,peer,long (default tests,exact,bench,decode:
+#   STAGES   any of tests,exact,bench,decode,scale,peer,long,ab,approx (default tests,exact,bench,decode:
 #            their limits add up to 390 s, which fits one call of a GPU machine (600 s); all
 #            seven add up to 710 s, so the rest go in a second call)
 set -uo pipefail
@@ -92,5 +92,33 @@ if want long; then
     peak record long.txt 55 $BENCH --context "$CTX" --steps "$STEPS" --policies "$p" >> "$OUT/long.txt"
     tail -12 "$OUT/long.txt"
   done
+fi
+if want ab && [[ -x "$B/kvbench-base" ]]; then
+  # Before/after on the same warm machine: kvbench-base is kvbench built from the commit before
+  # a change (packed beside it by hand, see the bench-results note that used it), alternated.
+  BASE=${BENCH/#"$B/kvbench"/"$B/kvbench-base"}
+  for round in 1 2; do
+    for bin in base new; do
+      cmd=$BENCH; [[ $bin == base ]] && cmd=$BASE
+      step "A/B round $round, $bin: 4,096 tokens, full and the streaming policies" | tee -a "$OUT/ab.txt"
+      record ab.txt 60 $cmd --context 4096 --steps "$STEPS" --bandwidth-mib 2048 \
+        --policies full,layer,headwise:auto,recompute
+      tail -8 "$OUT/ab.txt" | grep -E "^\| (full|layer|headwise|recompute)" 
+    done
+  done
+  for bin in base new; do
+    cmd=$BENCH; [[ $bin == base ]] && cmd=$BASE
+    step "A/B $bin: decode after $CTX tokens of synthetic history: layer, headwise:1" | tee -a "$OUT/ab.txt"
+    record ab.txt 90 $cmd --synthetic-history --context "$CTX" --steps "$STEPS" \
+      --bandwidth-mib 2048 --policies layer,headwise:1
+    tail -5 "$OUT/ab.txt"
+  done
+fi
+
+if want approx; then
+  step "hybrid and the approximate policies (lossy: speed only; they take no synthetic history), 4,096 tokens" | tee "$OUT/approx.txt"
+  record approx.txt 80 $BENCH --context 4096 --steps "$STEPS" --bandwidth-mib 2048 \
+    --policies full,hybrid,quest,flexicache,clo
+  tail -20 "$OUT/approx.txt"
 fi
 step "done"

@@ -13,7 +13,7 @@
 use std::time::Instant;
 
 use candle_core::{DType, Tensor};
-use kvpolicy_core::{front_to_drop, AttnSpec, AttnStep, KvCodec, KvShape};
+use kvpolicy_core::{front_to_drop, window_capacity, AttnSpec, AttnStep, KvCodec, KvShape};
 use kvpolicy_core::{HeadRange, KvError, KvStats, Result, TokenRange};
 
 use crate::disk::DiskKv;
@@ -206,6 +206,13 @@ impl HostLayers {
             budget: t.host_budget,
             others,
         });
+        let window = match self.drop_windows {
+            true => shape.windows.get(layer).copied().flatten(),
+            false => None,
+        };
+        // (A window-keeping layer's store holds the window and a step from its base; a
+        // global layer's starts at position 0.)
+        let planned = window_capacity(window, shape.max_tokens, shape.largest_step(), 1);
         let mut room = Room::new(
             &mut *link,
             &mut self.traffic,
@@ -213,7 +220,8 @@ impl HostLayers {
             self.codec,
             self.chunk,
             budget,
-        );
+        )
+        .planned(planned);
         let held = match &mut self.layers[layer] {
             Some(store) => store.make_room(tokens, &mut room)?,
             None if tokens == 0 => true,
@@ -436,5 +444,51 @@ impl HostLayers {
         if let Some(s) = &mut self.shape {
             s.n_layers = 0;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transfer::SyncTransferEngine;
+
+    fn shape(max_tokens: usize) -> KvShape {
+        KvShape {
+            n_layers: 1,
+            n_heads: 2,
+            n_kv_heads: 1,
+            head_dim: 4,
+            hidden: 8,
+            batch: 1,
+            dtype: DType::F32,
+            max_tokens,
+            step_tokens: 0,
+            activation_bytes_per_token: 0,
+            windows: Vec::new(),
+            readers: Vec::new(),
+        }
+    }
+
+    /// Tokens of room layer 0 holds after growing for `tokens` in a run of `max_tokens`.
+    fn room_after(max_tokens: usize, tokens: usize) -> Result<u64> {
+        let mut link = Link::new(Box::<SyncTransferEngine>::default());
+        let mut host = HostLayers::new(1, None); // chunks of 8 tokens
+        let s = shape(max_tokens);
+        host.set_shape(&s);
+        host.ensure(&mut link, 0, &s, tokens)?;
+        Ok(host.ram_bytes() / host.stored_bytes(&s, 1, 1))
+    }
+
+    #[test]
+    fn growth_takes_the_planned_length_within_the_reserve_factor() -> Result<()> {
+        // 10 tokens need 2 chunks (16); a run of 40 (5 chunks) is within 3 × 16: reserved.
+        assert_eq!(room_after(40, 10)?, 40);
+        assert_eq!(room_after(45, 10)?, 48);
+        // A run of 49 or more tokens is past 3 × 16: whole chunks only.
+        assert_eq!(room_after(49, 10)?, 16);
+        assert_eq!(room_after(1000, 10)?, 16);
+        // Never less than the tokens need.
+        assert_eq!(room_after(4, 10)?, 16);
+        Ok(())
     }
 }

@@ -25,6 +25,11 @@ pub(crate) fn stored_bytes(codec: KvCodec, shape: &KvShape, heads: usize, tokens
     (2 * shape.batch * heads * tokens) as u64 * codec.row_bytes(shape.dtype, shape.head_dim)
 }
 
+/// A store growing for `n` tokens takes the run's planned capacity at once when that is at
+/// most this many times `n` (so host memory never holds more than this multiple of what the
+/// tokens so far need).
+pub(crate) const RESERVE_FACTOR: usize = 3;
+
 /// Where a write lands: heads `first_head..` of `layer`, from token `offset` on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct WriteAt {
@@ -57,6 +62,9 @@ pub(crate) struct Room<'a> {
     chunk: usize,
     /// The host budget, when a disk tier takes the layers past it.
     budget: Option<HostBudget>,
+    /// Tokens the layer's store will hold by the run's end (its shape's `max_tokens`, or the
+    /// window and a step of a window-keeping layer); 0 when unknown.
+    planned: usize,
 }
 
 impl<'a> Room<'a> {
@@ -77,6 +85,7 @@ impl<'a> Room<'a> {
             codec,
             chunk,
             budget,
+            planned: 0,
         }
     }
 
@@ -90,9 +99,26 @@ impl<'a> Room<'a> {
         self.traffic
     }
 
-    /// The capacity holding `tokens`: whole growth chunks.
+    /// The layer's store will hold `tokens` by the run's end ([`Self::capacity_for`]).
+    pub(crate) fn planned(mut self, tokens: usize) -> Self {
+        self.planned = tokens;
+        self
+    }
+
+    /// The capacity to grow to for `tokens`: the run's planned capacity when it is at most
+    /// [`RESERVE_FACTOR`] × the whole growth chunks `tokens` need and within the host budget,
+    /// else those chunks. Each growth copies the layer (and on a GPU page-locks the new
+    /// buffers): growing chunk by chunk to the planned length made a 32K-token run copy its
+    /// history ~8 times over, and a prompt ending on a chunk's edge grew (copied everything)
+    /// at the first decode step.
     pub(crate) fn capacity_for(&self, tokens: usize) -> usize {
-        round_up(tokens, self.chunk)
+        let need = round_up(tokens, self.chunk);
+        let planned = round_up(self.planned, self.chunk);
+        if planned > need && planned <= need.saturating_mul(RESERVE_FACTOR) && self.fits(planned) {
+            planned
+        } else {
+            need
+        }
     }
 
     /// Whether RAM buffers of `cap` tokens for every KV head stay within the host budget.
