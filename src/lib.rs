@@ -78,3 +78,17 @@ pub fn policy_names() -> Vec<&'static str> {
 #[doc = include_str!("../README.md")]
 #[cfg(doctest)]
 pub struct ReadmeDoctests;
+
+/// The book's Rust snippets (`docs/`), compiled and run as doctests like the README's.
+#[cfg(doctest)]
+pub mod book_doctests {
+    /// `docs/policies.md`.
+    #[doc = include_str!("../docs/policies.md")]
+    pub struct Policies;
+    /// `docs/writing-a-policy.md`.
+    #[doc = include_str!("../docs/writing-a-policy.md")]
+    pub struct WritingAPolicy;
+    /// `docs/writing-a-model.md`.
+    #[doc = include_str!("../docs/writing-a-model.md")]
+    pub struct WritingAModel;
+}

@@ -1,0 +1,32 @@
+//! The book's server references stay what the server prints: `kvpolicy-server --help` and the
+//! metric families of a fresh `/metrics` (`docs/reference/help/*.txt`, included by
+//! `docs/reference/{flags,metrics}.md`; `UPDATE_EXPECT=1 cargo test --release -p
+//! kvpolicy-server --test reference` rewrites them after a flag or a metric changes).
+use std::process::Command;
+
+use anyhow::{ensure, Result};
+use expect_test::expect_file;
+use kvpolicy_server::metrics::Metrics;
+
+#[test]
+fn the_flags_reference_is_the_servers_help() -> Result<()> {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvpolicy-server"))
+        .arg("--help")
+        .output()?;
+    ensure!(out.status.success(), "kvpolicy-server --help failed");
+    expect_file!["../../../docs/reference/help/kvpolicy-server.txt"]
+        .assert_eq(&String::from_utf8(out.stdout)?);
+    Ok(())
+}
+
+#[test]
+fn the_metrics_reference_is_the_registry() {
+    // Only the families' HELP and TYPE lines: samples are values of a moment.
+    let families: String = Metrics::new()
+        .render()
+        .lines()
+        .filter(|l| l.starts_with("# HELP") || l.starts_with("# TYPE"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    expect_file!["../../../docs/reference/help/metrics.txt"].assert_eq(&families);
+}
