@@ -3,7 +3,9 @@
 //! --features mpi --test book` rewrites them after a flag changes), every chapter is in the
 //! book's table of contents, every relative link of the README and the book names a file
 //! that exists and, after a `#`, one of its headings (`scripts/book.sh` checks the built book's
-//! links again with LinkChecker), and the README stays a front page (≤ 300 lines).
+//! links again with LinkChecker), the README stays a front page (≤ 300 lines), and every
+//! shell command of the README and the book names a program that exists and passes only flags
+//! it takes (`scripts/check_book_commands.py`).
 mod common;
 
 use std::path::{Path, PathBuf};
@@ -124,13 +126,19 @@ fn check_links(file: &Path) -> Result<Vec<String>> {
         }
         let (path, anchor) = target.split_once('#').unwrap_or((&target, ""));
         let dir = file.parent().unwrap_or(Path::new("."));
-        let dest = if path.is_empty() { file.to_path_buf() } else { dir.join(path) };
+        let dest = if path.is_empty() {
+            file.to_path_buf()
+        } else {
+            dir.join(path)
+        };
+        let md = dest.extension().is_some_and(|x| x == "md");
         if !dest.exists() {
             broken.push(format!("{}: {target} (no such file)", file.display()));
-        } else if !anchor.is_empty() && dest.extension().is_some_and(|x| x == "md") {
-            if !heading_ids(&std::fs::read_to_string(&dest)?).iter().any(|i| i == anchor) {
-                broken.push(format!("{}: {target} (no such heading)", file.display()));
-            }
+        } else if !anchor.is_empty()
+            && md
+            && !heading_ids(&std::fs::read_to_string(&dest)?).contains(&anchor.to_string())
+        {
+            broken.push(format!("{}: {target} (no such heading)", file.display()));
         }
     }
     Ok(broken)
@@ -146,11 +154,15 @@ fn every_chapter_is_in_the_summary_and_every_link_resolves() -> Result<()> {
         broken.extend(check_links(&ch)?);
         let rel = ch.strip_prefix(&docs)?.to_string_lossy().replace('\\', "/");
         ensure!(
-            rel == "SUMMARY.md" || listed.iter().any(|l| *l == rel),
+            rel == "SUMMARY.md" || listed.contains(&rel),
             "docs/{rel} is not in docs/SUMMARY.md: list it, or the book leaves it out"
         );
     }
-    ensure!(broken.is_empty(), "links to missing files:\n{}", broken.join("\n"));
+    ensure!(
+        broken.is_empty(),
+        "links to missing files:\n{}",
+        broken.join("\n")
+    );
     Ok(())
 }
 
@@ -158,6 +170,26 @@ fn every_chapter_is_in_the_summary_and_every_link_resolves() -> Result<()> {
 fn the_readme_is_a_front_page() -> Result<()> {
     let text = std::fs::read_to_string(root().join("README.md"))?;
     let lines = text.lines().count();
-    ensure!(lines <= 300, "README.md has {lines} lines: move detail into a chapter of docs/");
+    ensure!(
+        lines <= 300,
+        "README.md has {lines} lines: move detail into a chapter of docs/"
+    );
+    Ok(())
+}
+
+#[test]
+fn every_command_the_book_shows_takes_the_flags_it_passes() -> Result<()> {
+    // Programs, scripts, packages, tests, features and every `--flag` checked against the
+    // code (docs/reference/help/*.txt for the binaries, argparse for the scripts).
+    let out = Command::new("python3")
+        .arg(root().join("scripts/check_book_commands.py"))
+        .output()
+        .context("running python3 scripts/check_book_commands.py")?;
+    ensure!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
     Ok(())
 }

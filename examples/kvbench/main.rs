@@ -31,95 +31,105 @@ use kvpolicy::models::load::source::ModelFiles;
 use kvpolicy::models::{activation_dtype, load, resolve, ModelSpec};
 use kvpolicy::{PolicyOptions, Profile};
 
+use kvpolicy_cli::args::heading;
 use kvpolicy_cli::{atomic, errors, flags, registry, threads};
 use stock::{Stock, STOCK_MAX_POSITIONS};
 use sweep::{measure, Row, Variant};
 
+/// `--help`'s heading of what is measured and how (the other headings are the runner's).
+const RUNS: &str = "Runs";
+/// `--help`'s heading of the implementations measured beside kvpolicy's.
+const PEERS: &str = "Peers";
+
 /// Flags.
 #[derive(Parser)]
-#[command(about = "Compare KV policies: decode/prefill speed, device and host KV bytes, traffic")]
+#[command(
+    about = "Compare KV policies: decode/prefill speed, device and host KV bytes, traffic",
+    next_line_help = true
+)]
 struct Args {
-    /// GGUF model (default: SmolLM2-135M-Instruct, fetched once).
-    #[arg(long, conflicts_with_all = ["model_dir", "random_weights"])]
+    /// GGUF model file. Default (no model flag): SmolLM2-135M-Instruct, fetched once.
+    #[arg(long, value_name = "FILE", help_heading = heading::MODEL, conflicts_with_all = ["model_dir", "random_weights"])]
     gguf: Option<PathBuf>,
-    /// Local HF model directory.
-    #[arg(long, conflicts_with = "random_weights")]
+    /// Local Hugging Face model directory (config.json, *.safetensors).
+    #[arg(long, value_name = "DIR", help_heading = heading::MODEL, conflicts_with = "random_weights")]
     model_dir: Option<PathBuf>,
     /// Random weights for --config (speed does not depend on the values).
-    #[arg(long, requires = "config")]
+    #[arg(long, help_heading = heading::MODEL, requires = "config")]
     random_weights: bool,
     /// config.json for --random-weights.
-    #[arg(long, requires = "random_weights")]
+    #[arg(long, value_name = "FILE", help_heading = heading::MODEL, requires = "random_weights")]
     config: Option<PathBuf>,
-    /// Context lengths before the timed steps.
-    #[arg(long, value_delimiter = ',', default_values_t = vec![512usize, 2048])]
-    context: Vec<usize>,
-    /// Timed decode steps per run.
-    #[arg(long, default_value_t = 32)]
-    steps: usize,
-    /// Runs per policy and context (median reported).
-    #[arg(long, default_value_t = 3)]
-    repeats: usize,
-    /// Policy specs: NAME or NAME:KEY=VALUE,KEY=VALUE (headwise:group=1, recompute:split=64, auto:budget=64MiB, sinks:sinks=4,window=256); a lone value sets the first setting (headwise:1, auto:64MiB). --list-policies prints every policy's settings.
-    #[arg(long, value_delimiter = ',', default_values_t = ["full", "layer", "headwise:1", "headwise:auto", "recompute"].map(String::from).to_vec())]
-    policies: Vec<String>,
-    /// Fill each context with random K/V stored without attention (`KvRestore::append_kv`; full, layer, headwise) instead of a prefill: decode timing at contexts whose prefill would take hours. The prefill column is then the fill rate, and the logits mean nothing.
-    #[arg(long, conflicts_with = "llamacpp")]
-    synthetic_history: bool,
-    /// Print every policy with its settings (types, defaults, docs), then exit.
-    #[arg(long)]
-    list_policies: bool,
-    /// Prefill chunk (tokens per pass).
-    #[arg(long, default_value_t = 256)]
-    prefill_chunk: usize,
-    /// A smoke run of about a minute: contexts 64 and 256, 4 steps, 1 repeat.
-    #[arg(long)]
-    quick: bool,
-    /// Write every measurement as CSV to FILE.
-    #[arg(long, value_name = "FILE")]
-    csv: Option<PathBuf>,
-    /// Draw SVG charts (decode tok/s, device KV bytes, bytes moved per token) into DIR.
-    #[arg(long, value_name = "DIR")]
-    plot: Option<PathBuf>,
-    /// Skip candle-transformers' stock model (measured by default for GGUF Llama models).
-    #[arg(long)]
-    no_stock: bool,
-    /// Run on the CPU even when a GPU is available.
-    #[arg(long)]
-    cpu: bool,
-    /// Activation/weight dtype for safetensors and random models: f32, f16, bf16 (default: f32 on CPU, bf16 on CUDA).
-    #[arg(long)]
+    /// Activation and weight dtype of safetensors and random-weight models (GGUF models keep their own). Default: f32 on the CPU, bf16 on CUDA.
+    #[arg(long, value_name = "f32|f16|bf16", help_heading = heading::MODEL)]
     dtype: Option<String>,
-    /// Also measure host→device bandwidth (MiB copied) and print the PCIe bound per policy.
-    #[arg(long)]
-    bandwidth_mib: Option<usize>,
-    /// Simulate a host↔device link of this many bytes per second (CPU only), e.g. 50MB.
-    #[arg(long, value_parser = parse_size)]
-    link_bandwidth: Option<u64>,
-    /// Cost profile for `recompute` (JSON); default: measured at the first step.
-    #[arg(long)]
+    /// Run on the CPU even when a GPU is available. Default: the first GPU when there is one.
+    #[arg(long, help_heading = heading::MODEL)]
+    cpu: bool,
+    /// Context lengths in tokens, comma-separated, each filled before the timed steps.
+    #[arg(long, value_name = "TOKENS", help_heading = RUNS, value_delimiter = ',', default_values_t = vec![512usize, 2048])]
+    context: Vec<usize>,
+    /// Timed decode steps (tokens) per run.
+    #[arg(long, value_name = "N", help_heading = RUNS, default_value_t = 32)]
+    steps: usize,
+    /// Runs per policy and context (the median is reported).
+    #[arg(long, value_name = "N", help_heading = RUNS, default_value_t = 3)]
+    repeats: usize,
+    /// Policy specs: NAME or NAME:KEY=VALUE,KEY=VALUE (headwise:group=1, recompute:split=64, auto:budget=64MiB, sinks:sinks=4,window=256); a lone value sets the first setting (headwise:1, auto:64MiB).
+    #[arg(long, value_name = "SPECS", help_heading = RUNS, value_delimiter = ',', default_values_t = ["full", "layer", "headwise:1", "headwise:auto", "recompute"].map(String::from).to_vec())]
+    policies: Vec<String>,
+    /// Print every policy with its settings (types, defaults, docs), then exit.
+    #[arg(long, help_heading = RUNS)]
+    list_policies: bool,
+    /// Cost profile for `recompute` and `hybrid` (JSON: h2d_bytes_per_s, recompute_tokens_per_s). Default: measured at the first step.
+    #[arg(long, value_name = "FILE", help_heading = RUNS)]
     profile: Option<PathBuf>,
-    /// LOSSY unless f32: store K/V as f16, bf16 or q8_0 on every tier (full, layer, headwise, auto), as the runner's --kv-dtype; the llama.cpp row uses the same cache type (f32 unless given).
-    #[arg(long, value_name = "f32|f16|bf16|q8_0", value_parser = kvpolicy_cli::args::parse_kv_dtype)]
+    /// Prompt tokens per prefill pass.
+    #[arg(long, value_name = "N", help_heading = RUNS, default_value_t = 256)]
+    prefill_chunk: usize,
+    /// Fill each context with random K/V stored without attention (full, layer, headwise) instead of a prefill, to time decoding at contexts whose prefill would take hours; the prefill column is then the fill rate.
+    #[arg(long, help_heading = RUNS, conflicts_with = "llamacpp")]
+    synthetic_history: bool,
+    /// A smoke run of about a minute: contexts 64 and 256, 4 steps, 1 repeat (overrides --context, --steps and --repeats).
+    #[arg(long, help_heading = RUNS)]
+    quick: bool,
+    /// Also measure host→device bandwidth by copying this many MiB, and print the PCIe bound per policy. Default: not measured.
+    #[arg(long, value_name = "MIB", help_heading = RUNS)]
+    bandwidth_mib: Option<usize>,
+    /// LOSSY unless f32: store K/V as f16, bf16 or q8_0 on every tier, as the runner's --kv-dtype; the llama.cpp row uses the same cache type. Default: the model's dtype (llama.cpp: f32).
+    #[arg(long, value_name = "f32|f16|bf16|q8_0", help_heading = heading::TIERS, value_parser = kvpolicy_cli::args::parse_kv_dtype)]
     kv_dtype: Option<KvCodec>,
-    /// Host-memory byte budget for KV (layer, headwise, auto): layers past it go to files under --disk-dir.
-    #[arg(long, value_parser = parse_size, requires = "disk_dir")]
+    /// Host RAM for K/V, in bytes: a number with an optional unit B, KB, MB, GB, TB, KiB, MiB, GiB or TiB (e.g. 8GiB); layers past it go to files under --disk-dir. Default: no limit, but with --disk-dir alone every layer's K/V is on disk.
+    #[arg(long, value_name = "BYTES", help_heading = heading::TIERS, value_parser = parse_size, requires = "disk_dir")]
     host_kv_budget: Option<u64>,
-    /// Directory for the disk tier's files (removed after each run); without --host-kv-budget every layer's KV is on disk.
-    #[arg(long, value_name = "DIR")]
+    /// Directory for the disk tier's files (removed after each run). Default: no disk tier.
+    #[arg(long, value_name = "DIR", help_heading = heading::TIERS)]
     disk_dir: Option<PathBuf>,
-    /// How the disk tier reads: `direct` (O_DIRECT, past the page cache; the default) or `buffered` (through it).
+    /// How the disk tier reads: direct (O_DIRECT, past the page cache) or buffered (through it).
     #[arg(
         long,
         value_name = "direct|buffered",
+        help_heading = heading::TIERS,
         requires = "disk_dir",
         default_value = "direct"
     )]
     disk_io: kvpolicy::core::DiskIo,
+    /// Simulate a host↔device link of this many bytes per second (CPU only; units as --host-kv-budget), e.g. 50MB. Default: none (plain copies).
+    #[arg(long, value_name = "BYTES", help_heading = heading::TIERS, value_parser = parse_size)]
+    link_bandwidth: Option<u64>,
+    /// Write every measurement as CSV to FILE. Default: not written.
+    #[arg(long, value_name = "FILE", help_heading = heading::OUTPUT)]
+    csv: Option<PathBuf>,
+    /// Draw SVG charts (decode tok/s, device KV bytes, bytes moved per token) into DIR. Default: none drawn.
+    #[arg(long, value_name = "DIR", help_heading = heading::OUTPUT)]
+    plot: Option<PathBuf>,
+    /// Skip candle-transformers' stock model, measured by default for GGUF Llama models.
+    #[arg(long, help_heading = PEERS)]
+    no_stock: bool,
     /// Also time llama.cpp on the same GGUF, ids, threads, chunk and steps, with this Python
     /// (llama-cpp-python 0.3.36 installed; `scripts/llamacpp_bench.py`): a `llama.cpp` row,
-    /// its flash attention on, its KV cache the type `--kv-dtype` names (f32 unless given).
-    #[arg(long, value_name = "PYTHON")]
+    /// flash attention on, its KV cache the type --kv-dtype names. Default: no llama.cpp row.
+    #[arg(long, value_name = "PYTHON", help_heading = PEERS)]
     llamacpp: Option<PathBuf>,
 }
 

@@ -10,104 +10,125 @@ use kvpolicy::models::{activation_dtype, ModelSpec};
 use kvpolicy::prefix::{Fingerprint, PrefixCache, PrefixConfig};
 use kvpolicy::{GenerateConfig, HeadGroup, PolicyOptions, Profile};
 
+/// The headings `--help` groups the flags under (the examples, kvbench and the server), in
+/// the order the examples print them: a heading comes where its first flag is declared.
+pub mod heading {
+    /// Which model, where from, in what dtype, on which device.
+    pub const MODEL: &str = "Model";
+    /// The prompt's tokens.
+    pub const PROMPT: &str = "Prompt";
+    /// The KV policy and its settings.
+    pub const POLICY: &str = "Policy";
+    /// Where K/V is stored: device budget, host RAM, disk, the stored dtype, the link.
+    pub const TIERS: &str = "Tiers";
+    /// K/V kept across runs and requests.
+    pub const PREFIX: &str = "Prefix cache and sessions";
+    /// How tokens are generated.
+    pub const SAMPLING: &str = "Sampling";
+    /// Files written after the run.
+    pub const OUTPUT: &str = "Output";
+}
+
 /// Flags shared by every example.
 #[derive(Parser, Debug)]
-#[command(about = "Generate text under a KV-cache policy", long_about = None)]
+// Each flag's help on a line of its own: the same layout in every heading, whatever its
+// flags' widths.
+#[command(about = "Generate text under a KV-cache policy", long_about = None, next_line_help = true)]
 pub struct Args {
     /// The model: which, where, in what dtype, on which device.
     #[command(flatten)]
     pub model: ModelArgs,
+    /// Prompt text, tokenized with the model's tokenizer. Default (no prompt flag): "The capital of France is".
+    #[arg(long, value_name = "TEXT", help_heading = heading::PROMPT, conflicts_with_all = ["prompt_ids", "prompts_file", "random_prompt", "prompt_file"])]
+    pub prompt: Option<String>,
+    /// Prompt text read from FILE (UTF-8, as is: newlines included), for a prompt too long for a command line.
+    #[arg(long, value_name = "FILE", help_heading = heading::PROMPT, conflicts_with_all = ["prompt_ids", "prompts_file", "random_prompt", "chat"])]
+    pub prompt_file: Option<PathBuf>,
+    /// Wrap --prompt in the model's chat template as one user message.
+    #[arg(long, help_heading = heading::PROMPT, requires = "prompt", conflicts_with_all = ["prompt_ids", "random_prompt", "prompts_file"])]
+    pub chat: bool,
+    /// Prompt as comma-separated token ids, e.g. 1,2,3 (no tokenizer needed).
+    #[arg(long, value_name = "IDS", help_heading = heading::PROMPT, value_delimiter = ',', conflicts_with = "prompts_file")]
+    pub prompt_ids: Option<Vec<u32>>,
+    /// Prompt of N token ids drawn uniformly from the vocabulary with --seed (no tokenizer needed; for benchmarks).
+    #[arg(long, value_name = "N", help_heading = heading::PROMPT, conflicts_with_all = ["prompt_ids", "prompts_file"])]
+    pub random_prompt: Option<usize>,
+    /// Batch mode: one prompt per line, generated together as a ragged batch; in a .jsonl file each line is a JSON array of token ids, in any other plain text (blank lines skipped).
+    #[arg(long, value_name = "FILE", help_heading = heading::PROMPT, conflicts_with_all = ["decode_ids", "dump_logits"])]
+    pub prompts_file: Option<PathBuf>,
+    /// Teacher forcing: after the prompt, feed exactly these comma-separated ids, one decode step each. Default: the sampled tokens.
+    #[arg(long, value_name = "IDS", help_heading = heading::PROMPT, value_delimiter = ',')]
+    pub decode_ids: Option<Vec<u32>>,
     /// The policy and the options policies read.
     #[command(flatten)]
     pub kv: PolicyArgs,
     /// The prefix cache.
     #[command(flatten)]
     pub prefix: PrefixArgs,
-    /// Prompt text (tokenized with the model's tokenizer).
-    #[arg(long, conflicts_with_all = ["prompt_ids", "prompts_file", "random_prompt", "prompt_file"])]
-    pub prompt: Option<String>,
-    /// Prompt text read from FILE (UTF-8, used as is: newlines included), for a prompt too long for a command line; the same as --prompt otherwise.
-    #[arg(long, value_name = "FILE", conflicts_with_all = ["prompt_ids", "prompts_file", "random_prompt", "chat"])]
-    pub prompt_file: Option<PathBuf>,
-    /// Wrap the prompt in the model's chat template as one user message (text prompts only: not with --prompt-ids, --random-prompt or --prompts-file).
-    #[arg(long, requires = "prompt", conflicts_with_all = ["prompt_ids", "random_prompt", "prompts_file"])]
-    pub chat: bool,
-    /// Prompt as comma-separated token ids, e.g. 1,2,3 (no tokenizer needed).
-    #[arg(long, value_delimiter = ',', conflicts_with = "prompts_file")]
-    pub prompt_ids: Option<Vec<u32>>,
-    /// Benchmark prompt: N token ids drawn uniformly from the vocabulary with --seed (no tokenizer needed; for prompts too long for a command line).
-    #[arg(long, value_name = "N", conflicts_with_all = ["prompt_ids", "prompts_file"])]
-    pub random_prompt: Option<usize>,
-    /// Batch mode: one prompt per line, all generated together as a ragged batch; a file ending in .jsonl holds one JSON array of token ids per line, any other file plain text (blank lines are skipped).
-    #[arg(long, value_name = "FILE", conflicts_with_all = ["decode_ids", "dump_logits"])]
-    pub prompts_file: Option<PathBuf>,
-    /// Tokens to generate after the prompt.
-    #[arg(long, default_value_t = 32)]
-    pub max_new_tokens: usize,
-    /// Sampling temperature; 0 means greedy.
-    #[arg(long, default_value_t = 0.0)]
-    pub temperature: f64,
-    /// Nucleus sampling: keep the smallest token set whose probability reaches P.
-    #[arg(long)]
-    pub top_p: Option<f64>,
-    /// Seed of the sampler.
-    #[arg(long, default_value_t = 299_792_458)]
-    pub seed: u64,
-    /// Prompt tokens per prefill pass, so that a long prompt's activations and attention scratch stay small (0 = the whole prompt in one pass).
-    #[arg(long, default_value_t = kvpolicy::models::engine::generate::DEFAULT_PREFILL_CHUNK)]
-    pub prefill_chunk: usize,
-    /// Teacher forcing: after the prompt, feed exactly these comma-separated ids, one decode step each.
-    #[arg(long, value_delimiter = ',')]
-    pub decode_ids: Option<Vec<u32>>,
-    /// Write {"prompt_ids": [...], "generated_ids": [...]} as JSON to FILE; with --prompts-file, a JSON array of one such object per prompt, in input order.
-    #[arg(long)]
-    pub ids_out: Option<PathBuf>,
-    /// Write float32 logits [rows, vocab] as .npy: every prompt position, then each decode step.
-    #[arg(long)]
-    pub dump_logits: Option<PathBuf>,
-    /// With --dump-logits, write only the rows that predict generated tokens — the prompt's last position, then each decode step — instead of every prompt position too (a long prompt's rows do not fit in memory).
-    #[arg(long, requires = "dump_logits")]
-    pub decode_logits_only: bool,
-    /// After generating, write the run's token ids and K/V to FILE (versioned, atomic), to continue later with --load-session.
-    #[arg(long, value_name = "FILE", conflicts_with = "prompts_file")]
+    /// After generating, write the run's token ids and K/V to FILE (versioned, atomic), to continue with --load-session. Default: not saved.
+    #[arg(long, value_name = "FILE", help_heading = heading::PREFIX, conflicts_with = "prompts_file")]
     pub save_session: Option<PathBuf>,
-    /// Continue a saved session: its tokens come before this run's prompt and their K/V are restored, not prefilled (a chat turn without re-prefilling its history); refused for another model or dtype.
-    #[arg(long, value_name = "FILE", conflicts_with = "prompts_file")]
+    /// Continue a saved session: its tokens come before this run's prompt, their K/V restored instead of prefilled (refused for another model or dtype). Default: a new session.
+    #[arg(long, value_name = "FILE", help_heading = heading::PREFIX, conflicts_with = "prompts_file")]
     pub load_session: Option<PathBuf>,
-    /// Write the policy's stats and timings as JSON to FILE (with --prompts-file also the stats after every step, as `steps`).
-    #[arg(long)]
+    /// Tokens to generate after the prompt (fewer when the model ends the text).
+    #[arg(long, value_name = "N", help_heading = heading::SAMPLING, default_value_t = 32)]
+    pub max_new_tokens: usize,
+    /// Sampling temperature; 0: greedy.
+    #[arg(long, value_name = "T", help_heading = heading::SAMPLING, default_value_t = 0.0)]
+    pub temperature: f64,
+    /// Nucleus sampling: sample from the smallest set of tokens whose probability reaches P, in (0, 1]. Default: off (every token).
+    #[arg(long, value_name = "P", help_heading = heading::SAMPLING)]
+    pub top_p: Option<f64>,
+    /// Seed of the sampler, --random-prompt and --random-weights.
+    #[arg(long, value_name = "N", help_heading = heading::SAMPLING, default_value_t = 299_792_458)]
+    pub seed: u64,
+    /// Prompt tokens per prefill pass, so a long prompt's activations and attention scratch stay small; 0: the whole prompt in one pass.
+    #[arg(long, value_name = "N", help_heading = heading::SAMPLING, default_value_t = kvpolicy::models::engine::generate::DEFAULT_PREFILL_CHUNK)]
+    pub prefill_chunk: usize,
+    /// Write {"prompt_ids": [...], "generated_ids": [...]} as JSON to FILE (with --prompts-file, an array of one such object per prompt, in input order). Default: not written.
+    #[arg(long, value_name = "FILE", help_heading = heading::OUTPUT)]
+    pub ids_out: Option<PathBuf>,
+    /// Write float32 logits [rows, vocab] as .npy to FILE: every prompt position, then each decode step. Default: not written.
+    #[arg(long, value_name = "FILE", help_heading = heading::OUTPUT)]
+    pub dump_logits: Option<PathBuf>,
+    /// With --dump-logits, write only the rows that predict generated tokens (the prompt's last position, then each decode step): a long prompt's rows do not fit in memory.
+    #[arg(long, help_heading = heading::OUTPUT, requires = "dump_logits")]
+    pub decode_logits_only: bool,
+    /// Write the policy's stats and timings as JSON to FILE (with --prompts-file also the stats after every step, as `steps`). Default: not written.
+    #[arg(long, value_name = "FILE", help_heading = heading::OUTPUT)]
     pub stats_out: Option<PathBuf>,
 }
 
 /// The model flags, shared by every binary that loads a model (the examples, the server).
 #[derive(clap::Args, Debug, Clone)]
 pub struct ModelArgs {
-    /// Local HF model directory (config.json, *.safetensors, tokenizer.json).
-    #[arg(long, conflicts_with_all = ["model_id", "gguf"])]
+    /// Local Hugging Face model directory (config.json, *.safetensors, tokenizer.json). Default (no model flag): the program's built-in model, where it has one.
+    #[arg(long, value_name = "DIR", help_heading = heading::MODEL, conflicts_with_all = ["model_id", "gguf"])]
     pub model_dir: Option<PathBuf>,
-    /// Hub repository id (e.g. HuggingFaceTB/SmolLM2-135M-Instruct); honours HF_HOME and HF_HUB_OFFLINE.
-    #[arg(long, conflicts_with = "gguf")]
+    /// Hugging Face Hub repository id, e.g. HuggingFaceTB/SmolLM2-135M-Instruct (honours HF_HOME and HF_HUB_OFFLINE).
+    #[arg(long, value_name = "ID", help_heading = heading::MODEL, conflicts_with = "gguf")]
     pub model_id: Option<String>,
     /// Hub revision (branch, tag or commit) for --model-id.
-    #[arg(long, default_value = "main", requires = "model_id")]
+    #[arg(long, value_name = "REV", help_heading = heading::MODEL, default_value = "main", requires = "model_id")]
     pub revision: String,
     /// GGUF model file (quantized weights; tokenizer rebuilt from its vocabulary).
-    #[arg(long)]
+    #[arg(long, value_name = "FILE", help_heading = heading::MODEL)]
     pub gguf: Option<PathBuf>,
-    /// tokenizer.json to use instead of the model's own.
-    #[arg(long)]
+    /// tokenizer.json to use. Default: the model's own.
+    #[arg(long, value_name = "FILE", help_heading = heading::MODEL)]
     pub tokenizer: Option<PathBuf>,
-    /// Activation/weight dtype for safetensors models: f32, f16 or bf16 (default: f32 on CPU, bf16 on CUDA).
-    #[arg(long)]
+    /// Activation and weight dtype of safetensors and random-weight models (GGUF models keep their own). Default: f32 on the CPU, bf16 on CUDA.
+    #[arg(long, value_name = "f32|f16|bf16", help_heading = heading::MODEL)]
     pub dtype: Option<String>,
     /// Build the model from --config with random weights, generated on the device (for benchmarks at real scale).
-    #[arg(long, requires = "config", conflicts_with_all = ["model_dir", "model_id", "gguf"])]
+    #[arg(long, help_heading = heading::MODEL, requires = "config", conflicts_with_all = ["model_dir", "model_id", "gguf"])]
     pub random_weights: bool,
     /// config.json for --random-weights.
-    #[arg(long, requires = "random_weights")]
+    #[arg(long, value_name = "FILE", help_heading = heading::MODEL, requires = "random_weights")]
     pub config: Option<PathBuf>,
-    /// Run on the CPU even when a GPU is available.
-    #[arg(long)]
+    /// Run on the CPU even when a GPU is available. Default: a GPU when there is one.
+    #[arg(long, help_heading = heading::MODEL)]
     pub cpu: bool,
 }
 
@@ -115,69 +136,70 @@ pub struct ModelArgs {
 /// builds a policy (the examples, the server).
 #[derive(clap::Args, Debug, Clone)]
 pub struct PolicyArgs {
-    /// KV policy spec: NAME or NAME:KEY=VALUE,… — full (all on device), layer (layer-wise offload), headwise (head-wise offload; headwise:group=1), recompute (partial recompute, KVPR; recompute:split=N), hybrid (KV and activation blocks, HybridServe), auto (resident units under the budget, the rest streamed; auto:64MiB), quest / flexicache / clo (APPROXIMATE: each KV head attends only its selected pages of the cache, quest:budget=512,page=16), sinks (APPROXIMATE: attention sinks + recent window, sinks:sinks=4,window=256, from the downstream crate examples/custom-policy); --list-policies prints every policy's settings.
-    #[arg(long, default_value = "full", value_name = "SPEC")]
+    /// KV policy: NAME or NAME:KEY=VALUE,… — full (all K/V on the device), layer and headwise (offload by layer, by head group), recompute (partial recompute, KVPR), hybrid (K/V and activation blocks), auto (what fits a budget stays, the rest is streamed: auto:64MiB), and the APPROXIMATE quest, flexicache, clo and sinks (sinks: the examples only); --list-policies prints each one's settings.
+    #[arg(long, help_heading = heading::POLICY, default_value = "full", value_name = "SPEC")]
     pub policy: String,
     /// Print every policy with its settings (types, defaults, docs) and the options it reads, then exit.
-    #[arg(long)]
+    #[arg(long, help_heading = heading::POLICY)]
     pub list_policies: bool,
-    /// KV heads per head group for `headwise`: a divisor of the model's KV heads, or auto (default); the same as --policy headwise:group=N.
-    #[arg(long)]
+    /// KV heads per head group for `headwise`: a divisor of the model's KV heads, or auto; the same as --policy headwise:group=N. Default: auto.
+    #[arg(long, value_name = "N|auto", help_heading = heading::POLICY)]
     pub head_group: Option<HeadGroup>,
-    /// Device-tier byte budget for KV buffers, e.g. 64MiB or 2GB (default: unlimited).
-    #[arg(long, value_parser = parse_budget)]
+    /// Force `recompute` to regenerate the first N cached tokens of every layer (clamped to the tokens cached so far); the same as --policy recompute:split=N. Default: the scheduler's split.
+    #[arg(long, value_name = "N", help_heading = heading::POLICY)]
+    pub recompute_split: Option<usize>,
+    /// Tokens per cache block for `hybrid`; the same as --policy hybrid:block_size=N. Default: 16.
+    #[arg(long, value_name = "N", help_heading = heading::POLICY)]
+    pub block_size: Option<usize>,
+    /// Force `hybrid`'s share of blocks stored as K/V, in [0, 1] (1: all K/V, 0.5: 1:1, 0: all activations); the same as --policy hybrid:kv_act_ratio=R. Default: balanced from the profile.
+    #[arg(long, value_name = "R", help_heading = heading::POLICY, allow_negative_numbers = true)]
+    pub kv_act_ratio: Option<f64>,
+    /// Cost profile for `recompute` and `hybrid` (JSON: h2d_bytes_per_s, recompute_tokens_per_s). Default: measured at the first step.
+    #[arg(long, value_name = "FILE", help_heading = heading::POLICY)]
+    pub profile: Option<PathBuf>,
+    /// Device memory for K/V buffers, in bytes: a number with an optional unit B, KB, MB, GB, TB, KiB, MiB, GiB or TiB (64MiB, 2GB). Default: no limit.
+    #[arg(long, value_name = "BYTES", help_heading = heading::TIERS, value_parser = parse_budget)]
     pub device_kv_budget: Option<u64>,
-    /// Host-memory byte budget for KV (layer, headwise, auto): layers past it go to files under --disk-dir.
-    #[arg(long, value_parser = parse_budget, requires = "disk_dir")]
+    /// Host RAM for K/V, in bytes (e.g. 8GiB); layers past it go to files under --disk-dir. Default: no limit, but with --disk-dir alone every layer's K/V is on disk.
+    #[arg(long, value_name = "BYTES", help_heading = heading::TIERS, value_parser = parse_budget, requires = "disk_dir")]
     pub host_kv_budget: Option<u64>,
-    /// LOSSY, opt-in: store the host tier's (and disk tier's) K/V as f16, bf16 (half the bytes of f32) or q8_0 (0.27×) and expand them before attention (layer, headwise, auto); logits differ from full (README "Beyond host memory" gives the measured deviation).
-    #[arg(long, value_name = "f16|bf16|q8_0", value_parser = parse_host_dtype)]
+    /// LOSSY: store the host and disk tiers' K/V as f16, bf16 (half of f32's bytes) or q8_0 (0.27×), expanded before attention; logits differ from full. Default: as --kv-dtype.
+    #[arg(long, value_name = "f16|bf16|q8_0", help_heading = heading::TIERS, value_parser = parse_host_dtype)]
     pub host_kv_dtype: Option<KvCodec>,
-    /// LOSSY unless f32, opt-in: store K/V as f16, bf16 or q8_0 (blocks of 32: 34 bytes, head width a multiple of 32) on every tier — the device's buffers (read in place by attention, f32 accumulation) and the host and disk tiers unless --host-kv-dtype says otherwise (full, layer, headwise, auto). Like llama.cpp's --cache-type-k/v; README "KV dtype" gives the measured deviation.
-    #[arg(long, value_name = "f32|f16|bf16|q8_0", value_parser = parse_kv_dtype)]
+    /// LOSSY unless f32: store K/V as f16, bf16 or q8_0 (34 bytes per 32 values; head width a multiple of 32) on every tier, read in place by attention; like llama.cpp's --cache-type-k/v. Default: the model's dtype (lossless).
+    #[arg(long, value_name = "f32|f16|bf16|q8_0", help_heading = heading::TIERS, value_parser = parse_kv_dtype)]
     pub kv_dtype: Option<KvCodec>,
-    /// Directory for the disk tier's files (one per layer; removed at the end, on error and on Ctrl-C); without --host-kv-budget every layer's KV is on disk.
-    #[arg(long, value_name = "DIR")]
+    /// Directory for the disk tier's files (one per layer; removed at the end, on error and on Ctrl-C). Default: no disk tier.
+    #[arg(long, value_name = "DIR", help_heading = heading::TIERS)]
     pub disk_dir: Option<PathBuf>,
-    /// How the disk tier reads its files: `direct` (O_DIRECT, past the page cache; the default, buffered where the file system refuses it) or `buffered` (through the page cache).
+    /// How the disk tier reads its files: direct (O_DIRECT, past the page cache; buffered where the file system refuses it) or buffered (through the page cache).
     #[arg(
         long,
         value_name = "direct|buffered",
+        help_heading = heading::TIERS,
         requires = "disk_dir",
         default_value = "direct"
     )]
     pub disk_io: DiskIo,
-    /// Cost profile for `recompute` (JSON: h2d_bytes_per_s, recompute_tokens_per_s); default: measured at the first step.
-    #[arg(long, value_name = "FILE")]
-    pub profile: Option<PathBuf>,
-    /// Force `recompute` to regenerate the first N cached tokens of every layer (clamped to the tokens cached so far) instead of the scheduler's split; the same as --policy recompute:split=N.
-    #[arg(long, value_name = "N")]
-    pub recompute_split: Option<usize>,
-    /// Tokens per cache block for `hybrid` (default 16); the same as --policy hybrid:block_size=N.
-    #[arg(long)]
-    pub block_size: Option<usize>,
-    /// Force `hybrid`'s share of blocks stored as K/V, in [0, 1]: 1 = all KV, 0.5 = 1:1, 0 = all activations (default: balanced from the profile); the same as --policy hybrid:kv_act_ratio=R.
-    #[arg(long, value_name = "R", allow_negative_numbers = true)]
-    pub kv_act_ratio: Option<f64>,
-    /// Simulate a host↔device link of this many bytes per second on the CPU (e.g. 200MB), so offload policies pay transfer time as on a GPU.
-    #[arg(long, value_parser = parse_budget, value_name = "BYTES")]
+    /// Simulate a host↔device link of this many bytes per second on the CPU (e.g. 200MB; units as --device-kv-budget), so offload policies pay transfer time as on a GPU. Default: none (plain copies).
+    #[arg(long, value_name = "BYTES", help_heading = heading::TIERS, value_parser = parse_budget)]
     pub link_bandwidth: Option<u64>,
 }
 
 /// The prefix cache's flags (README "Reusing K/V across requests").
 #[derive(clap::Args, Debug, Clone)]
 pub struct PrefixArgs {
-    /// Prefix cache directory: chunks of prompt K/V (every --prefix-cache-chunk tokens, keyed by all token ids up to the chunk's end and the model's fingerprint) are kept in host RAM and written to files here; a later prompt with the same start — in this run or another — restores them instead of prefilling (created if missing; full, layer, headwise and auto).
-    #[arg(long, value_name = "DIR")]
+    /// Prefix cache directory (created if missing): prompt K/V is kept in chunks, in host RAM and in files here, and a later prompt with the same start, in this run or another, restores them instead of prefilling (full, layer, headwise, auto). Default: no cache.
+    #[arg(long, value_name = "DIR", help_heading = heading::PREFIX)]
     pub prefix_cache: Option<PathBuf>,
-    /// Host RAM the prefix cache keeps chunks in, e.g. 2GiB (the default; 0: files only); alone, without --prefix-cache, a RAM-only cache for this run (shared by the prompts of a --prompts-file).
-    #[arg(long, value_parser = parse_size_or_zero, value_name = "SIZE")]
+    /// Host RAM the prefix cache keeps chunks in, in bytes (0: files only); alone, without --prefix-cache, a RAM-only cache for this run. Default: 2GiB.
+    #[arg(long, value_name = "BYTES", help_heading = heading::PREFIX, value_parser = parse_size_or_zero)]
     pub prefix_cache_ram: Option<u64>,
-    /// Bytes of chunk files kept under --prefix-cache, e.g. 8GiB (the default); least recently used files are removed past it.
-    #[arg(long, value_parser = parse_budget, value_name = "SIZE", requires = "prefix_cache")]
+    /// Bytes of chunk files kept under --prefix-cache; the least recently used files are removed past it. Default: 8GiB.
+    #[arg(long, value_name = "BYTES", help_heading = heading::PREFIX, value_parser = parse_budget, requires = "prefix_cache")]
     pub prefix_cache_disk: Option<u64>,
-    /// Tokens per prefix-cache chunk (default 256): a prompt reuses whole chunks only.
-    #[arg(long, value_name = "N", default_value_t = kvpolicy::prefix::DEFAULT_CHUNK_TOKENS)]
+    /// Tokens per prefix-cache chunk: a prompt reuses whole chunks only.
+    #[arg(long, value_name = "N", help_heading = heading::PREFIX, default_value_t = kvpolicy::prefix::DEFAULT_CHUNK_TOKENS)]
     pub prefix_cache_chunk: usize,
 }
 

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::{ensure, Result};
 use clap::Parser;
-use kvpolicy_cli::args::{parse_budget, ModelArgs, PolicyArgs, PrefixArgs};
+use kvpolicy_cli::args::{heading, parse_budget, ModelArgs, PolicyArgs, PrefixArgs};
 
 /// Requests decoding together at most (`--max-batch`): past it one engine step's buffers
 /// alone would not fit a machine.
@@ -22,98 +22,109 @@ pub const FD_RESERVE: u64 = 128;
 /// Most threads parsing and tokenizing requests.
 pub const MAX_TOKENIZER_THREADS: usize = 256;
 
+/// The heading of the server's own flags in `--help` (the shared ones keep the examples').
+pub const HEADING: &str = "Server";
+/// The heading of the prefix cache's flags (the examples' also holds their sessions).
+pub const PREFIX_HEADING: &str = "Prefix cache";
+
 /// The server's flags: the examples' model and policy flags, and its own.
 #[derive(Parser, Debug)]
 #[command(
     name = "kvpolicy-server",
-    about = "An OpenAI-compatible server over one model under a KV policy"
+    about = "An OpenAI-compatible server over one model under a KV policy",
+    next_line_help = true,
+    // The server keeps no sessions: its prefix-cache flags' heading says only that.
+    mut_args = |a: clap::Arg| match a.get_help_heading() {
+        Some(h) if h == heading::PREFIX => a.help_heading(PREFIX_HEADING),
+        _ => a,
+    }
 )]
 pub struct ServerArgs {
     /// The model (the examples' flags).
     #[command(flatten)]
     pub model: ModelArgs,
+    /// Seed of --random-weights.
+    #[arg(long, value_name = "N", help_heading = heading::MODEL, default_value_t = 299_792_458)]
+    pub seed: u64,
     /// The KV policy and its budgets (the examples' flags).
     #[command(flatten)]
     pub kv: PolicyArgs,
     /// The prefix cache (the examples' flags).
     #[command(flatten)]
     pub prefix: PrefixArgs,
-    /// Address to listen on (loopback unless told otherwise; another address without
-    /// --api-key is warned about).
-    #[arg(long, default_value = "127.0.0.1")]
+    /// Address to listen on; one other than loopback without --api-key is warned about.
+    #[arg(long, value_name = "IP", help_heading = HEADING, default_value = "127.0.0.1")]
     pub host: IpAddr,
     /// Port to listen on (0: a free one; the address is printed at start-up).
-    #[arg(long, default_value_t = 8080)]
+    #[arg(long, help_heading = HEADING, default_value_t = 8080)]
     pub port: u16,
-    /// Requests decoding together at most (the ragged batch's size; 1 to 4096).
-    #[arg(long, default_value_t = 8)]
-    pub max_batch: usize,
-    /// Requests waiting for a slot at most; past it a request gets 429 with Retry-After.
-    #[arg(long, default_value_t = 64)]
-    pub max_queue: usize,
-    /// Prompt tokens per engine step, shared by the requests being prefilled, so the
-    /// running ones keep decoding between a newcomer's pieces (past the context: the
-    /// context).
-    #[arg(long, default_value_t = 256)]
-    pub prefill_chunk: usize,
-    /// Largest request body, e.g. 4MiB (413 past it; at most 1GiB).
-    #[arg(long, default_value = "4MiB", value_parser = parse_budget)]
-    pub max_body: u64,
-    /// Prompt plus generated tokens per request at most (default: the model's positions).
-    #[arg(long, value_name = "N")]
-    pub ctx_size: Option<usize>,
-    /// Prompt tokens per request at most, below the context (413 past it; default: no
-    /// limit but the context, past which a prompt is a 400).
-    #[arg(long, value_name = "N")]
-    pub max_prompt_tokens: Option<usize>,
     /// Require `Authorization: Bearer KEY` on the /v1/ routes (401 without it; not empty).
-    #[arg(long, value_name = "KEY")]
+    /// Default: no key asked for.
+    #[arg(long, value_name = "KEY", help_heading = HEADING)]
     pub api_key: Option<String>,
     /// Host names the `Host` header may carry besides IP addresses and `localhost` (any
-    /// port), comma-separated; `*` takes any. A DNS-rebinding page sends its own name,
-    /// which is refused; name the server's DNS names here.
-    #[arg(long, value_name = "NAMES", value_delimiter = ',')]
+    /// port), comma-separated; `*` takes any. Name the server's DNS names here: a
+    /// DNS-rebinding page sends its own, which is refused. Default: IP addresses and
+    /// `localhost` only.
+    #[arg(long, value_name = "NAMES", help_heading = HEADING, value_delimiter = ',')]
     pub allowed_hosts: Option<Vec<String>>,
-    /// The model's name in responses and /v1/models (default: the model's source).
-    #[arg(long)]
+    /// The model's name in responses and /v1/models. Default: the model's source.
+    #[arg(long, value_name = "NAME", help_heading = HEADING)]
     pub served_model_name: Option<String>,
-    /// Seconds the whole shutdown may take after SIGTERM, SIGHUP or Ctrl-C: in-flight
-    /// requests finish within it, then the rest are cancelled (a second signal exits at
-    /// once).
-    #[arg(long, default_value_t = 10.0)]
-    pub shutdown_timeout: f64,
-    /// Connections open at most; past it a new connection is answered 503 and closed
-    /// (default 512; with 128 open files kept for the server, within `ulimit -n`).
-    #[arg(long, default_value_t = 512)]
+    /// Requests decoding together at most (the ragged batch's size; 1 to 4096).
+    #[arg(long, value_name = "N", help_heading = HEADING, default_value_t = 8)]
+    pub max_batch: usize,
+    /// Requests waiting for a slot at most; past it a request gets 429 with Retry-After.
+    #[arg(long, value_name = "N", help_heading = HEADING, default_value_t = 64)]
+    pub max_queue: usize,
+    /// Prompt tokens per engine step, shared by the requests being prefilled, so the
+    /// running ones keep decoding between a newcomer's pieces (at most the context).
+    #[arg(long, value_name = "N", help_heading = HEADING, default_value_t = 256)]
+    pub prefill_chunk: usize,
+    /// Prompt plus generated tokens per request at most. Default: the model's positions.
+    #[arg(long, value_name = "N", help_heading = HEADING)]
+    pub ctx_size: Option<usize>,
+    /// Prompt tokens per request at most, below the context (413 past it). Default: no
+    /// limit but the context, past which a prompt is a 400.
+    #[arg(long, value_name = "N", help_heading = HEADING)]
+    pub max_prompt_tokens: Option<usize>,
+    /// Largest request body in bytes, e.g. 4MiB (units as --device-kv-budget; 413 past it;
+    /// at most 1GiB).
+    #[arg(long, value_name = "BYTES", help_heading = HEADING, default_value = "4MiB", value_parser = parse_budget)]
+    pub max_body: u64,
+    /// Requests parsed and tokenized at once, on threads of their own (the rest wait).
+    #[arg(long, value_name = "N", help_heading = HEADING, default_value_t = 2)]
+    pub tokenizer_threads: usize,
+    /// Let /v1/completions' prompt text spell the tokenizer's control tokens
+    /// (`<|im_start|>`), matched as those tokens (llama.cpp's `parse_special`). Default:
+    /// such text is tokenized as text; chat messages' text always is.
+    #[arg(long, help_heading = HEADING)]
+    pub parse_special: bool,
+    /// Make a request's tokens independent of what it is batched with: prompt pieces run
+    /// in passes of their own, decode tokens in passes that take the kernel one token takes
+    /// alone (slower with many requests; greedy output equals the request run alone).
+    #[arg(long, help_heading = HEADING)]
+    pub batch_invariant: bool,
+    /// Connections open at most; past it a new connection is answered 503 and closed (with
+    /// 128 open files kept for the server, within `ulimit -n`).
+    #[arg(long, value_name = "N", help_heading = HEADING, default_value_t = 512)]
     pub max_connections: usize,
     /// Seconds a connection may take to send a request's headers, and may stay idle
     /// between requests, before it is closed.
-    #[arg(long, default_value_t = 10.0)]
+    #[arg(long, value_name = "SECONDS", help_heading = HEADING, default_value_t = 10.0)]
     pub header_timeout: f64,
     /// Seconds a request may take to send its body (408 past it).
-    #[arg(long, default_value_t = 30.0)]
+    #[arg(long, value_name = "SECONDS", help_heading = HEADING, default_value_t = 30.0)]
     pub body_timeout: f64,
     /// Seconds an answer may wait for the client to read it (its socket full) before the
     /// connection is closed and the request cancelled.
-    #[arg(long, default_value_t = 30.0)]
+    #[arg(long, value_name = "SECONDS", help_heading = HEADING, default_value_t = 30.0)]
     pub send_timeout: f64,
-    /// Requests parsed and tokenized at once, on threads of their own (the rest wait).
-    #[arg(long, default_value_t = 2)]
-    pub tokenizer_threads: usize,
-    /// Let /v1/completions' prompt text spell the tokenizer's control tokens
-    /// (`<|im_start|>`), matched as those tokens (llama.cpp's `parse_special`). Off: such
-    /// text is tokenized as text. Chat messages' text is always text.
-    #[arg(long)]
-    pub parse_special: bool,
-    /// A request's tokens do not depend on what it is batched with: each prompt piece runs
-    /// in a pass of its own and decode tokens in passes that take the kernel one token
-    /// takes alone (slower with many requests; greedy output then equals the request run
-    /// alone).
-    #[arg(long)]
-    pub batch_invariant: bool,
-    /// Seed of --random-weights.
-    #[arg(long, default_value_t = 299_792_458)]
-    pub seed: u64,
+    /// Seconds the whole shutdown may take after SIGTERM, SIGHUP or Ctrl-C: in-flight
+    /// requests finish within it, then the rest are cancelled (a second signal exits at
+    /// once).
+    #[arg(long, value_name = "SECONDS", help_heading = HEADING, default_value_t = 10.0)]
+    pub shutdown_timeout: f64,
 }
 
 /// A number of seconds from `flag`, within [0, [`MAX_SECONDS`]].

@@ -1,0 +1,213 @@
+#!/usr/bin/env python3
+"""Checks every shell command the README and the book (docs/) show against the code as it is:
+each program it names exists (an example, a package, a script), and each `--flag` it passes
+is one that program takes — the examples', kvbench's and the server's from their `--help`
+(docs/reference/help/*.txt, which tests/book.rs holds equal to the binaries), a Python
+script's from its `add_argument` calls, cargo's `--example`/`-p`/`--test`/`--features` from
+the workspace. Commands of other tools (curl, pip, apt-get, mkdir) are left alone. This
+checks that a command would be accepted, not what it prints: the commands CI runs as written
+are the README's quick start and `bash scripts/test.sh`.
+
+    python3 scripts/check_book_commands.py      # exit 1 listing every command that fails
+"""
+import glob
+import os
+import re
+import shlex
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HELP = os.path.join(ROOT, "docs", "reference", "help")
+MODEL_EXAMPLES = {"llama", "gemma", "mistral", "qwen", "opt"}
+OTHER_TOOLS = {"curl", "pip", "mkdir", "sudo", "apt-get", "eval", "cd", "export", "ls", "rm",
+               "cat", "echo", "ulimit", "UPDATE_EXPECT=1"}
+
+
+def flags_in_help(name):
+    """Long flags a `--help` text lists."""
+    with open(os.path.join(HELP, f"{name}.txt")) as f:
+        return set(re.findall(r"(--[a-z0-9][a-z0-9-]*)", f.read()))
+
+
+def script_flags(path):
+    """Long flags a Python script's argparse declares."""
+    with open(path) as f:
+        return set(re.findall(r"""add_argument\(\s*(?:"-[a-z]",\s*)?["'](--[a-z0-9-]+)""", f.read()))
+
+
+def workspace():
+    """Examples, packages (name -> their dir), integration tests and features."""
+    examples = {os.path.splitext(os.path.basename(p))[0] for p in glob.glob(f"{ROOT}/examples/*.rs")}
+    examples |= {os.path.basename(os.path.dirname(p)) for p in glob.glob(f"{ROOT}/examples/*/main.rs")}
+    packages, features = {}, set()
+    for toml in glob.glob(f"{ROOT}/Cargo.toml") + glob.glob(f"{ROOT}/crates/*/Cargo.toml") + \
+            glob.glob(f"{ROOT}/examples/*/Cargo.toml"):
+        text = open(toml).read()
+        m = re.search(r'^\[package\][^\[]*?^name\s*=\s*"([^"]+)"', text, re.M | re.S)
+        if m:
+            packages[m.group(1)] = os.path.dirname(toml)
+        feat = re.search(r"^\[features\]\n(.*?)(?:^\[|\Z)", text, re.M | re.S)
+        if feat:
+            features |= set(re.findall(r"^([a-z0-9_-]+)\s*=", feat.group(1), re.M))
+    tests = {os.path.splitext(os.path.basename(p))[0] for p in glob.glob(f"{ROOT}/tests/*.rs")}
+    tests |= {os.path.splitext(os.path.basename(p))[0] for p in glob.glob(f"{ROOT}/crates/*/tests/*.rs")}
+    return examples, packages, tests, features
+
+
+EXAMPLES, PACKAGES, TESTS, FEATURES = workspace()
+
+
+def long_flags(args):
+    return [a.split("=", 1)[0] for a in args if a.startswith("--") and len(a) > 2]
+
+
+def check_program(prog, args):
+    """Problems with running `prog args` (a binary the workspace builds, or a script)."""
+    base = os.path.basename(prog)
+    if prog.startswith("target/release/examples/") or prog.startswith("target/cuda/release/examples/"):
+        return check_example(base, args)
+    if prog.startswith("target/release/"):
+        return check_package(base, args)
+    if prog.startswith("scripts/") and prog.endswith(".py"):
+        return check_script(prog, args)
+    if prog.startswith("scripts/") and prog.endswith(".sh"):
+        return [] if os.path.exists(os.path.join(ROOT, prog)) else [f"no script {prog}"]
+    return [f"unknown program {prog}"]
+
+
+def check_example(name, args):
+    if name not in EXAMPLES:
+        return [f"no example {name}"]
+    known = {"kvbench": "kvbench"}.get(name, "llama" if name in MODEL_EXAMPLES else None)
+    if known is None:
+        return []
+    allowed = flags_in_help(known)
+    return [f"{name} takes no {f}" for f in long_flags(args) if f not in allowed]
+
+
+def check_package(name, args):
+    if name not in PACKAGES:
+        return [f"no package {name}"]
+    if name == "kvpolicy-server":
+        allowed = flags_in_help("kvpolicy-server")
+        return [f"kvpolicy-server takes no {f}" for f in long_flags(args) if f not in allowed]
+    return []
+
+
+def check_script(path, args):
+    full = os.path.join(ROOT, path)
+    if not os.path.exists(full):
+        return [f"no script {path}"]
+    allowed = script_flags(full)
+    return [f"{path} takes no {f}" for f in long_flags(args) if f not in allowed]
+
+
+def check_cargo(args):
+    problems, i = [], 0
+    sub = args[0] if args else ""
+    if sub not in {"run", "build", "test", "fetch", "install", "bench", "doc"}:
+        return [f"cargo {sub}?"]
+    rest = args[1:]
+    tail = []
+    if "--" in rest:
+        tail = rest[rest.index("--") + 1:]
+        rest = rest[:rest.index("--")]
+    example = package = None
+    while i < len(rest):
+        a = rest[i]
+        val = rest[i + 1] if i + 1 < len(rest) else ""
+        if a == "--example":
+            example = val
+            if val not in EXAMPLES:
+                problems.append(f"no example {val}")
+        elif a == "-p":
+            package = val
+            if val not in PACKAGES:
+                problems.append(f"no package {val}")
+        elif a == "--test":
+            if val not in TESTS:
+                problems.append(f"no test {val}")
+        elif a == "--features":
+            problems += [f"no feature {f}" for f in val.split(",") if f not in FEATURES]
+        i += 1
+    if sub == "run":
+        if example:
+            problems += check_example(example, tail)
+        elif package:
+            problems += check_package(package, tail)
+    return problems
+
+
+def commands(path):
+    """(line number, command text) of every shell line of `path`'s sh blocks."""
+    out, fence, buf, start = [], None, "", 0
+    for n, line in enumerate(open(path), 1):
+        if line.startswith("```"):
+            fence = None if fence is not None else line[3:].strip()
+            continue
+        if fence not in ("sh", "bash", "shell"):
+            continue
+        text = line.rstrip("\n")
+        if not buf:
+            start = n
+        if text.endswith("\\"):
+            buf += text[:-1] + " "
+            continue
+        text, buf = (buf + text).strip(), ""
+        if text and not text.startswith("#"):
+            out.append((start, text))
+    return out
+
+
+def check(text):
+    try:
+        words = shlex.split(text, comments=True)
+    except ValueError as e:
+        return [f"cannot be parsed: {e}"]
+    problems, cmd = [], []
+    for w in words + [";"]:
+        if w in {"&&", "||", ";", "|"}:
+            problems += check_one(cmd)
+            cmd = []
+        else:
+            cmd.append(w)
+    return problems
+
+
+def check_one(cmd):
+    while cmd and re.match(r"^[A-Z_]+=", cmd[0]):  # environment assignments
+        cmd = cmd[1:]
+    if not cmd:
+        return []
+    prog, args = cmd[0], cmd[1:]
+    if prog == "cargo":
+        return check_cargo(args)
+    if prog == "mpirun":
+        while args and args[0].startswith("-"):
+            args = args[2:] if args[0] in {"-np", "-n", "--host", "-H", "-x"} else args[1:]
+        return check_one(args)
+    if prog in {"python3", "python", "bash"}:
+        return check_program(args[0], args[1:]) if args else []
+    if prog.startswith("target/") or prog.startswith("scripts/"):
+        return check_program(prog, args)
+    if prog in OTHER_TOOLS or prog.startswith("-"):
+        return []
+    return [f"unknown program {prog}"]
+
+
+def main():
+    files = [os.path.join(ROOT, "README.md")] + sorted(glob.glob(f"{ROOT}/docs/**/*.md", recursive=True))
+    failed, checked = [], 0
+    for f in files:
+        for n, text in commands(f):
+            checked += 1
+            for p in check(text):
+                failed.append(f"{os.path.relpath(f, ROOT)}:{n}: {p}\n    {text[:160]}")
+    print(f"{checked} commands checked, {len(failed)} problems")
+    for line in failed:
+        print(line)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
