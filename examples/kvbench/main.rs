@@ -183,7 +183,7 @@ fn run(mut args: Args) -> Result<()> {
     let dev = if args.cpu {
         Device::Cpu
     } else {
-        Device::cuda_if_available(0)?
+        Device::cuda_if_available(0).map_err(|e| errors::no_gpu(e.into()))?
     };
     let dtype = activation_dtype(args.dtype.as_deref(), &dev).with_context(|| {
         format!(

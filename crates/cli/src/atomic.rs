@@ -69,17 +69,20 @@ pub fn check_output(path: &Path, flag: &str) -> Result<()> {
         Target::File(p) => p,
     };
     if p.exists() {
-        OpenOptions::new()
-            .append(true)
-            .open(&p)
-            .with_context(|| format!("{flag} {}: cannot write", path.display()))?;
+        if let Err(e) = OpenOptions::new().append(true).open(&p) {
+            bail!(
+                "{flag} {}: cannot write it ({e}); give a path you can write, or make the file writable",
+                path.display()
+            );
+        }
         return Ok(());
     }
     let dir = parent_dir(&p);
     if !dir.is_dir() {
         bail!(
-            "{flag} {}: the directory {} does not exist; create it first",
+            "{flag} {}: the directory {} does not exist; create it first (`mkdir -p {}`), or give a path in a directory that exists",
             path.display(),
+            dir.display(),
             dir.display()
         );
     }
@@ -90,7 +93,7 @@ pub fn check_output(path: &Path, flag: &str) -> Result<()> {
     // SAFETY: `c` is a NUL-terminated path; access only reads it.
     if unsafe { libc::access(c.as_ptr(), libc::W_OK | libc::X_OK) } != 0 {
         bail!(
-            "{flag} {}: cannot create files in {} ({}); give a writable directory",
+            "{flag} {}: cannot create files in {} ({}); give a path in a directory you can write",
             path.display(),
             dir.display(),
             std::io::Error::last_os_error()

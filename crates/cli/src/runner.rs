@@ -125,7 +125,7 @@ fn run(
             "the `{example}` example needs a model: pass --model-dir DIR, --gguf FILE, --model-id ID or --random-weights --config FILE (`--example llama` and `--example gemma` have built-in default models)"
         ),
     };
-    let device = args.model.device()?;
+    let device = args.model.device().map_err(errors::no_gpu)?;
     let dtype = args.model.dtype(&device)?;
     // Fail on a bad policy name before loading anything.
     let opts = args.kv.options(&device)?;

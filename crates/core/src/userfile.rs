@@ -38,12 +38,12 @@ pub fn read_capped(path: &Path, what: &str, cap: u64) -> Result<Vec<u8>> {
     let mut bytes = Vec::new();
     f.take(cap + 1).read_to_end(&mut bytes)?;
     if bytes.len() as u64 > cap {
+        let cap_mib = cap >> 20;
         return Err(Error::new(
             ErrorKind::InvalidInput,
             format!(
-                "{what} {} is larger than {} MiB, the most read of such a file; give the right file",
+                "{what} {} is larger than {cap_mib} MiB, the most read of such a file; check it is the right file, or give one under {cap_mib} MiB",
                 path.display(),
-                cap >> 20
             ),
         ));
     }

@@ -52,7 +52,7 @@ pub fn build(
     for w in warnings {
         eprintln!("{w}");
     }
-    let device = args.model.device()?;
+    let device = args.model.device().map_err(kvpolicy_cli::errors::no_gpu)?;
     let dtype = args.model.dtype(&device)?;
     let opts = args.kv.options(&device)?;
     // A bad policy fails before the model loads.

@@ -180,6 +180,26 @@ pub fn fit_open_files(max_connections: usize) -> Result<()> {
     Ok(())
 }
 
+/// Why `--host`/`--port` could not be listened on (`e`, from binding `addr`), as one line
+/// that names the fix.
+pub fn bind_error(addr: std::net::SocketAddr, e: &io::Error) -> String {
+    let port = addr.port();
+    let fix = match e.kind() {
+        io::ErrorKind::AddrInUse => format!(
+            "port {port} is already taken (another kvpolicy-server?); stop what listens there (`ss -ltnp 'sport = :{port}'` names it), or choose another port with --port N (--port 0 picks a free one)"
+        ),
+        io::ErrorKind::PermissionDenied if port < 1024 => format!(
+            "port {port} is below 1024 and needs privileges; choose --port 1024 or above (e.g. --port 8080)"
+        ),
+        io::ErrorKind::AddrNotAvailable => format!(
+            "{} is not an address of this machine; give one of its addresses with --host (127.0.0.1: this machine only, 0.0.0.0: every interface)",
+            addr.ip()
+        ),
+        _ => "check --host and --port, or choose another port with --port N".to_string(),
+    };
+    format!("cannot listen on {addr}: {e}; {fix}")
+}
+
 /// An open connection as the accept loop sees it.
 struct Open {
     /// Requests in progress on it (their responses included).
@@ -445,6 +465,30 @@ fn shed(stream: TcpStream) {
 mod tests {
     use super::*;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// Each way of failing to listen names its fix (a port in use is run for real in
+    /// `tests/startup.rs`; the others need privileges or addresses a test cannot count on).
+    #[test]
+    fn bind_errors_name_the_fix() -> anyhow::Result<()> {
+        let e = |k| io::Error::from(k);
+        let m = bind_error("127.0.0.1:8080".parse()?, &e(io::ErrorKind::AddrInUse));
+        assert!(m.starts_with("cannot listen on 127.0.0.1:8080: "), "{m}");
+        assert!(m.contains("port 8080 is already taken"), "{m}");
+        assert!(m.contains("choose another port with --port N"), "{m}");
+        let m = bind_error("0.0.0.0:80".parse()?, &e(io::ErrorKind::PermissionDenied));
+        assert!(m.contains("choose --port 1024 or above"), "{m}");
+        let m = bind_error(
+            "10.9.9.9:8080".parse()?,
+            &e(io::ErrorKind::AddrNotAvailable),
+        );
+        assert!(
+            m.contains("10.9.9.9 is not an address of this machine"),
+            "{m}"
+        );
+        assert!(m.contains("--host"), "{m}");
+        assert!(!m.contains('\n'), "{m}");
+        Ok(())
+    }
 
     /// A peer that reads nothing: the write fails once it has waited the limit. A peer
     /// that reads slowly, but within the limit each time, gets everything.

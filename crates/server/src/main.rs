@@ -85,7 +85,7 @@ fn run(
         let addr = SocketAddr::new(args.host, args.port);
         let listener = tokio::net::TcpListener::bind(addr)
             .await
-            .with_context(|| format!("cannot listen on {addr}"))?;
+            .map_err(|e| anyhow::anyhow!(listen::bind_error(addr, &e)))?;
         let bound = listener.local_addr()?;
         println!("kvpolicy-server listening on http://{bound} ({banner})");
         std::io::stdout().flush()?;

@@ -59,6 +59,36 @@ fn bad_flags_are_refused_naming_the_flag() -> Result<()> {
     Ok(())
 }
 
+/// A port already taken: a non-zero exit, nothing served, and one line naming the port
+/// and the way out (another `--port`, or stopping what holds it).
+#[test]
+fn a_port_in_use_names_the_port_and_the_fix() -> Result<()> {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let port = taken.local_addr()?.port().to_string();
+    let out = Command::new(env!("CARGO_BIN_EXE_kvpolicy-server"))
+        .args(["--cpu", "--port", &port])
+        .output()?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    ensure!(!out.status.success(), "started: {err}");
+    ensure!(out.stdout.is_empty(), "printed an address: {err}");
+    ensure!(!err.contains("panicked"), "{err}");
+    let last = err.lines().last().unwrap_or_default();
+    ensure!(
+        last.starts_with(&format!("error: cannot listen on 127.0.0.1:{port}: ")),
+        "{err}"
+    );
+    ensure!(
+        last.contains(&format!("port {port} is already taken")),
+        "{err}"
+    );
+    ensure!(
+        last.contains("or choose another port with --port N (--port 0 picks a free one)"),
+        "{err}"
+    );
+    drop(taken);
+    Ok(())
+}
+
 /// Launched by `mpirun` as several ranks (its environment says so: Open MPI's
 /// `OMPI_COMM_WORLD_SIZE`), the server refuses to start instead of serving once per rank.
 #[test]

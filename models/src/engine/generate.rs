@@ -126,12 +126,28 @@ pub fn validate_request(info: &ModelInfo, prompt: &[u32], cfg: &GenerateConfig) 
     // In u128: a huge --max-new-tokens must not wrap around below the model's positions.
     let total = prompt.len() as u128 + new as u128;
     if total > info.max_positions as u128 {
-        return Err(ModelError::Input(Message::from(format!(
-            "prompt ({} tokens) + generation ({new} tokens) = {total} exceeds the model's {} positions; shorten the prompt or lower ",
-            prompt.len(),
-            info.max_positions
-        ))
-        .input(ModelInput::MaxNewTokens)));
+        let (max, p) = (info.max_positions, prompt.len());
+        let head = Message::from(format!(
+            "prompt ({p} tokens) + generation ({new} tokens) = {total} exceeds the model's {max} positions; "
+        ));
+        // The fix in numbers: what to cut to, or, when the prompt alone fills the model,
+        // that the prompt must be shorter (a model with more positions holds it).
+        let fix = match (p < max, &cfg.decode_ids) {
+            (true, None) => head
+                .text("shorten the prompt, or lower ")
+                .input(ModelInput::MaxNewTokens)
+                .text(format!(" to at most {}", max - p)),
+            (true, Some(_)) => head
+                .text(format!(
+                    "shorten the prompt, or give at most {} ids in ",
+                    max - p
+                ))
+                .input(ModelInput::DecodeIds),
+            (false, _) => head.text(format!(
+                "shorten the prompt to fewer than {max} tokens, or use a model with more positions"
+            )),
+        };
+        return Err(ModelError::Input(fix));
     }
     if !(cfg.temperature.is_finite() && cfg.temperature >= 0.0) {
         return Err(ModelError::Input(

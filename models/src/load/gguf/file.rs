@@ -138,9 +138,15 @@ impl GgufFile {
 
     /// An error saying the file's contents are inconsistent.
     pub fn corrupt(&self, message: String) -> ModelError {
+        self.refused(message.into())
+    }
+
+    /// An error about this file whose message names what the caller gave
+    /// ([`Message::input`](crate::error::Message::input)).
+    pub fn refused(&self, message: crate::error::Message) -> ModelError {
         ModelError::Gguf {
             path: self.path.clone(),
-            message: message.into(),
+            message,
         }
     }
 

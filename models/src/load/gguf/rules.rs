@@ -4,7 +4,7 @@
 //! layers in six with their own RoPE base, the 27B models' query scale — and the RoPE
 //! scaling the metadata names.
 use crate::arch::rope::{RopeScaling, RopeStyle};
-use crate::error::{ModelError, Result};
+use crate::error::{Message, ModelError, ModelInput, Result};
 use crate::load::gguf::file::GgufFile;
 
 /// The GGUF architectures [`from_gguf`](crate::load::gguf::build::from_gguf) builds.
@@ -36,12 +36,20 @@ pub struct Arch {
     pub local_theta: Option<f64>,
 }
 
-/// The error for a GGUF of an architecture we do not build.
+/// The error for a GGUF of an architecture we do not build, with the way out: a GGUF of
+/// one that is built, or the model's safetensors (which load more architectures).
 pub fn unsupported(g: &GgufFile, arch: &str) -> ModelError {
-    g.corrupt(format!(
-        "has architecture `{arch}`, which is not supported from GGUF; supported: {}",
-        GGUF_ARCHITECTURES.join(", ")
-    ))
+    g.refused(
+        Message::from(format!(
+            "has architecture `{arch}`, which is not supported from GGUF; supported: {}; use a GGUF of one of these, or the model's safetensors with ",
+            GGUF_ARCHITECTURES.join(", ")
+        ))
+        .input(ModelInput::ModelDir)
+        .text(format!(
+            " (config.json's model_type one of {})",
+            crate::config::MODEL_TYPES.join(", ")
+        )),
+    )
 }
 
 /// The architecture `arch`'s rules for a model of `n_layers` layers, width `h`, `nh` heads.
