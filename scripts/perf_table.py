@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The Performance II table (README "CPU speed against llama.cpp"): kvpolicy's `full` against
+"""The Performance II table (docs/benchmarks.md, "CPU speed against llama.cpp"): kvpolicy's `full` against
 llama.cpp (llama-cpp-python 0.3.36, flash attention on) on the same GGUF, the same prompt ids
 and the same decode ids (kvbench's protocol: ids `(i * 7919 + 13) % vocab`, prefill in
 chunks of 256, `--steps` decode steps), at each context, with both KV types: f32 (ours

@@ -10,7 +10,7 @@ Gemma 3 270M) on its default GGUF, with `--stats-out`: the time to first token i
 run's `prefill_s` — the restore and the prefill of what is not restored, which ends with the
 first token's logits (model loading is not in it). Each timing is the median of
 `--repeats` runs. With a cache, a GGUF model on the CPU prefills in passes of one chunk
-(256 tokens), since its numbers for a token depend on the pass it shares (README,
+(256 tokens), since its numbers for a token depend on the pass it shares (docs/reuse.md,
 "Reusing K/V across requests"); the run from disk is compared (max |difference| of its
 decode logits) with a fresh run in such passes — which it must equal bit for bit — and,
 for scale, with the fresh run at the default prefill chunk; the run from RAM (a prompts

@@ -21,7 +21,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --deps-only) deps_only=1 ;;
     --) shift; cargo_args=("$@"); break ;;
-    -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "scripts/test.sh: unknown argument '$1' (try --help)" >&2; exit 2 ;;
   esac
   shift
@@ -32,7 +32,9 @@ fail() { echo "scripts/test.sh: $*" >&2; exit 1; }
 command -v cargo >/dev/null || fail "cargo not found: install Rust from https://rustup.rs, then run this again"
 command -v python3 >/dev/null || fail "python3 not found: install Python 3 (apt-get install python3 python3-pip), then run this again"
 
-if ! command -v mpirun >/dev/null || ! dpkg -s libopenmpi-dev libclang-dev >/dev/null 2>&1; then
+# Installed when mpirun is missing, or (on Debian/Ubuntu, where dpkg can say) a package is.
+if ! command -v mpirun >/dev/null \
+  || { command -v dpkg >/dev/null && ! dpkg -s libopenmpi-dev libclang-dev >/dev/null 2>&1; }; then
   echo "installing Open MPI and libclang (apt-get: libopenmpi-dev openmpi-bin libclang-dev)"
   sudo=""
   if [ "$(id -u)" -ne 0 ]; then
@@ -41,10 +43,11 @@ if ! command -v mpirun >/dev/null || ! dpkg -s libopenmpi-dev libclang-dev >/dev
   fi
   command -v apt-get >/dev/null || fail "Open MPI and libclang are missing and this system has no apt-get: install Open MPI (with its headers) and libclang with your package manager"
   $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq libopenmpi-dev openmpi-bin libclang-dev >/dev/null
+  $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libopenmpi-dev openmpi-bin libclang-dev >/dev/null
 fi
 
-if ! python3 -c "import openai, sys; sys.exit(openai.__version__ != '3.57.0')" 2>/dev/null; then
+# Any 3.57 or later: an older client lacks what the tests use; a newer one is left alone.
+if ! python3 -c "import openai, sys; v = tuple(int(x) for x in openai.__version__.split('.')[:2]); sys.exit(v < (3, 57))" 2>/dev/null; then
   echo "installing the OpenAI Python client (pip: openai==3.57.0)"
   python3 -m pip install --quiet openai==3.57.0 2>/dev/null \
     || python3 -m pip install --quiet --break-system-packages openai==3.57.0 \

@@ -149,6 +149,14 @@ fn every_chapter_is_in_the_summary_and_every_link_resolves() -> Result<()> {
     let docs = root().join("docs");
     let summary = std::fs::read_to_string(docs.join("SUMMARY.md"))?;
     let listed = links(&summary);
+    let readme = std::fs::read_to_string(root().join("README.md"))?;
+    // The front page links into every chapter: a parser that saw none would pass everything.
+    ensure!(
+        links(&readme).len() >= listed.len() - 2,
+        "README.md links {} places, the book has {} chapters",
+        links(&readme).len(),
+        listed.len()
+    );
     let mut broken = check_links(&root().join("README.md"))?;
     for ch in chapters()? {
         broken.extend(check_links(&ch)?);

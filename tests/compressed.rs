@@ -12,8 +12,8 @@ use kvpolicy::models::{load, resolve, ModelSpec};
 use kvpolicy::{build_policy, CausalLm, KvStats, PolicyOptions};
 
 /// Twice the largest |Δ logit| against `full` measured when this test was written: f16
-/// 1.43e-2 and bf16 1.14e-1 over the fixtures (both on `llama_mha`; per fixture in README
-/// "Beyond host memory", printed with `--nocapture`), q8_0 2.49e-3 on the random
+/// 1.43e-2 and bf16 1.14e-1 over the fixtures (both on `llama_mha`; per fixture in docs/tiers.md,
+/// printed with `--nocapture`), q8_0 2.49e-3 on the random
 /// head-width-32 model below (where bf16 deviates 6.7e-4). bf16 keeps 8 mantissa bits to f16's 11 and deviates ~8× more.
 fn tolerance(codec: KvCodec) -> f32 {
     match codec {

@@ -8,7 +8,7 @@
 //!
 //! Built without the feature (CI's CPU run) this file is empty. On a GPU machine:
 //! `cargo test --release --features nccl --test cuda` (`nccl` is `cuda` and the NCCL test;
-//! or build it with `--no-run` here and run the binary there; README, "GPU").
+//! or build it with `--no-run` here and run the binary there; docs/gpu.md).
 #![cfg(feature = "cuda")]
 mod common;
 

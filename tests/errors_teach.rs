@@ -163,7 +163,7 @@ fn a_context_past_the_model() -> Result<()> {
     let f = fixture_dir();
     fails_with(
         &["--model-dir", &f, "--random-prompt", "1000"],
-        "--random-prompt 1000 exceeds the model's 128 positions; ask for at most 128 tokens",
+        "--random-prompt 1000 exceeds the model's 128 positions; ask for at most 96 tokens with --max-new-tokens 32",
     )?;
     fails_with(
         &["--model-dir", &f, "--prompt-ids", "1,2,3", "--max-new-tokens", "200"],

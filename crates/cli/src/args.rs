@@ -186,7 +186,7 @@ pub struct PolicyArgs {
     pub link_bandwidth: Option<u64>,
 }
 
-/// The prefix cache's flags (README "Reusing K/V across requests").
+/// The prefix cache's flags (docs/reuse.md).
 #[derive(clap::Args, Debug, Clone)]
 pub struct PrefixArgs {
     /// Prefix cache directory (created if missing): prompt K/V is kept in chunks, in host RAM and in files here, and a later prompt with the same start, in this run or another, restores them instead of prefilling (full, layer, headwise, auto). Default: no cache.

@@ -190,8 +190,11 @@ fn run(
             // Checked before the ids are drawn: N sizes the prompt.
             let positions = model.info().max_positions;
             if n > positions {
+                // The generation needs room too: name a prompt that leaves it.
+                let room = positions.saturating_sub(args.max_new_tokens);
                 anyhow::bail!(
-                    "--random-prompt {n} exceeds the model's {positions} positions; ask for at most {positions} tokens"
+                    "--random-prompt {n} exceeds the model's {positions} positions; ask for at most {room} tokens with --max-new-tokens {} (prompt + generation ≤ {positions}), or lower --max-new-tokens",
+                    args.max_new_tokens
                 );
             }
             preflight::check_random_prompt(n)?;

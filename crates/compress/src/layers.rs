@@ -7,7 +7,7 @@
 //! read it). MLKV's converter averages them pairwise as it walks the layers (each later
 //! layer weighs as much as everything before it); a group's plain mean weighs every layer
 //! alike. Either way it is only a starting point: MLKV then uptrains, which this converter
-//! does not (training-free, so LOSSY: see the README's table).
+//! does not (training-free, so LOSSY: see docs/model-reductions.md).
 use candle_core::Tensor;
 use serde_json::json;
 

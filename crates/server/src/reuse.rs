@@ -1,5 +1,5 @@
 //! The prefix cache behind the server (`--prefix-cache DIR`, `--prefix-cache-ram SIZE`; the
-//! README's "Reusing K/V across requests"): a request admitted to slot `seq` first gets the
+//! docs/reuse.md): a request admitted to slot `seq` first gets the
 //! longest cached run of its prompt's chunks restored into that slot's cache
 //! (`restore_prefix`), so its prefill starts after them; the prompt K/V its prefill
 //! computes are recorded (`Capture` over `Recordings`, per slot) and stored as new chunks

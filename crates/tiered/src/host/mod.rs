@@ -481,11 +481,11 @@ mod tests {
 
     #[test]
     fn growth_takes_the_planned_length_within_the_reserve_factor() -> Result<()> {
-        // 10 tokens need 2 chunks (16); a run of 40 (5 chunks) is within 3 × 16: reserved.
-        assert_eq!(room_after(40, 10)?, 40);
-        assert_eq!(room_after(45, 10)?, 48);
-        // A run of 49 or more tokens is past 3 × 16: whole chunks only.
-        assert_eq!(room_after(49, 10)?, 16);
+        // 10 tokens need 2 chunks (16); a run of 32 (4 chunks) is within 2 × 16: reserved.
+        assert_eq!(room_after(32, 10)?, 32);
+        assert_eq!(room_after(27, 10)?, 32);
+        // A run of 33 or more tokens is past 2 × 16: whole chunks only.
+        assert_eq!(room_after(33, 10)?, 16);
         assert_eq!(room_after(1000, 10)?, 16);
         // Never less than the tokens need.
         assert_eq!(room_after(4, 10)?, 16);

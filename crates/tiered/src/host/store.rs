@@ -27,8 +27,10 @@ pub(crate) fn stored_bytes(codec: KvCodec, shape: &KvShape, heads: usize, tokens
 
 /// A store growing for `n` tokens takes the run's planned capacity at once when that is at
 /// most this many times `n` (so host memory never holds more than this multiple of what the
-/// tokens so far need).
-pub(crate) const RESERVE_FACTOR: usize = 3;
+/// tokens so far need). Two is enough for a prompt ending on a chunk's edge to reserve its
+/// generation with its last prefill chunk; a server, which plans every request for the
+/// model's whole context, over-reserves only a request past half of it, by less than 2×.
+pub(crate) const RESERVE_FACTOR: usize = 2;
 
 /// Where a write lands: heads `first_head..` of `layer`, from token `offset` on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -110,7 +112,7 @@ impl<'a> Room<'a> {
     /// else those chunks. Each growth copies the layer (and on a GPU page-locks the new
     /// buffers): growing chunk by chunk to the planned length made a 32K-token run copy its
     /// history ~8 times over, and a prompt ending on a chunk's edge grew (copied everything)
-    /// at the first decode step.
+    /// again at the first decode step.
     pub(crate) fn capacity_for(&self, tokens: usize) -> usize {
         let need = round_up(tokens, self.chunk);
         let planned = round_up(self.planned, self.chunk);
