@@ -4,11 +4,15 @@ each program it names exists (an example, a package, a script), and each `--flag
 is one that program takes — the examples', kvbench's and the server's from their `--help`
 (docs/reference/help/*.txt, which tests/book.rs holds equal to the binaries), a Python
 script's from its `add_argument` calls, cargo's `--example`/`-p`/`--test`/`--features` from
-the workspace. Commands of other tools (curl, pip, apt-get, mkdir) are left alone. This
-checks that a command would be accepted, not what it prints: the commands CI runs as written
-are the README's quick start and `bash scripts/test.sh`.
+the workspace. Commands of other tools (curl, pip, apt-get, mkdir) are left alone.
 
-    python3 scripts/check_book_commands.py      # exit 1 listing every command that fails
+Every command is also either run as written by `--run` (CI runs it: the quick ones, in the
+order the page shows them, a server in the background until its page's commands are done)
+or named in NOT_RUN with the reason (a benchmark of minutes to hours, a GPU, fixtures that
+need PyTorch); a new command must be one or the other.
+
+    python3 scripts/check_book_commands.py         # exit 1 listing every command that fails
+    python3 scripts/check_book_commands.py --run   # and run the runnable ones, as written
 """
 import glob
 import os
@@ -187,6 +191,8 @@ def check_one(cmd):
             args = args[2:] if args[0] in {"-np", "-n", "--host", "-H", "-x"} else args[1:]
         return check_one(args)
     if prog in {"python3", "python", "bash"}:
+        if args and args[0] == "-c":  # inline code
+            return []
         return check_program(args[0], args[1:]) if args else []
     if prog.startswith("target/") or prog.startswith("scripts/"):
         return check_program(prog, args)
@@ -195,7 +201,96 @@ def check_one(cmd):
     return [f"unknown program {prog}"]
 
 
+# Commands not run by --run, each with the reason (matched by how the command starts).
+NOT_RUN = {
+    "bash scripts/test.sh": "the test suite itself: CI's tests phase runs it",
+    "cargo run --release --example kvbench": "a benchmark sweep: minutes to an hour",
+    "python3 scripts/quality.py": "the quality benchmark: an hour",
+    "python3 scripts/link_bound.py": "a benchmark: tens of minutes",
+    "python3 scripts/long_context_bench.py": "a benchmark: an hour",
+    "cargo build --release --examples": "the build a benchmark below needs (the tests build every example)",
+    "pip install": "the fixture generators' Python packages (PyTorch: gigabytes)",
+    "CMAKE_ARGS=-DGGML_NATIVE=OFF pip install": "llama.cpp from source for the fixture generators",
+    "python3 scripts/make_": "regenerates committed fixtures (needs PyTorch, transformers, llama.cpp)",
+    "cargo fetch": "the cuda build's set-up: CI compiles the cuda build its own way",
+    "eval \"$(bash scripts/cuda-toolchain.sh)\"": "the cuda build's set-up (CI runs it)",
+    "cargo build --release --features nccl": "the cuda build (CI compiles the GPU tests' binary with the same features)",
+    "cargo test --release --features nccl": "the cuda build (CI compiles it with `--features nccl,mpi`)",
+    "cargo build --release                       # also builds": "a workspace build for kvpolicy-compress, whose calibration takes minutes",
+    "target/release/kvpolicy-compress": "a calibration over the model: minutes (tests/compress*.rs run it on fixtures)",
+    "cargo run --release --example llama -- --model-dir smollm2-kv1": "needs the model the calibration above writes",
+    "sudo apt-get install": "what scripts/test.sh installs (CI runs it)",
+    "mpirun -np 4 -x LD_LIBRARY_PATH": "four GPUs",
+}
+SERVER = "cargo run --release -p kvpolicy-server"
+# Files the runnable commands write in the working directory, removed after the run.
+WRITTEN = ["stats.json", "chat.kvs", "doc-and-q1.txt", "doc-and-q2.txt"]
+
+
+def not_run(text):
+    return next((why for start, why in NOT_RUN.items() if text.startswith(start)), None)
+
+
+def wait_for_server(proc, port=8080, limit_s=300):
+    import time
+    import urllib.request
+    start = time.time()
+    while time.time() - start < limit_s:
+        if proc.poll() is not None:
+            return f"the server exited with status {proc.returncode}"
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return None
+        except OSError:
+            pass
+        time.sleep(1)
+    return f"the server did not answer /health within {limit_s} s"
+
+
+def run_all(files):
+    """Runs every command not in NOT_RUN, as written, from the repository's root."""
+    import signal
+    import subprocess
+    import time
+    env = dict(os.environ)
+    if os.geteuid() == 0:  # Open MPI refuses root unless told
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    failed = []
+    try:
+        for f in files:
+            server = None
+            for n, text in commands(f):
+                if not_run(text):
+                    continue
+                where = f"{os.path.relpath(f, ROOT)}:{n}"
+                t0 = time.time()
+                if text.startswith(SERVER):
+                    server = subprocess.Popen(["bash", "-c", f"exec {text}"], cwd=ROOT, env=env,
+                                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                              start_new_session=True)
+                    problem = wait_for_server(server)
+                else:
+                    proc = subprocess.run(["bash", "-c", text], cwd=ROOT, env=env, timeout=600,
+                                          capture_output=True, text=True)
+                    problem = None if proc.returncode == 0 else \
+                        f"exit status {proc.returncode}: {proc.stderr.strip()[-300:]}"
+                print(f"{'ok  ' if problem is None else 'FAIL'} {time.time() - t0:6.1f} s  {where}: {text[:110]}", flush=True)
+                if problem:
+                    failed.append(f"{where}: {problem}\n    {text[:160]}")
+            if server is not None:
+                os.killpg(server.pid, signal.SIGTERM)
+                server.wait(timeout=60)
+    finally:
+        for name in WRITTEN:
+            path = os.path.join(ROOT, name)
+            if os.path.exists(path):
+                os.remove(path)
+    return failed
+
+
 def main():
+    run = "--run" in sys.argv[1:]
     files = [os.path.join(ROOT, "README.md")] + sorted(glob.glob(f"{ROOT}/docs/**/*.md", recursive=True))
     failed, checked = [], 0
     for f in files:
@@ -203,7 +298,11 @@ def main():
             checked += 1
             for p in check(text):
                 failed.append(f"{os.path.relpath(f, ROOT)}:{n}: {p}\n    {text[:160]}")
-    print(f"{checked} commands checked, {len(failed)} problems")
+    ran = sum(1 for f in files for _, t in commands(f) if not not_run(t))
+    print(f"{checked} commands checked, {len(failed)} problems; {ran} run by --run, "
+          f"{checked - ran} not (NOT_RUN gives each one's reason)")
+    if run and not failed:
+        failed = run_all(files)
     for line in failed:
         print(line)
     sys.exit(1 if failed else 0)
