@@ -56,6 +56,13 @@ fn run(
     let header_timeout = seconds("--header-timeout", args.header_timeout, false)?;
     let send_timeout = seconds("--send-timeout", args.send_timeout, false)?;
     let deadline = seconds("--shutdown-timeout", args.shutdown_timeout, true)?;
+    // The port is taken before the model loads: a port in use is refused at once, not after
+    // minutes of loading. Connections that arrive meanwhile wait in the kernel's backlog
+    // until the server is ready (and says so on stdout).
+    let addr = SocketAddr::new(args.host, args.port);
+    let early = std::net::TcpListener::bind(addr)
+        .map_err(|e| anyhow::anyhow!(listen::bind_error(addr, &e)))?;
+    early.set_nonblocking(true)?;
     let App {
         router: app,
         engine: handle,
@@ -82,10 +89,7 @@ fn run(
     };
     let (at_once, since) = rt.block_on(async move {
         let mut signals = Signals::listen()?;
-        let addr = SocketAddr::new(args.host, args.port);
-        let listener = tokio::net::TcpListener::bind(addr)
-            .await
-            .map_err(|e| anyhow::anyhow!(listen::bind_error(addr, &e)))?;
+        let listener = tokio::net::TcpListener::from_std(early)?;
         let bound = listener.local_addr()?;
         println!("kvpolicy-server listening on http://{bound} ({banner})");
         std::io::stdout().flush()?;
