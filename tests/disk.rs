@@ -143,6 +143,8 @@ fn a_damaged_file_is_an_error_and_reset_recovers() -> Result<()> {
         .map(|e| e.to_string())
         .unwrap_or_default();
     assert!(e.contains("is not an existing directory"), "{e}");
+    // The fix, in one line: the command that makes it.
+    assert!(e.contains("create it first (`mkdir -p "), "{e}");
     Ok(())
 }
 

@@ -35,7 +35,11 @@ impl DiskTier {
             )),
             (Some(dir), _) if !dir.is_dir() => Err(bad(
                 PolicyOption::DiskDir,
-                format!("{} is not an existing directory", dir.display()),
+                format!(
+                    "{} is not an existing directory; create it first (`mkdir -p {}`) or give one that exists",
+                    dir.display(),
+                    dir.display()
+                ),
             )),
             (Some(dir), budget) => {
                 crate::disk_fs::probe_disk_dir(dir).map_err(|e| {
