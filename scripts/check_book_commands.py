@@ -9,7 +9,8 @@ the workspace. Commands of other tools (curl, pip, apt-get, mkdir) are left alon
 Every command is also either run as written by `--run` (CI runs it: the quick ones, in the
 order the page shows them, a server in the background until its page's commands are done)
 or named in NOT_RUN with the reason (a benchmark of minutes to hours, a GPU, fixtures that
-need PyTorch); a new command must be one or the other.
+need PyTorch); a new command must be one or the other. The flag tables of the examples' and
+the server's chapters are checked against the binaries' flags too.
 
     python3 scripts/check_book_commands.py         # exit 1 listing every command that fails
     python3 scripts/check_book_commands.py --run   # and run the runnable ones, as written
@@ -289,6 +290,24 @@ def run_all(files):
     return failed
 
 
+# The chapters whose flag tables describe a binary's flags (prose beside the generated
+# reference): every flag in a table row's first cell must be one the binary takes.
+FLAG_TABLES = {"docs/examples.md": ("llama", "kvbench"), "docs/serving.md": ("kvpolicy-server",)}
+
+
+def check_flag_tables():
+    problems = []
+    for page, binaries in FLAG_TABLES.items():
+        allowed = set().union(*(flags_in_help(b) for b in binaries))
+        for n, line in enumerate(open(os.path.join(ROOT, page)), 1):
+            if not line.startswith("| `--"):
+                continue
+            first = line.split("|")[1]
+            problems += [f"{page}:{n}: the table names {f}, which {'/'.join(binaries)} do not take"
+                         for f in re.findall(r"(--[a-z0-9][a-z0-9-]*)", first) if f not in allowed]
+    return problems
+
+
 def main():
     run = "--run" in sys.argv[1:]
     files = [os.path.join(ROOT, "README.md")] + sorted(glob.glob(f"{ROOT}/docs/**/*.md", recursive=True))
@@ -298,6 +317,7 @@ def main():
             checked += 1
             for p in check(text):
                 failed.append(f"{os.path.relpath(f, ROOT)}:{n}: {p}\n    {text[:160]}")
+    failed += check_flag_tables()
     ran = sum(1 for f in files for _, t in commands(f) if not not_run(t))
     print(f"{checked} commands checked, {len(failed)} problems; {ran} run by --run, "
           f"{checked - ran} not (NOT_RUN gives each one's reason)")
