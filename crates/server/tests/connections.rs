@@ -95,7 +95,9 @@ fn a_flood_of_idle_connections_cannot_lock_others_out() -> Result<()> {
     let mut flood: Vec<TcpStream> = (0..40).map(|_| connect(&server)).collect::<Result<_>>()?;
     for _ in 0..8 {
         let mut c = connect(&server)?;
-        write!(c, "GET /health HTTP/1.1\r\nHost: {host}\r\n")?;
+        // The server may already have closed this one to make room for the next newcomer (a
+        // flood client's write then fails with a broken pipe): that is the server doing its job.
+        let _ = write!(c, "GET /health HTTP/1.1\r\nHost: {host}\r\n");
         flood.push(c);
     }
     // Others are served while the flood stays (the idle ones make room).
@@ -128,7 +130,9 @@ fn a_flood_of_idle_connections_cannot_lock_others_out() -> Result<()> {
         })
         .collect::<Result<_>>()?;
     let mut late = connect(&server)?;
-    write!(late, "GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n")?;
+    // The 503 may be written and the socket closed before this request is: its write may
+    // then fail; the reply is what the test reads.
+    let _ = write!(late, "GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n");
     let reply = until_closed(&mut late)?;
     ensure!(reply.starts_with("HTTP/1.1 503"), "{reply}");
     ensure!(
