@@ -59,10 +59,14 @@ fn run(
     // The port is taken before the model loads: a port in use is refused at once, not after
     // minutes of loading. Connections that arrive meanwhile wait in the kernel's backlog
     // until the server is ready (and says so on stdout).
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
     let addr = SocketAddr::new(args.host, args.port);
-    let early = std::net::TcpListener::bind(addr)
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind(addr))
         .map_err(|e| anyhow::anyhow!(listen::bind_error(addr, &e)))?;
-    early.set_nonblocking(true)?;
     let App {
         router: app,
         engine: handle,
@@ -77,10 +81,6 @@ fn run(
             args.host
         );
     }
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
     let cancel = handle.clone();
     let limits = Limits {
         max_connections: args.max_connections,
@@ -89,7 +89,6 @@ fn run(
     };
     let (at_once, since) = rt.block_on(async move {
         let mut signals = Signals::listen()?;
-        let listener = tokio::net::TcpListener::from_std(early)?;
         let bound = listener.local_addr()?;
         println!("kvpolicy-server listening on http://{bound} ({banner})");
         std::io::stdout().flush()?;
