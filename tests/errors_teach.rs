@@ -1,19 +1,16 @@
 //! Errors that teach (issue 55): the refusals a newcomer is likeliest to meet each end by
 //! naming the fix — what to change, give or run — in one line, with a non-zero exit, no
-//! panic and nothing written. The other two of the ten are checked where they can run: a
-//! port in use in `crates/server/tests/startup.rs`, and, since these tests build with MPI
+//! panic and nothing written. The others of the ten are checked where they can run: a GGUF
+//! architecture not supported with the other damaged GGUF metadata (`tests/gguf_metadata.rs`),
+//! a port in use in `crates/server/tests/startup.rs`, and, since these tests build with MPI
 //! and without CUDA, a build without MPI under `mpirun` (`kvpolicy-helix`'s `world_error`)
 //! and a `cuda` build without a GPU (`kvpolicy-cli`'s `errors::no_gpu`) on their messages.
 mod common;
 
-use std::path::Path;
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
-use candle_core::quantized::gguf_file::{self, Value};
-use candle_core::quantized::QTensor;
-use candle_core::Device;
 use common::cli::{fails_with, llama, output_within};
 
 fn fixture_dir() -> String {
@@ -248,40 +245,4 @@ fn an_output_that_cannot_be_written() -> Result<()> {
     ensure!(o.stdout.is_empty(), "work was done");
     ensure!(std::fs::read_dir(&ro)?.count() == 0, "a file was written");
     Ok(())
-}
-
-/// Writes the llama fixture GGUF with `general.architecture` set to `arch`.
-fn with_architecture(arch: &str, to: &Path) -> Result<()> {
-    let src = common::fixture("gguf").join("llama_gqa.gguf");
-    let mut reader = std::fs::File::open(&src)?;
-    let content = gguf_file::Content::read(&mut reader)?;
-    let mut meta: Vec<(String, Value)> = content
-        .metadata
-        .iter()
-        .filter(|(k, _)| k.as_str() != "general.architecture")
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect();
-    meta.push(("general.architecture".into(), Value::String(arch.into())));
-    let mut tensors: Vec<(String, QTensor)> = Vec::new();
-    for name in content.tensor_infos.keys() {
-        tensors.push((
-            name.clone(),
-            content.tensor(&mut reader, name, &Device::Cpu)?,
-        ));
-    }
-    let meta_refs: Vec<(&str, &Value)> = meta.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    let tensor_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    gguf_file::write(&mut std::fs::File::create(to)?, &meta_refs, &tensor_refs)?;
-    Ok(())
-}
-
-#[test]
-fn a_gguf_architecture_not_supported() -> Result<()> {
-    let dir = tempfile::tempdir()?;
-    let f = dir.path().join("falcon.gguf");
-    with_architecture("falcon", &f)?;
-    fails_with(
-        &["--gguf", &f.to_string_lossy(), "--prompt-ids", "1"],
-        "has architecture `falcon`, which is not supported from GGUF; supported: llama, qwen2, gemma, gemma2, gemma3; use a GGUF of one of these, or the model's safetensors with --model-dir (config.json's model_type one of llama, mistral, qwen2, gemma, gemma2, gemma3_text, opt)",
-    )
 }

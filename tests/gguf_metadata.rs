@@ -66,7 +66,8 @@ fn damaged_metadata_is_named() -> Result<()> {
     let cases = [
         (
             Edit::Set("general.architecture", s("falcon")),
-            "has architecture `falcon`, which is not supported from GGUF; supported: llama, qwen2, gemma, gemma2, gemma3",
+            // The supported ones, then the fix (issue 55's errors that teach).
+            "has architecture `falcon`, which is not supported from GGUF; supported: llama, qwen2, gemma, gemma2, gemma3; use a GGUF of one of these, or the model's safetensors with --model-dir (config.json's model_type one of llama, mistral, qwen2, gemma, gemma2, gemma3_text, opt)",
         ),
         (Edit::Drop("general.architecture"), "has no `general.architecture` metadata"),
         (
