@@ -8,58 +8,15 @@ use std::process::Command;
 
 use anyhow::{ensure, Context, Result};
 
-/// `name --help`'s sections: each heading with the long flags under it, in order.
-fn sections(name: &str) -> Result<Vec<(String, Vec<String>)>> {
+/// The headings of `name --help` are `want`, in order, and each flag of `placed` is under its
+/// heading (`common::help::check_grouped`).
+fn check(name: &str, want: &[&str], placed: &[(&str, &str)]) -> Result<()> {
     let out = Command::new(common::example_bin(name))
         .arg("--help")
         .output()
         .with_context(|| format!("running {name} --help"))?;
     ensure!(out.status.success(), "{name} --help failed");
-    let mut sections: Vec<(String, Vec<String>)> = Vec::new();
-    for line in String::from_utf8(out.stdout)?.lines() {
-        if let Some(heading) = line.strip_suffix(':').filter(|_| !line.starts_with(' ')) {
-            sections.push((heading.to_string(), Vec::new()));
-        } else if let Some(flag) = line
-            .split_whitespace()
-            .find(|w| w.starts_with("--"))
-            .filter(|_| line.trim_start().starts_with('-'))
-        {
-            let (_, flags) = sections
-                .last_mut()
-                .with_context(|| format!("{name} --help: {flag} before any heading"))?;
-            flags.push(flag.trim_end_matches(',').to_string());
-        }
-    }
-    Ok(sections)
-}
-
-/// The headings of `name --help` are `want`, in order, after `Options` (which holds only
-/// `--help`), and each flag of `placed` is under its heading.
-fn check(name: &str, want: &[&str], placed: &[(&str, &str)]) -> Result<()> {
-    let got = sections(name)?;
-    let headings: Vec<&str> = got.iter().map(|(h, _)| h.as_str()).collect();
-    let mut all = vec!["Options"];
-    all.extend(want);
-    ensure!(
-        headings == all,
-        "{name} --help's headings: {headings:?}, want {all:?}"
-    );
-    ensure!(
-        got[0].1 == ["--help"],
-        "{name} --help: flags without a heading: {:?}",
-        got[0].1
-    );
-    for (flag, heading) in placed {
-        let under = got
-            .iter()
-            .find(|(_, flags)| flags.iter().any(|f| f == flag))
-            .map(|(h, _)| h.as_str());
-        ensure!(
-            under == Some(*heading),
-            "{name} --help: {flag} is under {under:?}, want {heading}"
-        );
-    }
-    Ok(())
+    common::help::check_grouped(name, &String::from_utf8(out.stdout)?, want, placed)
 }
 
 #[test]

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 pub mod cli;
 pub mod fuzz;
+pub mod help;
 mod unnamed;
 #[allow(unused_imports)] // not every test file looks at the disk tier's files
 pub use unnamed::unnamed_files;
