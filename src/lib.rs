@@ -29,8 +29,8 @@ pub use kvpolicy_tiered as tiered;
 
 pub use kvpolicy_core::{
     attend, attend_partial, merge_partials, parse_bytes, AttnInputs, AttnSpec, AttnStep, Knob,
-    KvError, KvPolicy, KvRegen, KvShape, KvStats, NoRegen, NoSettings, PolicyMetric, PolicyOption,
-    PolicyOptions, PolicyRegistry, PolicySpec, Profile,
+    KvError, KvPolicy, KvPool, KvRegen, KvShape, KvStats, NoRegen, NoSettings, PolicyMetric,
+    PolicyOption, PolicyOptions, PolicyRegistry, PolicySpec, Profile,
 };
 pub use kvpolicy_hybrid::HybridSettings;
 pub use kvpolicy_models::{

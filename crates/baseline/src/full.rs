@@ -51,7 +51,7 @@ impl FullPolicy {
         Ok(Self {
             layers: Vec::new(),
             grow_tokens: opts.grow_tokens,
-            meter: DeviceMeter::new(opts.device_kv_budget),
+            meter: DeviceMeter::for_options(opts),
             device: opts.device.clone(),
             shape: None,
             codec: opts.kv_dtype,

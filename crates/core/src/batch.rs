@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 
 use candle_core::Tensor;
 
-use crate::capabilities::{Batched, KvRestore, Profiled};
+use crate::capabilities::{Batched, KvRestore, Profiled, SeqHeld};
 use crate::error::Result;
 use crate::policy::KvPolicy;
 use crate::profile::Profile;
@@ -168,6 +168,17 @@ impl Batched for PerSequence {
             self.retired.add_metrics(&q.policy_metrics, false);
             self.retired.lossy |= q.lossy;
         }
+    }
+
+    fn held(&mut self, seq: usize) -> Option<SeqHeld> {
+        self.seqs.get(&seq).map(|p| {
+            let s = p.stats();
+            SeqHeld {
+                tokens: p.seq_len() as u64,
+                device_bytes: s.device_kv_bytes,
+                host_bytes: s.host_kv_bytes,
+            }
+        })
     }
 }
 

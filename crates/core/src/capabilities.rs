@@ -31,6 +31,24 @@ pub trait Batched {
     fn plan(&mut self, loads: &[SeqLoad]) -> Result<Vec<Vec<usize>>> {
         Ok(vec![(0..loads.len()).collect()])
     }
+    /// What sequence `seq` holds now, per tier, for a scheduler sharing one memory pool
+    /// between sequences ([`crate::KvPool`]); `None` when the policy does not say (the
+    /// default) or `seq` holds nothing.
+    fn held(&mut self, seq: usize) -> Option<SeqHeld> {
+        let _ = seq;
+        None
+    }
+}
+
+/// What one sequence's cache holds ([`Batched::held`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SeqHeld {
+    /// Tokens held.
+    pub tokens: u64,
+    /// Bytes on the device tier.
+    pub device_bytes: u64,
+    /// Bytes in host RAM.
+    pub host_bytes: u64,
 }
 
 /// A policy that plans with a cost profile (transfer and recompute rates).

@@ -38,6 +38,10 @@ pub struct PolicyOptions {
     /// otherwise. A step's K/V are computed exactly and converted when stored; attention
     /// reads what is stored. `Model` (the default) = the model's own dtype.
     pub kv_dtype: crate::storage::KvCodec,
+    /// The pools every instance built from these options shares ([`crate::KvPool`]):
+    /// budgets over all of them together, as a server's are. `None` (the default): each
+    /// instance's budgets are its own.
+    pub pool: Option<std::sync::Arc<crate::KvPool>>,
 }
 
 impl PolicyOptions {
@@ -69,6 +73,7 @@ impl Default for PolicyOptions {
             disk_io: crate::storage::DiskIo::Direct,
             host_kv_dtype: crate::storage::KvCodec::Model,
             kv_dtype: crate::storage::KvCodec::Model,
+            pool: None,
         }
     }
 }

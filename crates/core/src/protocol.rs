@@ -214,6 +214,10 @@ impl Batched for Checked<'_> {
             None => Ok(vec![(0..loads.len()).collect()]),
         }
     }
+
+    fn held(&mut self, seq: usize) -> Option<crate::capabilities::SeqHeld> {
+        self.inner.as_batched().and_then(|b| b.held(seq))
+    }
 }
 
 #[cfg(test)]

@@ -6,6 +6,8 @@
 use serde::Serialize;
 
 use crate::error::{Advice, KvError};
+use crate::pool::KvPool;
+use std::sync::Arc;
 
 /// Whether a metric is a current value or accumulates since the last `reset`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -188,12 +190,16 @@ pub enum Need {
     More(u64),
 }
 
-/// Tracks the device tier's current and peak bytes against an optional budget.
-#[derive(Clone, Debug, Default)]
+/// Tracks the device tier's current and peak bytes against an optional budget and, when
+/// it joined one ([`Self::for_options`]), the device ledger of a [`KvPool`] shared with
+/// other sequences: [`Self::fits`] then also asks the pool, and what the meter holds is on
+/// the pool's books until it is freed, reset or dropped.
+#[derive(Debug, Default)]
 pub struct DeviceMeter {
     current: u64,
     peak: u64,
     budget: Option<u64>,
+    pool: Option<Arc<KvPool>>,
 }
 
 impl DeviceMeter {
@@ -203,6 +209,16 @@ impl DeviceMeter {
             current: 0,
             peak: 0,
             budget,
+            pool: None,
+        }
+    }
+
+    /// The meter `opts` ask for: `device_kv_budget`, and the shared pool when
+    /// [`PolicyOptions::pool`](crate::PolicyOptions::pool) gives one.
+    pub fn for_options(opts: &crate::PolicyOptions) -> Self {
+        Self {
+            pool: opts.pool.clone(),
+            ..Self::new(opts.device_kv_budget)
         }
     }
 
@@ -221,24 +237,31 @@ impl DeviceMeter {
         self.peak
     }
 
-    /// Whether `extra` more bytes would stay within the budget.
+    /// Whether `extra` more bytes would stay within the budget (and the shared pool's).
     pub fn fits(&self, extra: u64) -> bool {
         self.budget.is_none_or(|b| self.current + extra <= b)
+            && self.pool.as_ref().is_none_or(|p| p.device.fits(extra))
     }
 
     /// Records an allocation of `bytes`.
     pub fn alloc(&mut self, bytes: u64) {
-        self.current += bytes;
-        self.peak = self.peak.max(self.current);
+        self.set(self.current + bytes);
     }
 
     /// Records a release of `bytes`.
     pub fn free(&mut self, bytes: u64) {
-        self.current = self.current.saturating_sub(bytes);
+        let now = self.current.saturating_sub(bytes);
+        if let Some(p) = &self.pool {
+            p.device.change(self.current, now);
+        }
+        self.current = now;
     }
 
     /// Records that `bytes` are held now (for tiers whose size is read off their pools).
     pub fn set(&mut self, bytes: u64) {
+        if let Some(p) = &self.pool {
+            p.device.change(self.current, bytes);
+        }
         self.current = bytes;
         self.peak = self.peak.max(bytes);
     }
@@ -255,7 +278,11 @@ impl DeviceMeter {
     ) -> KvError {
         let (needed, in_use) = match need {
             Need::Total(bytes) => (bytes, 0),
-            Need::More(bytes) => (bytes, self.current),
+            // With a shared pool, what every sequence holds.
+            Need::More(bytes) => (
+                bytes,
+                self.pool.as_ref().map_or(self.current, |p| p.device.used()),
+            ),
         };
         KvError::BudgetExceeded {
             what: what.into(),
@@ -269,7 +296,14 @@ impl DeviceMeter {
 
     /// Forgets everything held (the peak too).
     pub fn reset(&mut self) {
-        self.current = 0;
+        self.free(self.current);
         self.peak = 0;
+    }
+}
+
+impl Drop for DeviceMeter {
+    /// What the meter held leaves the shared pool's books with it.
+    fn drop(&mut self) {
+        self.free(self.current);
     }
 }

@@ -85,7 +85,7 @@ impl HybridPolicy {
             profile: None,
             blocks: BlockManager::new(&opts.device, settings.block_size),
             stager: Stager::new(&opts.device),
-            meter: DeviceMeter::new(opts.device_kv_budget),
+            meter: DeviceMeter::for_options(opts),
             stats: KvStats::default(),
             stash: ReaderStash::default(),
         })

@@ -95,10 +95,11 @@ impl OffloadPolicy {
             link: Link::for_device(&opts.device, opts.link_bandwidth)?,
             host: HostLayers::new(opts.grow_tokens, DiskTier::from_options(opts, name)?)
                 .with_codec(opts.host_codec())
+                .pooled(opts.pool.clone())
                 .dropping_windows(),
             stream: Streaming::default(),
             residency: (grouping == Grouping::Resident).then(Residency::default),
-            meter: DeviceMeter::new(opts.device_kv_budget),
+            meter: DeviceMeter::for_options(opts),
             device_codec: opts.device_codec(),
             stats: KvStats::default(),
             shard_base: None,

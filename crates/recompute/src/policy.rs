@@ -113,11 +113,13 @@ impl RecomputePolicy {
             link_bandwidth: opts.link_bandwidth,
             prepared_max: None,
             plan: None,
-            host: HostLayers::new(opts.grow_tokens, None).dropping_windows(),
+            host: HostLayers::new(opts.grow_tokens, None)
+                .pooled(opts.pool.clone())
+                .dropping_windows(),
             xs: Vec::new(),
             pingpong: PingPong::default(),
             buf_xcap: 0,
-            meter: DeviceMeter::new(opts.device_kv_budget),
+            meter: DeviceMeter::for_options(opts),
             stats: KvStats::default(),
             stash: ReaderStash::default(),
         })

@@ -10,6 +10,7 @@ use anyhow::{Context, Result};
 use axum::Router;
 use kvpolicy::models::engine::generate::kv_shape;
 use kvpolicy::models::{fingerprint, layer_specs, load, resolve, CausalLm, ModelSpec};
+use kvpolicy::KvPool;
 use kvpolicy_cli::flags as cli_flags;
 use kvpolicy_cli::reuse::refuse_unrestorable;
 
@@ -18,6 +19,7 @@ use crate::engine::{self, EngineConfig, EngineHandle};
 use crate::flags::{seconds, ServerArgs};
 use crate::guard::Access;
 use crate::intake::Intake;
+use crate::memory::Governor;
 use crate::metrics::Metrics;
 use crate::reuse::Reuse;
 use crate::routes::{self, AppState};
@@ -54,7 +56,10 @@ pub fn build(
     }
     let device = args.model.device().map_err(kvpolicy_cli::errors::no_gpu)?;
     let dtype = args.model.dtype(&device)?;
-    let opts = args.kv.options(&device)?;
+    let mut opts = args.kv.options(&device)?;
+    // One pool per tier for every request: the budgets bound their sum.
+    let pool = KvPool::new(opts.device_kv_budget, opts.host_kv_budget);
+    opts.pool = Some(pool.clone());
     // A bad policy fails before the model loads.
     let mut policy = reg.build_batched_spec(&spec, &opts)?;
     if let Some(flag) = args.prefix.flag() {
@@ -82,7 +87,11 @@ pub fn build(
     args.check_against(context)?;
     // No piece is longer than a request can be.
     let prefill_chunk = args.prefill_chunk.min(context);
-    policy.prepare(&kv_shape(&info, args.max_batch, context, prefill_chunk))?;
+    let shape = kv_shape(&info, args.max_batch, context, prefill_chunk);
+    policy.prepare(&shape)?;
+    // One sequence's whole K/V per token (the memory rules' rate before any is measured).
+    let kv_per_token = (shape.kv_bytes(shape.n_kv_heads, 1) / shape.batch.max(1) as u64)
+        .saturating_mul(shape.n_layers as u64);
     // A LOSSY policy, or a model a conversion made LOSSY (kvpolicy-compress).
     let lossy = policy.stats().lossy || info.conversion.is_some();
     if let Some(c) = &info.conversion {
@@ -109,6 +118,12 @@ pub fn build(
         },
         metrics.clone(),
         reuse,
+        Some(Governor::new(
+            pool,
+            opts.grow_tokens,
+            shape.n_layers,
+            kv_per_token,
+        )),
     )?;
     let body_timeout = seconds("--body-timeout", args.body_timeout, false)?;
     let state = Arc::new(AppState {

@@ -11,6 +11,11 @@
 //! forward pass runs all of it (`batch_step`, [`crate::passes`]: each request attends only its own cache);
 //! (5) a request that finished, or whose client went away, leaves and its cache is freed
 //! ([`Batched::release`](kvpolicy::core::Batched::release)) before the next step.
+//! With a device budget, (1) also waits for memory and a step may first preempt the newest
+//! requests ([`crate::memory`]); a preempted request waits ahead of the queue and, admitted
+//! again, recomputes its cache: its prompt in the same pieces as before, then its generated
+//! tokens one decode pass each (the passes they first ran in, so `--batch-invariant` gives
+//! exactly its tokens), without sampling them again.
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
@@ -23,6 +28,7 @@ use kvpolicy::KvPolicy;
 
 use crate::error::internal_message;
 use crate::events::{logprobs, Event, Finish, Job};
+use crate::memory::{Governor, Running};
 use crate::metrics::Metrics;
 use crate::passes::{forward, Passes};
 use crate::reuse::Reuse;
@@ -40,6 +46,9 @@ pub struct EngineConfig {
     /// Kernels chosen per request, not per packed batch (see [`crate::passes::forward`]).
     pub batch_invariant: bool,
 }
+
+/// The memory rules, when the server has a device budget ([`crate::memory`]).
+pub type MemoryRules = Option<Governor>;
 
 /// What the server keeps of the engine.
 #[derive(Clone)]
@@ -107,6 +116,8 @@ struct Active {
     chooser: Chooser,
     detok: TextStream,
     last_token_at: Option<Instant>,
+    /// When it was (last) admitted (the engine's admission count).
+    admitted: u64,
 }
 
 /// The thread's state.
@@ -125,6 +136,12 @@ struct Engine {
     metrics: Arc<Metrics>,
     /// The prefix cache, when one is served.
     reuse: Option<Reuse>,
+    /// Admission and preemption by memory.
+    memory: MemoryRules,
+    /// Preempted requests, to be admitted again before any waiting one (oldest first).
+    preempted: VecDeque<Active>,
+    /// Admissions so far.
+    admissions: u64,
 }
 
 /// Starts the engine on its own thread; `policy` must take ragged batches (built with
@@ -136,6 +153,7 @@ pub fn start(
     cfg: EngineConfig,
     metrics: Arc<Metrics>,
     reuse: Option<Reuse>,
+    memory: MemoryRules,
 ) -> std::io::Result<(EngineHandle, std::thread::JoinHandle<()>)> {
     let (tx, rx) = mpsc::channel();
     let waiting = Arc::new(AtomicUsize::new(0));
@@ -164,6 +182,9 @@ pub fn start(
         cancel,
         metrics,
         reuse,
+        memory,
+        preempted: VecDeque::new(),
+        admissions: 0,
     };
     let thread = std::thread::Builder::new()
         .name("kvpolicy-engine".into())
@@ -182,7 +203,9 @@ impl Engine {
         }
         let _down = Down(self.alive.clone());
         loop {
-            let idle = self.waiting.is_empty() && self.slots.iter().all(Option::is_none);
+            let idle = self.waiting.is_empty()
+                && self.preempted.is_empty()
+                && self.slots.iter().all(Option::is_none);
             if idle {
                 match self.rx.recv() {
                     Ok(job) => self.waiting.push_back(job),
@@ -209,6 +232,9 @@ impl Engine {
             self.queued.fetch_sub(1, Ordering::SeqCst);
             job.events.send(Event::ShuttingDown);
         }
+        for a in self.preempted.drain(..) {
+            a.job.events.send(Event::ShuttingDown);
+        }
         for seq in 0..self.slots.len() {
             if let Some(a) = self.slots[seq].take() {
                 a.job.events.send(Event::ShuttingDown);
@@ -218,37 +244,127 @@ impl Engine {
         self.publish();
     }
 
-    /// Waiting requests into free slots, oldest first; those whose client left are dropped.
+    /// Preempted requests, then waiting ones, oldest first, into free slots while memory
+    /// allows ([`crate::memory`]); those whose client left are dropped.
     fn admit(&mut self) {
         while let Some(free) = self.slots.iter().position(Option::is_none) {
-            let Some(job) = self.waiting.pop_front() else {
-                break;
+            let tokens = match self.preempted.front() {
+                Some(a) => a.job.prompt.len() + a.generated.len(),
+                None => match self.waiting.front() {
+                    Some(job) => job.prompt.len(),
+                    None => break,
+                },
             };
-            self.queued.fetch_sub(1, Ordering::SeqCst);
-            if job.events.is_closed() {
+            if self.memory.is_some() {
+                let running = self.running(&[]);
+                if self
+                    .memory
+                    .as_ref()
+                    .is_some_and(|g| !g.admits(&running, tokens))
+                {
+                    break;
+                }
+            }
+            let mut a = match self.preempted.pop_front() {
+                Some(a) => a,
+                None => {
+                    let Some(job) = self.waiting.pop_front() else {
+                        break;
+                    };
+                    self.queued.fetch_sub(1, Ordering::SeqCst);
+                    Active {
+                        chooser: Chooser::new(&job.params, job.seed),
+                        detok: TextStream::new(job.params.stop.clone()),
+                        job,
+                        pos: 0,
+                        restored: 0,
+                        computed: None,
+                        generated: Vec::new(),
+                        last_token_at: None,
+                        admitted: 0,
+                    }
+                }
+            };
+            if a.job.events.is_closed() {
                 self.metrics.cancelled.inc();
                 continue;
             }
-            let restored = match self.restore(free, &job.prompt) {
+            let restored = match self.restore(free, &a.job.prompt) {
                 Ok(n) => n,
                 Err(e) => {
-                    job.events
+                    a.job
+                        .events
                         .send(Event::Failed(internal_message(&format!("{e:#}"))));
                     self.release(free);
                     self.metrics.failed.inc();
                     continue;
                 }
             };
-            self.slots[free] = Some(Active {
-                chooser: Chooser::new(&job.params, job.seed),
-                detok: TextStream::new(job.params.stop.clone()),
-                job,
-                pos: restored,
-                restored,
-                computed: None,
-                generated: Vec::new(),
-                last_token_at: None,
+            // (A resumed request records its prompt's K/V again from here.)
+            a.restored = restored;
+            a.pos = restored;
+            self.admissions += 1;
+            a.admitted = self.admissions;
+            self.slots[free] = Some(a);
+        }
+    }
+
+    /// The running requests as the memory rules see them; `adding` says how many tokens
+    /// this step gives each slot.
+    fn running(&mut self, chunks: &[SeqChunk]) -> Vec<Running> {
+        let mut out = Vec::new();
+        for seq in 0..self.slots.len() {
+            let Some(admitted) = self.slots[seq].as_ref().map(|a| a.admitted) else {
+                continue;
+            };
+            let held = self
+                .policy
+                .as_batched()
+                .and_then(|b| b.held(seq))
+                .unwrap_or_default();
+            let adding = chunks
+                .iter()
+                .filter(|c| c.seq == seq)
+                .map(|c| c.ids.len())
+                .sum();
+            let pending = self.slots[seq].as_ref().map_or(0, |a| {
+                (a.job.prompt.len() + a.generated.len().saturating_sub(1)).saturating_sub(a.pos)
             });
+            out.push(Running {
+                seq,
+                admitted,
+                held,
+                adding,
+                pending,
+            });
+        }
+        out
+    }
+
+    /// Preempts what the memory rules say this step cannot hold, and drops their pieces.
+    fn make_room(&mut self, chunks: &mut Vec<SeqChunk>) {
+        if self.memory.is_none() {
+            return;
+        }
+        let running = self.running(chunks);
+        let out = self
+            .memory
+            .as_ref()
+            .map_or_else(Vec::new, |g| g.to_preempt(&running));
+        for seq in out {
+            if let Some(mut a) = self.slots[seq].take() {
+                self.release(seq);
+                a.computed = None;
+                self.metrics.preempted("recompute");
+                // Resumed oldest first.
+                let at = self
+                    .preempted
+                    .iter()
+                    .position(|p| p.job.received > a.job.received)
+                    .unwrap_or(self.preempted.len());
+                self.preempted.insert(at, a);
+            }
+            chunks.retain(|c| c.seq != seq);
         }
     }
 
@@ -313,11 +429,12 @@ impl Engine {
         for (seq, a) in self.slots.iter().enumerate() {
             if let Some(a) = a {
                 if a.pos >= a.job.prompt.len() {
-                    if let Some(&last) = a.generated.last() {
+                    // The newest token, or one being replayed after a preemption.
+                    if let Some(&token) = a.generated.get(a.pos - a.job.prompt.len()) {
                         chunks.push(SeqChunk {
                             seq,
                             pos: a.pos,
-                            ids: vec![last],
+                            ids: vec![token],
                         });
                     }
                 }
@@ -351,7 +468,8 @@ impl Engine {
     }
 
     fn step(&mut self) {
-        let chunks = self.chunks();
+        let mut chunks = self.chunks();
+        self.make_room(&mut chunks);
         if chunks.is_empty() {
             return;
         }
@@ -421,15 +539,20 @@ impl Engine {
         let Some(a) = self.slots[chunk.seq].as_mut() else {
             return Ok(());
         };
+        let prompt = a.job.prompt.len();
         a.pos += chunk.ids.len();
-        if a.pos < a.job.prompt.len() {
+        if a.pos < prompt {
             return Ok(());
         }
-        if a.generated.is_empty() {
+        if a.pos - chunk.ids.len() < prompt && a.computed.is_none() {
             // The prompt is in: what it computed goes to the cache when the request ends.
             if let Some(r) = self.reuse.as_mut() {
                 a.computed = r.take(chunk.seq)?;
             }
+        }
+        if a.pos < prompt + a.generated.len() {
+            // Replaying what it generated before a preemption: already sampled and sent.
+            return Ok(());
         }
         let row = rows.get(rows.dim(0)? - 1)?;
         let tok = a.chooser.choose(&row)?;
@@ -514,6 +637,9 @@ impl Engine {
             .set(self.queued.load(Ordering::SeqCst) as i64);
         let s = self.policy.stats();
         self.metrics.set_kv(&s);
+        if let Some(g) = &self.memory {
+            self.metrics.set_pool(g.pool());
+        }
         if let Some(r) = &self.reuse {
             self.metrics.set_prefix(&r.stats());
         }

@@ -17,6 +17,7 @@ pub mod fuzzing;
 pub mod guard;
 pub mod intake;
 pub mod listen;
+pub mod memory;
 pub mod metrics;
 pub mod passes;
 pub mod reply;

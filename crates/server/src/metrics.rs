@@ -27,6 +27,13 @@ pub struct TierLabels {
     pub tier: String,
 }
 
+/// How a request was preempted.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModeLabels {
+    /// `recompute` (its cache dropped, recomputed from its tokens when it resumes).
+    pub mode: String,
+}
+
 /// Why chunk files could not be written.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct KindLabels {
@@ -63,6 +70,15 @@ pub struct Metrics {
     pub kv_bytes: Family<TierLabels, Gauge<u64, AtomicU64>>,
     /// Sequences holding a cache now.
     pub kv_sequences: Gauge,
+    /// The KV pool's bytes now as a fraction of its budget, per budgeted tier (vLLM's
+    /// `kv_cache_usage_perc`).
+    pub kv_usage: Family<TierLabels, Gauge<f64, AtomicU64>>,
+    /// The KV pool's budget in bytes, per budgeted tier.
+    pub kv_budget: Family<TierLabels, Gauge<u64, AtomicU64>>,
+    /// The most bytes the KV pool ever held at once, per tier.
+    pub kv_peak: Family<TierLabels, Gauge<u64, AtomicU64>>,
+    /// Requests preempted to make room, by mode (vLLM's `num_preemptions`).
+    pub preemptions: Family<ModeLabels, Counter>,
     /// Requests looked up in the prefix cache.
     pub prefix_lookups: Counter,
     /// Requests that restored at least one chunk.
@@ -107,6 +123,10 @@ impl Metrics {
             queued: Gauge::default(),
             kv_bytes: Family::default(),
             kv_sequences: Gauge::default(),
+            kv_usage: Family::default(),
+            kv_budget: Family::default(),
+            kv_peak: Family::default(),
+            preemptions: Family::default(),
             prefix_lookups: Counter::default(),
             prefix_hits: Counter::default(),
             prefix_restored_tokens: Counter::default(),
@@ -184,6 +204,26 @@ impl Metrics {
             m.kv_sequences.clone(),
         );
         registry.register(
+            "kv_cache_usage_perc",
+            "The KV pool's bytes as a fraction of its budget (all sequences together), per tier",
+            m.kv_usage.clone(),
+        );
+        registry.register(
+            "kv_budget_bytes",
+            "The KV pool's budget (--device-kv-budget, --host-kv-budget), per tier",
+            m.kv_budget.clone(),
+        );
+        registry.register(
+            "kv_peak_bytes",
+            "The most bytes the KV pool held at once since the start, per tier",
+            m.kv_peak.clone(),
+        );
+        registry.register(
+            "num_preemptions",
+            "Requests preempted to make room in the KV pool, by mode",
+            m.preemptions.clone(),
+        );
+        registry.register(
             "prefix_cache_lookups",
             "Requests looked up in the prefix cache",
             m.prefix_lookups.clone(),
@@ -243,6 +283,30 @@ impl Metrics {
                 .set(bytes);
         }
         self.kv_sequences.set(s.sequences as i64);
+    }
+
+    /// The pool's gauges: usage against each budget, budgets and peaks (device and host).
+    pub fn set_pool(&self, pool: &kvpolicy::KvPool) {
+        for (tier, t) in [("device", &pool.device), ("host", &pool.host)] {
+            let labels = TierLabels { tier: tier.into() };
+            self.kv_peak.get_or_create(&labels).set(t.peak());
+            if let Some(b) = t.budget() {
+                self.kv_budget.get_or_create(&labels).set(b);
+                let share = if b == 0 {
+                    0.0
+                } else {
+                    t.used() as f64 / b as f64
+                };
+                self.kv_usage.get_or_create(&labels).set(share);
+            }
+        }
+    }
+
+    /// Counts a preemption in `mode`.
+    pub fn preempted(&self, mode: &str) {
+        self.preemptions
+            .get_or_create(&ModeLabels { mode: mode.into() })
+            .inc();
     }
 
     /// The prefix cache's gauges and write errors from its counters.

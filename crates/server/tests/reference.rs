@@ -25,8 +25,20 @@ fn the_flags_reference_is_the_servers_help() -> Result<()> {
 
 #[test]
 fn the_metrics_reference_is_the_registry() {
-    // Only the families' HELP and TYPE lines: samples are values of a moment.
-    let families: String = Metrics::new()
+    // Only the families' HELP and TYPE lines: samples are values of a moment. A family
+    // with labels renders once it has a sample: one of each is made.
+    let m = Metrics::new();
+    m.answered("/v1/completions", 200);
+    m.set_kv(&kvpolicy::KvStats::default());
+    m.set_pool(&kvpolicy::KvPool::new(Some(1), Some(1)));
+    m.preempted("recompute");
+    m.set_prefix(&kvpolicy::prefix::PrefixStats::default());
+    m.prefix_write_errors
+        .get_or_create(&kvpolicy_server::metrics::KindLabels {
+            kind: "other".into(),
+        })
+        .inc();
+    let families: String = m
         .render()
         .lines()
         .filter(|l| l.starts_with("# HELP") || l.starts_with("# TYPE"))

@@ -65,7 +65,8 @@ impl<S: Selector> SparsePolicy<S> {
             pages: pages.checked(name)?,
             selector,
             link: Link::for_device(&opts.device, opts.link_bandwidth)?,
-            host: HostLayers::new(opts.grow_tokens, DiskTier::from_options(opts, name)?),
+            host: HostLayers::new(opts.grow_tokens, DiskTier::from_options(opts, name)?)
+                .pooled(opts.pool.clone()),
             layers: Vec::new(),
             shared: Vec::new(),
             device: opts.device.clone(),

@@ -10,11 +10,12 @@
 //! Files: this one [`HostLayers`]; `store` the store trait and what a growing store may
 //! use; `ram` the RAM store; `disk_layer` the disk tier's file as a store; `disk_traffic`
 //! the disk reads started ahead and the disk tier's byte and time counts.
+use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::{DType, Tensor};
 use kvpolicy_core::{front_to_drop, window_capacity, AttnSpec, AttnStep, KvCodec, KvShape};
-use kvpolicy_core::{HeadRange, KvError, KvStats, Result, TokenRange};
+use kvpolicy_core::{HeadRange, KvError, KvPool, KvStats, Result, TokenRange};
 
 use crate::disk::DiskKv;
 use crate::disk_tier::DiskTier;
@@ -53,6 +54,10 @@ pub struct HostLayers {
     disk: Option<DiskTier>,
     /// How K/V are stored (the model's dtype, or LOSSY smaller forms).
     codec: KvCodec,
+    /// The host ledger shared with other sequences ([`Self::pooled`]), and the RAM bytes
+    /// this sequence has on its books.
+    pool: Option<Arc<KvPool>>,
+    booked: u64,
 }
 
 /// The error for a layer without storage.
@@ -76,6 +81,26 @@ impl HostLayers {
             specs: Vec::new(),
             disk,
             codec: KvCodec::Model,
+            pool: None,
+            booked: 0,
+        }
+    }
+
+    /// Shares the host budget with every sequence of `pool` (`None`: this sequence's own):
+    /// RAM stores grow only while the pool's host ledger has room for them, and past it a
+    /// layer goes to the disk tier, as past a sequence's own budget; the RAM held is on the
+    /// ledger's books until it is freed.
+    pub fn pooled(mut self, pool: Option<Arc<KvPool>>) -> Self {
+        self.pool = pool;
+        self
+    }
+
+    /// Puts the RAM held now on the pool's books.
+    fn book(&mut self) {
+        if let Some(p) = &self.pool {
+            let now = self.ram_bytes();
+            p.host.change(self.booked, now);
+            self.booked = now;
         }
     }
 
@@ -201,7 +226,12 @@ impl HostLayers {
         }
         let tokens = tokens.saturating_sub(self.bases[layer]);
         let own = self.layers[layer].as_ref().map_or(0, |s| s.ram_bytes());
-        let others = self.ram_bytes() - own;
+        // The other layers, and with a shared pool the other sequences' RAM.
+        let others = self.ram_bytes() - own
+            + self
+                .pool
+                .as_ref()
+                .map_or(0, |p| p.host.used().saturating_sub(self.booked));
         let budget = self.disk.as_ref().map(|t| HostBudget {
             budget: t.host_budget,
             others,
@@ -233,10 +263,12 @@ impl HostLayers {
                 None => false,
             },
         };
-        if held {
-            return Ok(());
-        }
-        self.spill_to_disk(link, layer, shape, tokens)
+        let done = match held {
+            true => Ok(()),
+            false => self.spill_to_disk(link, layer, shape, tokens),
+        };
+        self.book();
+        done
     }
 
     /// Moves `layer` (in RAM, or new) to a file of the disk tier holding `tokens`, its
@@ -443,6 +475,16 @@ impl HostLayers {
         self.specs.clear();
         if let Some(s) = &mut self.shape {
             s.n_layers = 0;
+        }
+        self.book();
+    }
+}
+
+impl Drop for HostLayers {
+    /// The RAM this sequence held leaves the shared pool's books with it.
+    fn drop(&mut self) {
+        if let Some(p) = &self.pool {
+            p.host.sub(self.booked);
         }
     }
 }
