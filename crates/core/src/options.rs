@@ -38,10 +38,10 @@ pub struct PolicyOptions {
     /// otherwise. A step's K/V are computed exactly and converted when stored; attention
     /// reads what is stored. `Model` (the default) = the model's own dtype.
     pub kv_dtype: crate::storage::KvCodec,
-    /// The pools every instance built from these options shares ([`crate::KvPool`]):
+    /// The pools every instance built from these options shares ([`crate::pool::KvPool`]):
     /// budgets over all of them together, as a server's are. `None` (the default): each
     /// instance's budgets are its own.
-    pub pool: Option<std::sync::Arc<crate::KvPool>>,
+    pub pool: Option<std::sync::Arc<crate::pool::KvPool>>,
 }
 
 impl PolicyOptions {

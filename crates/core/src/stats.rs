@@ -214,8 +214,8 @@ impl DeviceMeter {
     }
 
     /// The meter `opts` ask for: `device_kv_budget`, and the shared pool when
-    /// [`PolicyOptions::pool`](crate::PolicyOptions::pool) gives one.
-    pub fn for_options(opts: &crate::PolicyOptions) -> Self {
+    /// [`PolicyOptions::pool`](crate::options::PolicyOptions::pool) gives one.
+    pub fn for_options(opts: &crate::options::PolicyOptions) -> Self {
         Self {
             pool: opts.pool.clone(),
             ..Self::new(opts.device_kv_budget)

@@ -1,0 +1,184 @@
+//! The engine's admissions: waiting and preempted requests into free slots while memory
+//! allows, a step's preemptions ([`crate::memory`]: vLLM's scheduler, PagedAttention,
+//! SOSP '23, §4.5), prompt prefixes restored from the prefix cache, and requests whose
+//! client went away dropped.
+use std::sync::atomic::Ordering;
+
+use kvpolicy::models::{SeqChunk, TextStream};
+
+use super::{Active, Engine};
+use crate::error::internal_message;
+use crate::events::Event;
+use crate::memory::Running;
+use crate::sampler::Chooser;
+
+impl Engine {
+    /// Preempted requests, then waiting ones, oldest first, into free slots while memory
+    /// allows ([`crate::memory`]); those whose client left are dropped.
+    pub(super) fn admit(&mut self) {
+        while let Some(free) = self.slots.iter().position(Option::is_none) {
+            let tokens = match self.preempted.front() {
+                Some(a) => a.job.prompt.len() + a.generated.len(),
+                None => match self.waiting.front() {
+                    Some(job) => job.prompt.len(),
+                    None => break,
+                },
+            };
+            if self.memory.is_some() {
+                let running = self.running(&[]);
+                if self
+                    .memory
+                    .as_ref()
+                    .is_some_and(|g| !g.admits(&running, tokens))
+                {
+                    break;
+                }
+            }
+            let mut a = match self.preempted.pop_front() {
+                Some(a) => a,
+                None => {
+                    let Some(job) = self.waiting.pop_front() else {
+                        break;
+                    };
+                    self.queued.fetch_sub(1, Ordering::SeqCst);
+                    Active {
+                        chooser: Chooser::new(&job.params, job.seed),
+                        detok: TextStream::new(job.params.stop.clone()),
+                        job,
+                        pos: 0,
+                        restored: 0,
+                        computed: None,
+                        generated: Vec::new(),
+                        last_token_at: None,
+                        admitted: 0,
+                    }
+                }
+            };
+            if a.job.events.is_closed() {
+                self.metrics.cancelled.inc();
+                continue;
+            }
+            let restored = match self.restore(free, &a.job.prompt) {
+                Ok(n) => n,
+                Err(e) => {
+                    a.job
+                        .events
+                        .send(Event::Failed(internal_message(&format!("{e:#}"))));
+                    self.release(free);
+                    self.metrics.failed.inc();
+                    continue;
+                }
+            };
+            // (A resumed request records its prompt's K/V again from here.)
+            a.restored = restored;
+            a.pos = restored;
+            self.admissions += 1;
+            a.admitted = self.admissions;
+            self.slots[free] = Some(a);
+        }
+    }
+
+    /// The running requests as the memory rules see them; `adding` says how many tokens
+    /// this step gives each slot.
+    fn running(&mut self, chunks: &[SeqChunk]) -> Vec<Running> {
+        let mut out = Vec::new();
+        for seq in 0..self.slots.len() {
+            let Some(admitted) = self.slots[seq].as_ref().map(|a| a.admitted) else {
+                continue;
+            };
+            let held = self
+                .policy
+                .as_batched()
+                .and_then(|b| b.held(seq))
+                .unwrap_or_default();
+            let adding = chunks
+                .iter()
+                .filter(|c| c.seq == seq)
+                .map(|c| c.ids.len())
+                .sum();
+            let pending = self.slots[seq].as_ref().map_or(0, |a| {
+                (a.job.prompt.len() + a.generated.len().saturating_sub(1)).saturating_sub(a.pos)
+            });
+            out.push(Running {
+                seq,
+                admitted,
+                held,
+                adding,
+                pending,
+            });
+        }
+        out
+    }
+
+    /// Preempts what the memory rules say this step cannot hold, and drops their pieces.
+    pub(super) fn make_room(&mut self, chunks: &mut Vec<SeqChunk>) {
+        if self.memory.is_none() {
+            return;
+        }
+        let running = self.running(chunks);
+        let out = self
+            .memory
+            .as_ref()
+            .map_or_else(Vec::new, |g| g.to_preempt(&running));
+        for seq in out {
+            if let Some(mut a) = self.slots[seq].take() {
+                self.release(seq);
+                a.computed = None;
+                self.metrics.preempted("recompute");
+                // Resumed oldest first.
+                let at = self
+                    .preempted
+                    .iter()
+                    .position(|p| p.job.received > a.job.received)
+                    .unwrap_or(self.preempted.len());
+                self.preempted.insert(at, a);
+            }
+            chunks.retain(|c| c.seq != seq);
+        }
+    }
+
+    /// The longest cached prefix of `prompt` restored into slot `seq` (0 without a cache).
+    fn restore(&mut self, seq: usize, prompt: &[u32]) -> anyhow::Result<usize> {
+        let Some(reuse) = self.reuse.as_mut() else {
+            return Ok(0);
+        };
+        let n = reuse.restore(
+            self.policy.as_mut(),
+            self.model.info(),
+            seq,
+            prompt,
+            self.cfg.prefill_chunk,
+        )?;
+        self.metrics.prefix_lookups.inc();
+        if n > 0 {
+            self.metrics.prefix_hits.inc();
+            self.metrics.prefix_restored_tokens.inc_by(n as u64);
+        }
+        Ok(n)
+    }
+
+    /// Forgets waiting requests whose client has gone (they hold no queue place).
+    pub(super) fn drop_waiting_departed(&mut self) {
+        let before = self.waiting.len();
+        self.waiting.retain(|j| !j.events.is_closed());
+        let gone = before - self.waiting.len();
+        if gone > 0 {
+            self.queued.fetch_sub(gone, Ordering::SeqCst);
+            self.metrics.cancelled.inc_by(gone as u64);
+        }
+    }
+
+    /// Frees the cache of every request whose client has gone.
+    pub(super) fn drop_departed(&mut self) {
+        for seq in 0..self.slots.len() {
+            if self.slots[seq]
+                .as_ref()
+                .is_some_and(|a| a.job.events.is_closed())
+            {
+                self.slots[seq] = None;
+                self.release(seq);
+                self.metrics.cancelled.inc();
+            }
+        }
+    }
+}
