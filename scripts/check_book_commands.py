@@ -7,9 +7,10 @@ script's from its `add_argument` calls, cargo's `--example`/`-p`/`--test`/`--fea
 the workspace. Commands of other tools (curl, pip, apt-get, mkdir) are left alone.
 
 Every command is also either run as written by `--run` (CI runs it: the quick ones, in the
-order the page shows them, a server in the background until its page's commands are done)
-or named in NOT_RUN with the reason (a benchmark of minutes to hours, a GPU, fixtures that
-need PyTorch); a new command must be one or the other. The flag tables of the examples' and
+order the page shows them, a server in the background until its page's commands are done),
+or run by CI itself word for word (RUN_BY_CI: the test suite, the cuda build; checked to be
+lines of .ci/run), or named in NOT_RUN with the reason (a benchmark of minutes to hours, four
+GPUs, fixtures that need PyTorch); a new command must be one of the three. The flag tables of the examples' and
 the server's chapters are checked against the binaries' flags too.
 
     python3 scripts/check_book_commands.py         # exit 1 listing every command that fails
@@ -204,7 +205,6 @@ def check_one(cmd):
 
 # Commands not run by --run, each with the reason (matched by how the command starts).
 NOT_RUN = {
-    "bash scripts/test.sh": "the test suite itself: CI's tests phase runs it",
     "cargo run --release --example kvbench": "a benchmark sweep: minutes to an hour",
     "python3 scripts/quality.py": "the quality benchmark: an hour",
     "python3 scripts/link_bound.py": "a benchmark: tens of minutes",
@@ -213,23 +213,46 @@ NOT_RUN = {
     "pip install": "the fixture generators' Python packages (PyTorch: gigabytes)",
     "CMAKE_ARGS=-DGGML_NATIVE=OFF pip install": "llama.cpp from source for the fixture generators",
     "python3 scripts/make_": "regenerates committed fixtures (needs PyTorch, transformers, llama.cpp)",
-    "cargo fetch": "the cuda build's set-up: CI compiles the cuda build its own way",
-    "eval \"$(bash scripts/cuda-toolchain.sh)\"": "the cuda build's set-up (CI runs it)",
-    "cargo build --release --features nccl": "the cuda build (CI compiles the GPU tests' binary with the same features)",
-    "cargo test --release --features nccl": "the cuda build (CI compiles it with `--features nccl,mpi`)",
     "cargo build --release                       # also builds": "a workspace build for kvpolicy-compress, whose calibration takes minutes",
     "target/release/kvpolicy-compress": "a calibration over the model: minutes (tests/compress*.rs run it on fixtures)",
     "cargo run --release --example llama -- --model-dir smollm2-kv1": "needs the model the calibration above writes",
-    "sudo apt-get install": "what scripts/test.sh installs (CI runs it)",
     "mpirun -np 4 -x LD_LIBRARY_PATH": "four GPUs",
 }
+# Commands CI runs itself, word for word (each must appear so in .ci/run): the test suite,
+# and the cuda build's (it needs the CUDA toolchain set up in the same shell).
+RUN_BY_CI = ["bash scripts/test.sh", "cargo fetch", "eval \"$(bash scripts/cuda-toolchain.sh)\"",
+             "cargo build --release --features nccl --examples",
+             "cargo test --release --features nccl --test cuda --no-run"]
 SERVER = "cargo run --release -p kvpolicy-server"
 # Files the runnable commands write in the working directory, removed after the run.
 WRITTEN = ["stats.json", "chat.kvs", "doc-and-q1.txt", "doc-and-q2.txt"]
 
 
+def without_comment(text):
+    """The command without a trailing `# comment`."""
+    return re.sub(r"\s+#\s.*$", "", text).strip()
+
+
+def by_ci(text):
+    """Whether CI runs `text` itself (RUN_BY_CI)."""
+    return without_comment(text) in RUN_BY_CI
+
+
 def not_run(text):
+    if by_ci(text):
+        return "CI runs it word for word"
     return next((why for start, why in NOT_RUN.items() if text.startswith(start)), None)
+
+
+def check_ci_runs():
+    """Each RUN_BY_CI command is a line of .ci/run, word for word (its output may be
+    redirected or piped)."""
+    lines = [line.strip() for line in open(os.path.join(ROOT, ".ci", "run"))]
+
+    def runs(c):
+        return any(line == c or re.match(re.escape(c) + r" +(2>&1|\||>)", line) for line in lines)
+    return [f".ci/run does not run `{c}` word for word (RUN_BY_CI says it does)"
+            for c in RUN_BY_CI if not runs(c)]
 
 
 def wait_for_server(proc, port=8080, limit_s=300):
@@ -318,9 +341,12 @@ def main():
             for p in check(text):
                 failed.append(f"{os.path.relpath(f, ROOT)}:{n}: {p}\n    {text[:160]}")
     failed += check_flag_tables()
-    ran = sum(1 for f in files for _, t in commands(f) if not not_run(t))
-    print(f"{checked} commands checked, {len(failed)} problems; {ran} run by --run, "
-          f"{checked - ran} not (NOT_RUN gives each one's reason)")
+    failed += check_ci_runs()
+    all_commands = [t for f in files for _, t in commands(f)]
+    ran = sum(1 for t in all_commands if not not_run(t))
+    ci = sum(1 for t in all_commands if by_ci(t))
+    print(f"{checked} commands checked, {len(failed)} problems; {ran} run by --run, {ci} by CI "
+          f"itself, {checked - ran - ci} not (NOT_RUN gives each one's reason)")
     if run and not failed:
         failed = run_all(files)
     for line in failed:

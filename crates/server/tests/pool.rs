@@ -12,10 +12,8 @@ use anyhow::{ensure, Context, Result};
 use common::{agent, get, metric, post, Server};
 use serde_json::{json, Value};
 
-/// SmolLM2-135M's K/V per token in f32: 30 layers × 3 KV heads × 64 × 2 × 4 bytes, so a
-/// sequence's device buffers (grown 256 tokens at a time) take 22.5 MiB per step.
-const BUDGET: &str = "64MiB";
-const BUDGET_BYTES: f64 = 64.0 * 1024.0 * 1024.0;
+// SmolLM2-135M's K/V per token in f32: 30 layers × 3 KV heads × 64 × 2 × 4 bytes, so a
+// sequence's device buffers (grown 256 tokens at a time) take 22.5 MiB per step under `full`.
 
 /// Prompts of 210–240 tokens and 60 new tokens each: a sequence fits one growth step until
 /// its generation passes 256 tokens, then needs two. Two fit the budget with one step each
@@ -45,26 +43,28 @@ fn greedy(a: &ureq::Agent, url: &str, prompt: &Value) -> Result<Value> {
     Ok(json!([lp["tokens"], lp["token_logprobs"]]))
 }
 
-#[test]
-fn requests_past_the_device_budget_wait_or_are_preempted_and_stay_exact() -> Result<()> {
-    let server = Server::start(&[
-        "--ctx-size",
-        "512",
-        "--max-batch",
-        "4",
-        "--prefill-chunk",
-        "64",
-        "--batch-invariant",
-        "--device-kv-budget",
-        BUDGET,
-    ])?;
+/// What one load under one policy must show.
+struct Load<'a> {
+    /// The server's flags beyond the batching ones.
+    flags: &'a [&'a str],
+    /// The device budget, in bytes (as `--device-kv-budget` gives it).
+    device_budget: f64,
+    /// The host budget, when one is given.
+    host_budget: Option<f64>,
+}
+
+/// Runs `prompts()` alone, then all at once with `/metrics` sampled throughout: each gets
+/// exactly its solo tokens, no sample's pool usage passes 1, the pools' peaks stay within
+/// their budgets, none fails, and at least one request was preempted.
+fn check(load: &Load<'_>) -> Result<()> {
+    let batching = ["--ctx-size", "512", "--max-batch", "4", "--prefill-chunk", "64"];
+    let server = Server::start(&[&batching[..], &["--batch-invariant"], load.flags].concat())?;
     let url = server.url("/v1/completions");
     let a = agent();
     let alone: Vec<Value> = prompts()
         .iter()
         .map(|p| greedy(&a, &url, p))
         .collect::<Result<_>>()?;
-    // All at once, /metrics sampled throughout.
     let done = AtomicBool::new(false);
     let (together, samples) = std::thread::scope(|s| -> Result<(Vec<Value>, Vec<String>)> {
         let sampler = s.spawn(|| -> Result<Vec<String>> {
@@ -94,22 +94,27 @@ fn requests_past_the_device_budget_wait_or_are_preempted_and_stay_exact() -> Res
     for (i, (got, want)) in together.iter().zip(&alone).enumerate() {
         ensure!(got == want, "prompt {i}: {got} together vs {want} alone");
     }
-    ensure!(
-        samples.len() > 3,
-        "only {} samples of /metrics",
-        samples.len()
-    );
+    ensure!(samples.len() > 3, "only {} samples of /metrics", samples.len());
+    let tiers: Vec<(&str, f64)> = [("device", Some(load.device_budget)), ("host", load.host_budget)]
+        .into_iter()
+        .filter_map(|(t, b)| b.map(|b| (t, b)))
+        .collect();
     for m in &samples {
-        let usage = metric(m, "kvpolicy_kv_cache_usage_perc{tier=\"device\"}")
-            .context("no device usage in /metrics")?;
-        ensure!(usage <= 1.0, "device KV at {usage} of its budget");
+        for (tier, _) in &tiers {
+            let usage = metric(m, &format!("kvpolicy_kv_cache_usage_perc{{tier=\"{tier}\"}}"))
+                .with_context(|| format!("no {tier} usage in /metrics"))?;
+            ensure!(usage <= 1.0, "{tier} KV at {usage} of its budget");
+        }
     }
     let (_, end) = get(&a, &server.url("/metrics"))?;
-    let peak = metric(&end, "kvpolicy_kv_peak_bytes{tier=\"device\"}").context("peak")?;
-    ensure!(
-        peak <= BUDGET_BYTES && peak > BUDGET_BYTES / 2.0,
-        "the pool's peak {peak} against a budget of {BUDGET_BYTES}"
-    );
+    for (tier, budget) in &tiers {
+        let peak = metric(&end, &format!("kvpolicy_kv_peak_bytes{{tier=\"{tier}\"}}"))
+            .context("peak")?;
+        ensure!(
+            peak <= *budget && peak > budget / 2.0,
+            "the {tier} pool's peak {peak} against a budget of {budget}"
+        );
+    }
     let preempted = metric(&end, "kvpolicy_num_preemptions_total{mode=\"recompute\"}")
         .context("no preemptions counted")?;
     ensure!(preempted > 0.0, "no request was preempted:\n{end}");
@@ -118,4 +123,15 @@ fn requests_past_the_device_budget_wait_or_are_preempted_and_stay_exact() -> Res
         "a request failed:\n{end}"
     );
     Ok(())
+}
+
+const MIB: f64 = 1024.0 * 1024.0;
+
+#[test]
+fn full_requests_past_the_device_budget_wait_or_are_preempted_and_stay_exact() -> Result<()> {
+    check(&Load {
+        flags: &["--device-kv-budget", "64MiB"],
+        device_budget: 64.0 * MIB,
+        host_budget: None,
+    })
 }
