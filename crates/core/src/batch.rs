@@ -26,8 +26,13 @@ pub struct PerSequence {
     factory: PolicyFactory,
     shape: Option<KvShape>,
     seqs: BTreeMap<usize, Box<dyn KvPolicy>>,
+    /// The most tokens a sequence not started yet will hold ([`Batched::expect`]).
+    expected: BTreeMap<usize, usize>,
     /// Counters of released sequences, kept so cumulative stats do not drop.
     retired: KvStats,
+    /// Whether the policy is LOSSY, as an instance prepared for the run says (known before
+    /// any sequence runs: a server prints it when it starts).
+    lossy: bool,
     device_peak: u64,
 }
 
@@ -39,7 +44,9 @@ impl PerSequence {
             factory,
             shape: None,
             seqs: BTreeMap::new(),
+            expected: BTreeMap::new(),
             retired: KvStats::default(),
+            lossy: false,
             device_peak: 0,
         }
     }
@@ -53,7 +60,15 @@ impl PerSequence {
         if !self.seqs.contains_key(&seq) {
             let mut p = (self.factory)()?;
             if let Some(s) = &self.shape {
-                p.prepare(s)?;
+                // Sized for what the sequence will hold, when that is known and less.
+                let max_tokens = self
+                    .expected
+                    .remove(&seq)
+                    .map_or(s.max_tokens, |n| n.clamp(1, s.max_tokens));
+                p.prepare(&KvShape {
+                    max_tokens,
+                    ..s.clone()
+                })?;
             }
             self.seqs.insert(seq, p);
         }
@@ -77,7 +92,9 @@ impl KvPolicy for PerSequence {
             ..shape.clone()
         };
         // Check the options once, before any request starts.
-        (self.factory)()?.prepare(&one)?;
+        let mut probe = (self.factory)()?;
+        probe.prepare(&one)?;
+        self.lossy = probe.stats().lossy;
         for p in self.seqs.values_mut() {
             p.prepare(&one)?;
         }
@@ -103,6 +120,7 @@ impl KvPolicy for PerSequence {
 
     fn reset(&mut self) {
         self.seqs.clear();
+        self.expected.clear();
         self.retired = KvStats::default();
         self.device_peak = 0;
     }
@@ -121,6 +139,7 @@ impl KvPolicy for PerSequence {
             // An approximate policy (or a lossy host form) is lossy for the whole batch.
             s.lossy |= q.lossy;
         }
+        s.lossy |= self.lossy;
         s.device_kv_peak_bytes = self.device_peak;
         s.sequences = self.seqs.len() as u64;
         s
@@ -161,7 +180,12 @@ impl Profiled for PerSequence {
 }
 
 impl Batched for PerSequence {
+    fn expect(&mut self, seq: usize, tokens: usize) {
+        self.expected.insert(seq, tokens);
+    }
+
     fn release(&mut self, seq: usize) {
+        self.expected.remove(&seq);
         if let Some(p) = self.seqs.remove(&seq) {
             let q = p.stats();
             add_cumulative(&mut self.retired, &q);

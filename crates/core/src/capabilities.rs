@@ -31,6 +31,12 @@ pub trait Batched {
     fn plan(&mut self, loads: &[SeqLoad]) -> Result<Vec<Vec<usize>>> {
         Ok(vec![(0..loads.len()).collect()])
     }
+    /// Sequence `seq` (not started yet) will hold at most `tokens` tokens — its prompt and
+    /// the most it may generate — so a policy may size its buffers for that rather than for
+    /// the whole context it was prepared for. The default ignores it.
+    fn expect(&mut self, seq: usize, tokens: usize) {
+        let _ = (seq, tokens);
+    }
     /// What sequence `seq` holds now, per tier, for a scheduler sharing one memory pool
     /// between sequences ([`crate::KvPool`]); `None` when the policy does not say (the
     /// default) or `seq` holds nothing.

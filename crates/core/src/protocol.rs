@@ -215,6 +215,12 @@ impl Batched for Checked<'_> {
         }
     }
 
+    fn expect(&mut self, seq: usize, tokens: usize) {
+        if let Some(b) = self.inner.as_batched() {
+            b.expect(seq, tokens);
+        }
+    }
+
     fn held(&mut self, seq: usize) -> Option<crate::capabilities::SeqHeld> {
         self.inner.as_batched().and_then(|b| b.held(seq))
     }

@@ -18,7 +18,12 @@
 //! they first ran in, so it produces exactly the tokens it would have alone). The oldest
 //! request is never preempted: it always makes progress. The policies' own meters ask the
 //! pool before every growth, so a misjudged step fails that request (a budget error)
-//! rather than exceed the budget.
+//! rather than exceed the budget. (3) *The host tier* (a host budget, with a disk tier): a
+//! host store never holds more than its sequence's planned tokens (prompt and `max_tokens`,
+//! [`Batched::expect`](kvpolicy::core::Batched::expect)), so a request is admitted only when
+//! the host pool holds what every running request may still take at the model's whole K/V
+//! per token and the newcomer's whole reservation; the host tier then never needs a
+//! preemption, and a store that would pass the budget anyway goes to the disk tier.
 use std::sync::Arc;
 
 use kvpolicy::core::SeqHeld;
@@ -37,6 +42,8 @@ pub struct Running {
     pub adding: usize,
     /// Tokens its prompt (or a replay) will still add before it samples again.
     pub pending: usize,
+    /// The most tokens it will hold: its prompt and the most it may generate.
+    pub planned: usize,
 }
 
 /// The rules over one pool (module docs).
@@ -70,25 +77,22 @@ impl Governor {
         tokens.div_ceil(self.grow_tokens) * self.grow_tokens
     }
 
-    /// Device bytes per token of `held` (0 when it holds no token).
-    fn rate(&self, held: &SeqHeld) -> f64 {
+    /// Device bytes per token of `held`; `None` when it holds no token yet.
+    fn rate(&self, held: &SeqHeld) -> Option<f64> {
         match self.capacity(held.tokens) {
-            0 => 0.0,
-            cap => held.device_bytes as f64 / cap as f64,
+            0 => None,
+            cap => Some(held.device_bytes as f64 / cap as f64),
         }
     }
 
     /// The highest rate among `running`, or the model's whole K/V per token when none
     /// holds a token yet.
     fn top_rate(&self, running: &[Running]) -> f64 {
-        match running
+        running
             .iter()
-            .map(|r| self.rate(&r.held))
-            .fold(0.0, f64::max)
-        {
-            0.0 => self.kv_per_token,
-            x => x,
-        }
+            .filter_map(|r| self.rate(&r.held))
+            .reduce(f64::max)
+            .unwrap_or(self.kv_per_token)
     }
 
     /// The device bytes `r` grows by when `tokens` more join it.
@@ -96,24 +100,50 @@ impl Governor {
         if tokens == 0 {
             return 0.0;
         }
-        let rate = match self.rate(&r.held) {
-            0.0 => top,
-            x => x,
-        };
+        let rate = self.rate(&r.held).unwrap_or(top);
         let now = self.capacity(r.held.tokens);
         let then = self.capacity(r.held.tokens + tokens as u64);
         rate * then.saturating_sub(now) as f64
     }
 
-    /// Whether a request of `tokens` prompt tokens may join `running` (rule 1).
-    pub fn admits(&self, running: &[Running], tokens: usize) -> bool {
-        if running.is_empty() || self.pool.device.budget().is_none() {
+    /// Whether a request of `tokens` prompt tokens that will hold at most `planned` may join
+    /// `running` (rule 1, and rule 3 for the host tier).
+    pub fn admits(&self, running: &[Running], tokens: usize, planned: usize) -> bool {
+        if running.is_empty() {
+            return true;
+        }
+        self.device_admits(running, tokens) && self.host_admits(running, planned)
+    }
+
+    /// Rule 1 on the device tier.
+    fn device_admits(&self, running: &[Running], tokens: usize) -> bool {
+        if self.pool.device.budget().is_none() {
             return true;
         }
         let top = self.top_rate(running);
         let promised: f64 = running.iter().map(|r| self.growth(r, r.pending, top)).sum();
         let need = promised + top * self.capacity(tokens as u64 + 1) as f64;
         self.pool.device.fits(need.ceil() as u64)
+    }
+
+    /// Rule 3: the host RAM every running request may still take, and the newcomer's whole
+    /// reservation, fit the host budget.
+    fn host_admits(&self, running: &[Running], planned: usize) -> bool {
+        if self.pool.host.budget().is_none() {
+            return true;
+        }
+        // Host stores never hold more than a sequence's planned tokens; 0 for a policy that
+        // keeps nothing on the host (seen once a request holds tokens and no host bytes).
+        let uses_host = running.iter().any(|r| r.held.host_bytes > 0)
+            || running.iter().all(|r| r.held.tokens == 0);
+        let rate = if uses_host { self.kv_per_token } else { 0.0 };
+        let promised: f64 = running
+            .iter()
+            .map(|r| (rate * r.planned as f64 - r.held.host_bytes as f64).max(0.0))
+            .sum();
+        self.pool
+            .host
+            .fits((promised + rate * planned as f64).ceil() as u64)
     }
 
     /// The requests to preempt before this step, most recently admitted first (rule 2).
@@ -161,6 +191,7 @@ mod tests {
             },
             adding,
             pending: 0,
+            planned: 0,
         }
     }
 
@@ -170,14 +201,17 @@ mod tests {
         // 10 bytes per token, growth step 16 tokens, one layer.
         let pool = KvPool::new(Some(1000), None);
         let g = Governor::new(pool.clone(), 16, 1, 10);
-        assert!(g.admits(&[], 10_000), "nothing runs: always admitted");
+        assert!(
+            g.admits(&[], 10_000, 10_000),
+            "nothing runs: always admitted"
+        );
         pool.device.add(480);
         let a = running(0, 1, 16, 160, 1);
         let b = running(1, 2, 32, 320, 1);
         // A 16-token prompt takes 2 steps of 16 tokens at 10 bytes: 320 ≤ 520.
-        assert!(g.admits(&[a, b], 16));
+        assert!(g.admits(&[a, b], 16, 0));
         // 48 tokens: 4 steps, 640 > 520.
-        assert!(!g.admits(&[a, b], 48));
+        assert!(!g.admits(&[a, b], 48, 0));
         // Both grow by a step (160 + 160) and the largest old layer overlaps its new one
         // (320): 480 + 320 + 320 = 1120 > 1000, so the newest goes; then 160 + 160 + 160 fit.
         assert_eq!(g.to_preempt(&[a, b]), vec![1]);
@@ -189,15 +223,33 @@ mod tests {
             pending: 17,
             ..running(2, 3, 16, 160, 0)
         };
-        assert!(!g.admits(&[a, b, c], 16));
+        assert!(!g.admits(&[a, b, c], 16, 0));
         // Nothing held yet: the model's whole K/V per token (10) stands in.
         // (48 + 32 tokens at 10: 800 > 520; 16 + 32: 480 fits.)
         let fresh = |pending| Running {
             pending,
             ..running(0, 1, 0, 0, 0)
         };
-        assert!(!g.admits(&[fresh(40)], 16));
-        assert!(g.admits(&[fresh(10)], 16));
+        assert!(!g.admits(&[fresh(40)], 16, 0));
+        assert!(g.admits(&[fresh(10)], 16, 0));
+        // The host tier: 10 bytes a token, 1000 in all, 400 held.
+        let pool = KvPool::new(None, Some(1000));
+        let g = Governor::new(pool.clone(), 16, 1, 10);
+        pool.host.add(400);
+        let r = |planned, host| Running {
+            planned,
+            held: SeqHeld {
+                tokens: 8,
+                device_bytes: 0,
+                host_bytes: host,
+            },
+            ..running(0, 1, 8, 0, 0)
+        };
+        // One planned for 50 holding 400 of its 500: 100 promised; a newcomer of 50 fits.
+        assert!(g.admits(&[r(50, 400)], 8, 50));
+        assert!(!g.admits(&[r(50, 400)], 8, 51));
+        // A policy holding nothing on the host reserves nothing there.
+        assert!(g.admits(&[r(50, 0)], 8, 1000));
         // The oldest alone is never preempted.
         assert!(g.to_preempt(&[running(0, 1, 16, 5000, 64)]).is_empty());
     }

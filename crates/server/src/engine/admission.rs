@@ -17,10 +17,10 @@ impl Engine {
     /// allows ([`crate::memory`]); those whose client left are dropped.
     pub(super) fn admit(&mut self) {
         while let Some(free) = self.slots.iter().position(Option::is_none) {
-            let tokens = match self.preempted.front() {
-                Some(a) => a.job.prompt.len() + a.generated.len(),
+            let (tokens, planned) = match self.preempted.front() {
+                Some(a) => (a.job.prompt.len() + a.generated.len(), a.planned()),
                 None => match self.waiting.front() {
-                    Some(job) => job.prompt.len(),
+                    Some(job) => (job.prompt.len(), job.prompt.len() + job.max_tokens),
                     None => break,
                 },
             };
@@ -29,7 +29,7 @@ impl Engine {
                 if self
                     .memory
                     .as_ref()
-                    .is_some_and(|g| !g.admits(&running, tokens))
+                    .is_some_and(|g| !g.admits(&running, tokens, planned))
                 {
                     break;
                 }
@@ -57,6 +57,10 @@ impl Engine {
             if a.job.events.is_closed() {
                 self.metrics.cancelled.inc();
                 continue;
+            }
+            if let Some(b) = self.policy.as_batched() {
+                // Its cache sized for its prompt and the most it may generate.
+                b.expect(free, a.planned());
             }
             let restored = match self.restore(free, &a.job.prompt) {
                 Ok(n) => n,
@@ -99,12 +103,14 @@ impl Engine {
             let pending = self.slots[seq].as_ref().map_or(0, |a| {
                 (a.job.prompt.len() + a.generated.len().saturating_sub(1)).saturating_sub(a.pos)
             });
+            let planned = self.slots[seq].as_ref().map_or(0, Active::planned);
             out.push(Running {
                 seq,
                 admitted,
                 held,
                 adding,
                 pending,
+                planned,
             });
         }
         out

@@ -122,6 +122,13 @@ struct Active {
     admitted: u64,
 }
 
+impl Active {
+    /// The most tokens its cache will hold: its prompt and the most it may generate.
+    fn planned(&self) -> usize {
+        self.job.prompt.len() + self.job.max_tokens
+    }
+}
+
 /// The thread's state.
 struct Engine {
     model: Arc<dyn CausalLm>,

@@ -13,6 +13,8 @@ pub struct Server {
     child: Option<Child>,
     /// `http://127.0.0.1:PORT`.
     pub base: String,
+    /// The line the server printed once ready (`listening on …`, with what serves).
+    pub banner: String,
 }
 
 impl Server {
@@ -39,6 +41,7 @@ impl Server {
         Ok(Self {
             child: Some(child),
             base,
+            banner: line.trim().to_string(),
         })
     }
 

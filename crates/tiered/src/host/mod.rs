@@ -531,6 +531,9 @@ mod tests {
         assert_eq!(room_after(1000, 10)?, 16);
         // Never less than the tokens need.
         assert_eq!(room_after(4, 10)?, 16);
+        // A run ending inside the chunks they need takes its length only.
+        assert_eq!(room_after(12, 10)?, 12);
+        assert_eq!(room_after(10, 10)?, 10);
         Ok(())
     }
 }

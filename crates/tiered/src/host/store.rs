@@ -113,8 +113,13 @@ impl<'a> Room<'a> {
     /// buffers): growing chunk by chunk to the planned length made a 32K-token run copy its
     /// history ~8 times over, and a prompt ending on a chunk's edge grew (copied everything)
     /// again at the first decode step.
+    /// A run planned to end inside the chunks `tokens` need takes only its planned length
+    /// (many short sequences sharing one host budget do not each hold a whole chunk).
     pub(crate) fn capacity_for(&self, tokens: usize) -> usize {
         let need = round_up(tokens, self.chunk);
+        if (tokens..=need).contains(&self.planned) {
+            return self.planned;
+        }
         let planned = round_up(self.planned, self.chunk);
         if planned > need && planned <= need.saturating_mul(RESERVE_FACTOR) && self.fits(planned) {
             planned
