@@ -13,6 +13,14 @@ use anyhow::{ensure, Context, Result};
 use common::{agent, completion_text, get, metric, post, wait_for_metrics, Server};
 use serde_json::{json, Value};
 
+/// Held by the test running now: each starts servers that would spin against one
+/// another's thread pools on a two-core machine (98.7 s for this file in parallel, 25.3 s
+/// one test at a time, measured).
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    ONE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// A hostile request and the answer it must get.
 struct Case<'a> {
     name: &'a str,
@@ -43,6 +51,7 @@ impl<'a> Case<'a> {
 
 #[test]
 fn bad_requests_get_4xx_and_the_server_keeps_serving() -> Result<()> {
+    let _one = one_at_a_time();
     let server = Server::start(&[
         "--max-body",
         "256KiB",
@@ -300,6 +309,7 @@ const BATCHING: [&str; 4] = ["--max-batch", "12", "--prefill-chunk", "24"];
 
 #[test]
 fn batch_invariant_requests_equal_their_solo_runs() -> Result<()> {
+    let _one = one_at_a_time();
     let server = Server::start(&[&BATCHING[..], &["--batch-invariant"]].concat())?;
     let url = server.url("/v1/completions");
     let a = agent();
@@ -362,6 +372,7 @@ fn settled(server: &Server) -> Result<String> {
 
 #[test]
 fn clients_that_disconnect_mid_stream_leave_no_kv() -> Result<()> {
+    let _one = one_at_a_time();
     let server = Server::start(&["--max-batch", "10"])?;
     let a = agent();
     // 100 clients, each gone after its first token, 10 decoding at a time.
@@ -394,6 +405,7 @@ fn clients_that_disconnect_mid_stream_leave_no_kv() -> Result<()> {
 
 #[test]
 fn sigterm_during_load_exits_cleanly() -> Result<()> {
+    let _one = one_at_a_time();
     let mut server = Server::start(&["--shutdown-timeout", "2", "--max-batch", "2"])?;
     let url = server.url("/v1/completions");
     let clients: Vec<_> = (0..4)
@@ -433,6 +445,7 @@ fn sigterm_during_load_exits_cleanly() -> Result<()> {
 
 #[test]
 fn every_policy_serves_a_batch() -> Result<()> {
+    let _one = one_at_a_time();
     let mut reference: Option<String> = None;
     for policy in [
         "full",
@@ -474,6 +487,7 @@ fn every_policy_serves_a_batch() -> Result<()> {
 
 #[test]
 fn a_full_queue_answers_429_and_sigterm_removes_the_disk_tier() -> Result<()> {
+    let _one = one_at_a_time();
     let disk = tempfile::tempdir()?;
     let d = disk.path().to_string_lossy().into_owned();
     let mut server = Server::start(&[
