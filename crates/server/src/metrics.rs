@@ -81,6 +81,9 @@ pub struct Metrics {
     pub preemptions: Family<ModeLabels, Counter>,
     /// Requests looked up in the prefix cache.
     pub prefix_lookups: Counter,
+    /// Prompt tokens looked up in the prefix cache (vLLM's `prefix_cache_queries`; the
+    /// tokens found are `prefix_restored_tokens`).
+    pub prefix_queries: Counter,
     /// Requests that restored at least one chunk.
     pub prefix_hits: Counter,
     /// Prompt tokens restored instead of prefilled.
@@ -128,6 +131,7 @@ impl Metrics {
             kv_peak: Family::default(),
             preemptions: Family::default(),
             prefix_lookups: Counter::default(),
+            prefix_queries: Counter::default(),
             prefix_hits: Counter::default(),
             prefix_restored_tokens: Counter::default(),
             prefix_stored_chunks: Counter::default(),
@@ -227,6 +231,11 @@ impl Metrics {
             "prefix_cache_lookups",
             "Requests looked up in the prefix cache",
             m.prefix_lookups.clone(),
+        );
+        registry.register(
+            "prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache (those found: prefix_cache_restored_tokens)",
+            m.prefix_queries.clone(),
         );
         registry.register(
             "prefix_cache_hits",

@@ -62,6 +62,8 @@ fn prompts_restore_earlier_chunks_from_ram_and_files_and_answer_alike() -> Resul
             "kvpolicy_prefix_cache_restored_tokens_total",
             256.0,
         )?;
+        // Both looked up, in tokens.
+        counter(&server, "kvpolicy_prefix_cache_queries_total", 600.0)?;
         // A prompt sharing the first 200 tokens restores 3 chunks.
         let shared = greedy(&a, &server, &other)?;
         counter(

@@ -156,6 +156,7 @@ impl Engine {
             self.cfg.prefill_chunk,
         )?;
         self.metrics.prefix_lookups.inc();
+        self.metrics.prefix_queries.inc_by(prompt.len() as u64);
         if n > 0 {
             self.metrics.prefix_hits.inc();
             self.metrics.prefix_restored_tokens.inc_by(n as u64);
