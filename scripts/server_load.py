@@ -15,6 +15,14 @@ in the same run.
     cargo build --release -p kvpolicy-server
     python3 scripts/server_load.py --results bench-results/server-load.json
 
+`--mix` picks the requests (issue 54): `stories` (the above), `shared-prefix` (every prompt a
+~2,000-token shared system prompt and a distinct question), or `long` (distinct prompts of
+~1,500 tokens). `--kv-budget BYTES` gives kvpolicy-server one memory budget for every
+request together (`--device-kv-budget`; with `--policy headwise` and friends also
+`--host-kv-budget` and a disk tier under `--disk-dir`), and the table then says how full its
+pools got and how many requests were preempted (`/metrics`); llama.cpp's server gets a
+context of the same bytes of f16 K/V (`--n_ctx`), so both hold equal K/V memory.
+
 Every run is bounded: `--timeout` seconds per request and a count fixed by the flags.
 """
 import argparse
@@ -35,8 +43,18 @@ WORDS = ("river stone lantern meadow copper orchard winter harbor velvet signal 
          "thunder maple circuit canyon ember silver window shadow compass").split()
 
 
-def make_prompts(n, seed):
-    """`n` prompts of about 16 to 640 tokens (a token is roughly a word here)."""
+def make_prompts(n, seed, mix="stories"):
+    """`n` prompts of the `mix` (a token is roughly a word here)."""
+    if mix == "shared-prefix":
+        rng = random.Random(seed)
+        system = " ".join(rng.choice(WORDS) for _ in range(2000))
+        return [{"prompt": f"Notes: {system}.\nQuestion {i}: which word comes after "
+                           f"{rng.choice(WORDS)} in note {rng.randint(1, 99)}? Answer:",
+                 "max_tokens": rng.choice([16, 24, 32])} for i in range(n)]
+    if mix == "long":
+        rng = random.Random(seed)
+        return [{"prompt": f"Story {i}: " + " ".join(rng.choice(WORDS) for _ in range(1500))
+                           + f". The end of story {i} is", "max_tokens": 16} for i in range(n)]
     rng = random.Random(seed)
     out = []
     for i in range(n):
@@ -139,6 +157,18 @@ def load(url, prompts, clients, per_client, seed, timeout):
     return results, time.time() - t0
 
 
+def pool_metrics(url):
+    """The pools' peaks and budgets and the preemptions from kvpolicy-server's /metrics."""
+    out = {}
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    for line in text.splitlines():
+        for name in ("kvpolicy_kv_peak_bytes", "kvpolicy_kv_budget_bytes",
+                     "kvpolicy_num_preemptions_total"):
+            if line.startswith(name + "{"):
+                out[line.split(" ")[0]] = float(line.split(" ")[1])
+    return out
+
+
 def summarize(name, results, wall, rss, solo=None):
     ok = [r for r in results if r["error"] is None]
     ttfts = sorted(r["ttft"] for r in ok if r["ttft"] is not None)
@@ -166,9 +196,20 @@ def main():
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-llamacpp", action="store_true")
+    ap.add_argument("--mix", choices=["stories", "shared-prefix", "long"], default="stories")
+    ap.add_argument("--kv-budget", help="one K/V budget for all requests, e.g. 192MiB")
+    ap.add_argument("--disk-dir", help="kvpolicy-server's disk tier (with --kv-budget and an "
+                                       "offloading policy: the host budget's overflow)")
+    ap.add_argument("--n-ctx", type=int, default=8192,
+                    help="llama.cpp's context (tokens); with --kv-budget, its bytes' worth")
     ap.add_argument("--results", help="JSON to write")
     a = ap.parse_args()
-    prompts = make_prompts(a.prompts, a.seed)
+    prompts = make_prompts(a.prompts, a.seed, a.mix)
+    budget_flags = []
+    if a.kv_budget:
+        budget_flags = ["--device-kv-budget", a.kv_budget]
+        if a.disk_dir:
+            budget_flags += ["--disk-dir", a.disk_dir, "--host-kv-budget", a.kv_budget]
     rows = []
     binary = ROOT / "target" / "release" / "kvpolicy-server"
     if not binary.is_file():
@@ -176,7 +217,7 @@ def main():
     env = dict(os.environ, RAYON_NUM_THREADS=str(a.threads))
     proc, url = start([str(binary), "--cpu", "--port", "0", "--gguf", a.gguf, "--policy",
                        a.policy, "--batch-invariant", "--max-batch", str(a.max_batch),
-                       "--max-queue", str(a.clients * 2)],
+                       "--max-queue", str(a.clients * 2)] + budget_flags,
                       lambda lines: next((l.split("listening on ")[1].split()[0]
                                           for l in lines if "listening on" in l), None), env)
     try:
@@ -187,16 +228,18 @@ def main():
                 sys.exit(f"solo run of prompt {i} failed: {err}")
             solo.append(text)
         results, wall = load(url, prompts, a.clients, a.requests, a.seed, a.timeout)
+        budget = f", KV budget {a.kv_budget}" if a.kv_budget else ""
         rows.append(summarize(f"kvpolicy-server ({a.policy}, --batch-invariant, "
-                              f"--max-batch {a.max_batch})", results, wall,
+                              f"--max-batch {a.max_batch}{budget})", results, wall,
                               peak_rss(proc.pid), solo))
+        rows[-1]["pools"] = pool_metrics(url)
     finally:
         proc.terminate()
         proc.wait(timeout=60)
     if not a.no_llamacpp:
         port = 18000 + os.getpid() % 1000
         proc, url = start([sys.executable, "-m", "llama_cpp.server", "--model", a.gguf,
-                           "--port", str(port), "--host", "127.0.0.1", "--n_ctx", "8192",
+                           "--port", str(port), "--host", "127.0.0.1", "--n_ctx", str(a.n_ctx),
                            "--n_threads", str(a.threads), "--n_threads_batch", str(a.threads),
                            # Its default cancels a running stream when a new request arrives.
                            "--interrupt_requests", "False"],
@@ -216,6 +259,10 @@ def main():
         print(f"| {r['server']} | {r['requests']} | {r['ok']} | {r['failed']} | {differ} | "
               f"{r['ttft_p50_s']:.2f} | {r['ttft_p99_s']:.2f} | {r['tokens_per_s']:.1f} | "
               f"{r['wall_s']:.0f} | {r['peak_rss_bytes'] / 2**20:.0f} |")
+    for r in rows:
+        if r.get("pools"):
+            print(f"{r['server']}: " + ", ".join(f"{k} = {v:.0f}" for k, v in
+                                                 sorted(r["pools"].items())))
     if a.results:
         Path(a.results).write_text(json.dumps(rows, indent=1) + "\n")
     bad = [r for r in rows if r["failed"] or r["differ_from_solo"]]
