@@ -90,15 +90,33 @@ pub struct KvPool {
     pub device: TierPool,
     /// Host RAM of the host tier's stores that may spill to a disk tier.
     pub host: TierPool,
+    /// How many sequences may run at once (1: one).
+    sequences: usize,
 }
 
 impl KvPool {
     /// Pools of `device` and `host` bytes (`None`: unlimited, only counted).
     pub fn new(device: Option<u64>, host: Option<u64>) -> Arc<Self> {
+        Self::shared_by(device, host, 1)
+    }
+
+    /// Pools that up to `sequences` sequences share at once.
+    pub fn shared_by(device: Option<u64>, host: Option<u64>, sequences: usize) -> Arc<Self> {
         Arc::new(Self {
             device: TierPool::new(device),
             host: TierPool::new(host),
+            sequences: sequences.max(1),
         })
+    }
+
+    /// The device bytes one sequence may plan to keep for itself, holding `held` now: what
+    /// the pool has free and it holds, at most an equal share of the budget (`None`:
+    /// unlimited). The rule a policy that fills its budget by choice (`auto`'s resident
+    /// units) plans with, so that one sequence does not take what the others grow into.
+    pub fn device_share(&self, held: u64) -> Option<u64> {
+        let budget = self.device.budget()?;
+        let share = budget / self.sequences as u64;
+        Some(share.min(held.saturating_add(self.device.free())))
     }
 }
 

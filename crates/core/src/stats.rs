@@ -227,6 +227,16 @@ impl DeviceMeter {
         self.budget
     }
 
+    /// What a policy may plan to hold by choice (resident units that could stream): the
+    /// budget, or with a shared pool this sequence's share of it
+    /// ([`KvPool::device_share`]).
+    pub fn plannable(&self) -> Option<u64> {
+        match &self.pool {
+            Some(p) if p.device.budget().is_some() => p.device_share(self.current),
+            _ => self.budget,
+        }
+    }
+
     /// Bytes held now.
     pub fn current(&self) -> u64 {
         self.current

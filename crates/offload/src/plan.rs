@@ -227,7 +227,7 @@ impl Plan {
         group: usize,
         cap: usize,
     ) -> Option<u64> {
-        let budget = meter.budget()?;
+        let budget = meter.plannable()?;
         let streaming =
             self.buffers_bytes(host, shape, group, cap) + self.scratch_bytes(shape, group, cap);
         Some(budget.saturating_sub(streaming))

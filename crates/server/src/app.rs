@@ -58,7 +58,7 @@ pub fn build(
     let dtype = args.model.dtype(&device)?;
     let mut opts = args.kv.options(&device)?;
     // One pool per tier for every request: the budgets bound their sum.
-    let pool = KvPool::new(opts.device_kv_budget, opts.host_kv_budget);
+    let pool = KvPool::shared_by(opts.device_kv_budget, opts.host_kv_budget, args.max_batch);
     opts.pool = Some(pool.clone());
     // A bad policy fails before the model loads.
     let mut policy = reg.build_batched_spec(&spec, &opts)?;

@@ -24,6 +24,10 @@
 //! the host pool holds what every running request may still take at the model's whole K/V
 //! per token and the newcomer's whole reservation; the host tier then never needs a
 //! preemption, and a store that would pass the budget anyway goes to the disk tier.
+//! (4) *Units kept by choice* (`auto`'s resident units): each request plans them within an
+//! equal share of the device budget (budget ÷ `--max-batch`, or what the pool has free if
+//! less: [`KvPool::device_share`]), so the first request does not take what the others
+//! grow into.
 use std::sync::Arc;
 
 use kvpolicy::core::SeqHeld;

@@ -3,8 +3,8 @@
 //! and preempted (recomputed) rather than refused or failed; each still gets exactly the
 //! tokens it gets alone (`--batch-invariant`), and no pool holds more than its budget
 //! (`/metrics`: every sample's usage ≤ 1, and the peak the pool's books ever saw ≤ the
-//! budget) — under `full`, `headwise` with a host budget and a disk tier, and the
-//! approximate `quest` (its LOSSY label intact).
+//! budget) — under `full`, `headwise` and `auto` with a host budget and a disk tier, and
+//! the approximate `quest` (its LOSSY label intact).
 mod common;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -200,6 +200,35 @@ fn headwise_sixteen_requests_past_four_host_budgets_stay_exact() -> Result<()> {
         lossy: false,
         device_budget: Some(4.0 * MIB),
         host_budget: Some(47.0 * MIB),
+    })
+}
+
+/// `auto` plans its resident units within an equal share of the device budget (budget ÷
+/// `--max-batch`): eight requests, ~4 × the host budget, under a device budget that holds
+/// every resident unit of none of them.
+#[test]
+fn auto_requests_share_the_device_budget_and_stay_exact() -> Result<()> {
+    let disk = tempfile::tempdir()?;
+    let dir = disk
+        .path()
+        .to_str()
+        .context("a UTF-8 temporary directory")?;
+    check(&Load {
+        flags: &[
+            "--policy",
+            "auto",
+            "--device-kv-budget",
+            "4MiB",
+            "--disk-dir",
+            dir,
+            "--host-kv-budget",
+            "24MiB",
+        ],
+        requests: 8,
+        preempts: false,
+        lossy: false,
+        device_budget: Some(4.0 * MIB),
+        host_budget: Some(24.0 * MIB),
     })
 }
 
