@@ -200,6 +200,10 @@ def main():
     ap.add_argument("--kv-budget", help="one K/V budget for all requests, e.g. 192MiB")
     ap.add_argument("--disk-dir", help="kvpolicy-server's disk tier (with --kv-budget and an "
                                        "offloading policy: the host budget's overflow)")
+    ap.add_argument("--ctx-size", type=int, help="kvpolicy-server's --ctx-size (tokens)")
+    ap.add_argument("--prefix-cache", help="kvpolicy-server's prefix cache directory (its "
+                                           "RAM tier --prefix-cache-ram is the same bytes as "
+                                           "--kv-budget when given)")
     ap.add_argument("--n-ctx", type=int, default=8192,
                     help="llama.cpp's context (tokens); with --kv-budget, its bytes' worth")
     ap.add_argument("--results", help="JSON to write")
@@ -210,6 +214,12 @@ def main():
         budget_flags = ["--device-kv-budget", a.kv_budget]
         if a.disk_dir:
             budget_flags += ["--disk-dir", a.disk_dir, "--host-kv-budget", a.kv_budget]
+    if a.ctx_size:
+        budget_flags += ["--ctx-size", str(a.ctx_size)]
+    if a.prefix_cache:
+        budget_flags += ["--prefix-cache", a.prefix_cache]
+        if a.kv_budget:
+            budget_flags += ["--prefix-cache-ram", a.kv_budget]
     rows = []
     binary = ROOT / "target" / "release" / "kvpolicy-server"
     if not binary.is_file():
@@ -229,6 +239,7 @@ def main():
             solo.append(text)
         results, wall = load(url, prompts, a.clients, a.requests, a.seed, a.timeout)
         budget = f", KV budget {a.kv_budget}" if a.kv_budget else ""
+        budget += ", prefix cache" if a.prefix_cache else ""
         rows.append(summarize(f"kvpolicy-server ({a.policy}, --batch-invariant, "
                               f"--max-batch {a.max_batch}{budget})", results, wall,
                               peak_rss(proc.pid), solo))
