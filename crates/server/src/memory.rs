@@ -165,7 +165,7 @@ impl Governor {
             // A growing buffer and the one it replaces exist together for a moment.
             let overlap = live
                 .iter()
-                .filter(|r| r.adding > 0)
+                .filter(|r| self.growth(r, r.adding, top) > 0.0)
                 .map(|r| r.held.device_bytes as f64 / self.n_layers as f64)
                 .fold(0.0, f64::max);
             if used + growth + overlap <= budget as f64 || live.len() <= 1 {

@@ -24,8 +24,11 @@ impl Engine {
                     None => break,
                 },
             };
-            if self.memory.is_some() {
-                let running = self.running(&[]);
+            if self.hold_resumes && !self.preempted.is_empty() {
+                // Nothing has left since the last preemption: its room is not back yet.
+                break;
+            }
+            if let Some(running) = self.running(&[]) {
                 if self
                     .memory
                     .as_ref()
@@ -83,18 +86,18 @@ impl Engine {
     }
 
     /// The running requests as the memory rules see them; `adding` says how many tokens
-    /// this step gives each slot.
-    fn running(&mut self, chunks: &[SeqChunk]) -> Vec<Running> {
+    /// this step gives each slot. `None` without rules, or when the policy does not say
+    /// what a sequence holds (`hybrid` keeps its own pool): then the rules stand aside.
+    fn running(&mut self, chunks: &[SeqChunk]) -> Option<Vec<Running>> {
+        self.memory.as_ref()?;
         let mut out = Vec::new();
         for seq in 0..self.slots.len() {
             let Some(admitted) = self.slots[seq].as_ref().map(|a| a.admitted) else {
                 continue;
             };
-            let held = self
-                .policy
-                .as_batched()
-                .and_then(|b| b.held(seq))
-                .unwrap_or_default();
+            let held = self.policy.as_batched().map(|b| b.held(seq))?;
+            // A sequence that has not run yet holds nothing.
+            let held = held.unwrap_or_default();
             let adding = chunks
                 .iter()
                 .filter(|c| c.seq == seq)
@@ -113,19 +116,20 @@ impl Engine {
                 planned,
             });
         }
-        out
+        Some(out)
     }
 
-    /// Preempts what the memory rules say this step cannot hold, and drops their pieces.
-    pub(super) fn make_room(&mut self, chunks: &mut Vec<SeqChunk>) {
-        if self.memory.is_none() {
-            return;
-        }
-        let running = self.running(chunks);
+    /// Preempts what the memory rules say this step cannot hold, and drops their pieces;
+    /// whether it preempted any.
+    pub(super) fn make_room(&mut self, chunks: &mut Vec<SeqChunk>) -> bool {
+        let Some(running) = self.running(chunks) else {
+            return false;
+        };
         let out = self
             .memory
             .as_ref()
             .map_or_else(Vec::new, |g| g.to_preempt(&running));
+        let any = !out.is_empty();
         for seq in out {
             if let Some(mut a) = self.slots[seq].take() {
                 self.release(seq);
@@ -141,6 +145,10 @@ impl Engine {
             }
             chunks.retain(|c| c.seq != seq);
         }
+        // Not admitted again until a request leaves (`release`): what it was preempted for
+        // is still there.
+        self.hold_resumes |= any;
+        any
     }
 
     /// The longest cached prefix of `prompt` restored into slot `seq` (0 without a cache).
@@ -164,7 +172,7 @@ impl Engine {
         Ok(n)
     }
 
-    /// Forgets waiting requests whose client has gone (they hold no queue place).
+    /// Forgets waiting and preempted requests whose client has gone.
     pub(super) fn drop_waiting_departed(&mut self) {
         let before = self.waiting.len();
         self.waiting.retain(|j| !j.events.is_closed());
@@ -173,6 +181,12 @@ impl Engine {
             self.queued.fetch_sub(gone, Ordering::SeqCst);
             self.metrics.cancelled.inc_by(gone as u64);
         }
+        // Preempted ones hold no queue place.
+        let before = self.preempted.len();
+        self.preempted.retain(|a| !a.job.events.is_closed());
+        self.metrics
+            .cancelled
+            .inc_by((before - self.preempted.len()) as u64);
     }
 
     /// Frees the cache of every request whose client has gone.

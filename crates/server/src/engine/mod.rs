@@ -151,6 +151,8 @@ struct Engine {
     preempted: VecDeque<Active>,
     /// Admissions so far.
     admissions: u64,
+    /// A request was preempted and none has left since: preempted ones wait.
+    hold_resumes: bool,
 }
 
 /// Starts the engine on its own thread; `policy` must take ragged batches (built with
@@ -194,6 +196,7 @@ pub fn start(
         memory,
         preempted: VecDeque::new(),
         admissions: 0,
+        hold_resumes: false,
     };
     let thread = std::thread::Builder::new()
         .name("kvpolicy-engine".into())
@@ -254,6 +257,8 @@ impl Engine {
     }
 
     fn release(&mut self, seq: usize) {
+        // Room came back: preempted requests may be admitted again.
+        self.hold_resumes = false;
         if let Some(b) = self.policy.as_batched() {
             b.release(seq);
         }
@@ -308,8 +313,11 @@ impl Engine {
     }
 
     fn step(&mut self) {
+        // After a preemption the step is planned again: the others may take its pieces.
         let mut chunks = self.chunks();
-        self.make_room(&mut chunks);
+        while self.make_room(&mut chunks) {
+            chunks = self.chunks();
+        }
         if chunks.is_empty() {
             return;
         }
