@@ -64,7 +64,7 @@ pub struct Metrics {
     pub step_seconds: Histogram,
     /// Requests decoding or prefilling now.
     pub running: Gauge,
-    /// Requests waiting for a slot.
+    /// Requests waiting for a slot (preempted ones included).
     pub queued: Gauge,
     /// KV bytes held now, per tier.
     pub kv_bytes: Family<TierLabels, Gauge<u64, AtomicU64>>,
@@ -194,7 +194,7 @@ impl Metrics {
         );
         registry.register(
             "requests_queued",
-            "Requests waiting for a slot",
+            "Requests waiting for a slot or for memory (preempted ones included)",
             m.queued.clone(),
         );
         registry.register(

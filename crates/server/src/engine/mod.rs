@@ -479,10 +479,10 @@ impl Engine {
         self.free
             .store(self.slots.len() - running, Ordering::SeqCst);
         self.metrics.running.set(running as i64);
-        // Submitted and not admitted yet: in the channel or in `waiting`.
+        // Submitted and not admitted yet (in the channel or in `waiting`), and preempted.
         self.metrics
             .queued
-            .set(self.queued.load(Ordering::SeqCst) as i64);
+            .set((self.queued.load(Ordering::SeqCst) + self.preempted.len()) as i64);
         let s = self.policy.stats();
         self.metrics.set_kv(&s);
         if let Some(g) = &self.memory {
