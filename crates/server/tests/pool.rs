@@ -47,18 +47,18 @@ fn greedy(a: &ureq::Agent, url: &str, prompt: &Value) -> Result<Value> {
 
 /// What one load under one policy must show.
 struct Load<'a> {
-    /// The server's flags beyond the batching ones.
-    flags: &'a [&'a str],
+    /// The policy served.
+    policy: &'a str,
     /// Requests sent at once.
     requests: usize,
     /// Whether some must be preempted.
     preempts: bool,
     /// Whether the policy is approximate (the server says LOSSY when it starts).
     lossy: bool,
-    /// The device budget, when one is given.
-    device_budget: Option<f64>,
-    /// The host budget, when one is given.
-    host_budget: Option<f64>,
+    /// `--device-kv-budget` in MiB, when one is given.
+    device_mib: Option<u32>,
+    /// `--host-kv-budget` in MiB (over a disk tier in a temporary directory), when given.
+    host_mib: Option<u32>,
 }
 
 /// Runs `prompts()` alone, then all at once with `/metrics` sampled throughout: each gets
@@ -76,7 +76,32 @@ fn check(load: &Load<'_>) -> Result<()> {
         "--prefill-chunk",
         "64",
     ];
-    let server = Server::start(&[&batching[..], &["--batch-invariant"], load.flags].concat())?;
+    let mut flags: Vec<String> = [
+        &batching[..],
+        &["--batch-invariant", "--policy", load.policy],
+    ]
+    .concat()
+    .iter()
+    .map(|f| f.to_string())
+    .collect();
+    if let Some(mib) = load.device_mib {
+        flags.extend(["--device-kv-budget".into(), format!("{mib}MiB")]);
+    }
+    let disk = tempfile::tempdir()?;
+    if let Some(mib) = load.host_mib {
+        let dir = disk
+            .path()
+            .to_str()
+            .context("a UTF-8 temporary directory")?;
+        flags.extend([
+            "--disk-dir".into(),
+            dir.into(),
+            "--host-kv-budget".into(),
+            format!("{mib}MiB"),
+        ]);
+    }
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let server = Server::start(&flags)?;
     ensure!(
         server.banner.contains("LOSSY") == load.lossy,
         "the server's banner: {}",
@@ -122,9 +147,9 @@ fn check(load: &Load<'_>) -> Result<()> {
         "only {} samples of /metrics",
         samples.len()
     );
-    let tiers: Vec<(&str, f64)> = [("device", load.device_budget), ("host", load.host_budget)]
+    let tiers: Vec<(&str, f64)> = [("device", load.device_mib), ("host", load.host_mib)]
         .into_iter()
-        .filter_map(|(t, b)| b.map(|b| (t, b)))
+        .filter_map(|(t, b)| b.map(|mib| (t, f64::from(mib) * MIB)))
         .collect();
     for m in &samples {
         for (tier, _) in &tiers {
@@ -166,12 +191,12 @@ static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 #[test]
 fn full_requests_past_the_device_budget_wait_or_are_preempted_and_stay_exact() -> Result<()> {
     check(&Load {
-        flags: &["--device-kv-budget", "64MiB"],
+        policy: "full",
         requests: 4,
         preempts: true,
         lossy: false,
-        device_budget: Some(64.0 * MIB),
-        host_budget: None,
+        device_mib: Some(64),
+        host_mib: None,
     })
 }
 
@@ -179,27 +204,13 @@ fn full_requests_past_the_device_budget_wait_or_are_preempted_and_stay_exact() -
 /// device budget small enough that requests admitted together preempt one another.
 #[test]
 fn headwise_sixteen_requests_past_four_host_budgets_stay_exact() -> Result<()> {
-    let disk = tempfile::tempdir()?;
-    let dir = disk
-        .path()
-        .to_str()
-        .context("a UTF-8 temporary directory")?;
     check(&Load {
-        flags: &[
-            "--policy",
-            "headwise",
-            "--device-kv-budget",
-            "4MiB",
-            "--disk-dir",
-            dir,
-            "--host-kv-budget",
-            "47MiB",
-        ],
+        policy: "headwise",
         requests: 16,
         preempts: true,
         lossy: false,
-        device_budget: Some(4.0 * MIB),
-        host_budget: Some(47.0 * MIB),
+        device_mib: Some(4),
+        host_mib: Some(47),
     })
 }
 
@@ -208,27 +219,13 @@ fn headwise_sixteen_requests_past_four_host_budgets_stay_exact() -> Result<()> {
 /// every resident unit of none of them.
 #[test]
 fn auto_requests_share_the_device_budget_and_stay_exact() -> Result<()> {
-    let disk = tempfile::tempdir()?;
-    let dir = disk
-        .path()
-        .to_str()
-        .context("a UTF-8 temporary directory")?;
     check(&Load {
-        flags: &[
-            "--policy",
-            "auto",
-            "--device-kv-budget",
-            "4MiB",
-            "--disk-dir",
-            dir,
-            "--host-kv-budget",
-            "24MiB",
-        ],
+        policy: "auto",
         requests: 8,
         preempts: false,
         lossy: false,
-        device_budget: Some(4.0 * MIB),
-        host_budget: Some(24.0 * MIB),
+        device_mib: Some(4),
+        host_mib: Some(24),
     })
 }
 
@@ -236,25 +233,12 @@ fn auto_requests_share_the_device_budget_and_stay_exact() -> Result<()> {
 /// budget, admitted as it allows; still LOSSY, still each request's solo tokens.
 #[test]
 fn quest_requests_past_the_host_budget_wait_and_stay_lossy_and_exact() -> Result<()> {
-    let disk = tempfile::tempdir()?;
-    let dir = disk
-        .path()
-        .to_str()
-        .context("a UTF-8 temporary directory")?;
-    let flags = [
-        "--policy",
-        "quest",
-        "--disk-dir",
-        dir,
-        "--host-kv-budget",
-        "24MiB",
-    ];
     check(&Load {
-        flags: &flags,
+        policy: "quest",
         requests: 8,
         preempts: false,
         lossy: true,
-        device_budget: None,
-        host_budget: Some(24.0 * MIB),
+        device_mib: None,
+        host_mib: Some(24),
     })
 }
