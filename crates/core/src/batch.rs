@@ -194,15 +194,16 @@ impl Batched for PerSequence {
         }
     }
 
+    /// Always says: a sequence without a cache yet holds nothing.
     fn held(&mut self, seq: usize) -> Option<SeqHeld> {
-        self.seqs.get(&seq).map(|p| {
+        Some(self.seqs.get(&seq).map_or_else(SeqHeld::default, |p| {
             let s = p.stats();
             SeqHeld {
                 tokens: p.seq_len() as u64,
                 device_bytes: s.device_kv_bytes,
                 host_bytes: s.host_kv_bytes,
             }
-        })
+        }))
     }
 }
 

@@ -38,8 +38,8 @@ pub trait Batched {
         let _ = (seq, tokens);
     }
     /// What sequence `seq` holds now, per tier, for a scheduler sharing one memory pool
-    /// between sequences ([`crate::KvPool`]); `None` when the policy does not say (the
-    /// default) or `seq` holds nothing.
+    /// between sequences ([`crate::KvPool`]; a sequence that has not run holds nothing);
+    /// `None` when the policy does not say (the default).
     fn held(&mut self, seq: usize) -> Option<SeqHeld> {
         let _ = seq;
         None

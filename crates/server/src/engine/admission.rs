@@ -95,9 +95,7 @@ impl Engine {
             let Some(admitted) = self.slots[seq].as_ref().map(|a| a.admitted) else {
                 continue;
             };
-            let held = self.policy.as_batched().map(|b| b.held(seq))?;
-            // A sequence that has not run yet holds nothing.
-            let held = held.unwrap_or_default();
+            let held = self.policy.as_batched().and_then(|b| b.held(seq))?;
             let adding = chunks
                 .iter()
                 .filter(|c| c.seq == seq)
