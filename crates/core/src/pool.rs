@@ -139,4 +139,32 @@ mod tests {
         assert_eq!(p.peak(), 90);
         assert_eq!(TierPool::new(None).free(), u64::MAX);
     }
+
+    /// A meter in a pool asks it before growing, names what every member holds when it
+    /// refuses, and gives its bytes back when it is dropped.
+    #[test]
+    fn meters_share_the_pool_and_give_back_what_they_held() {
+        let pool = KvPool::new(Some(100), None);
+        let opts = crate::options::PolicyOptions {
+            device_kv_budget: Some(100),
+            pool: Some(pool.clone()),
+            ..Default::default()
+        };
+        let mut a = crate::stats::DeviceMeter::for_options(&opts);
+        let mut b = crate::stats::DeviceMeter::for_options(&opts);
+        a.alloc(70);
+        assert!(b.fits(30));
+        assert!(!b.fits(31), "its own budget has room; the pool has not");
+        let e = b.exceeded("a layer", crate::stats::Need::More(31), "", Vec::new());
+        assert!(
+            matches!(e, crate::error::KvError::BudgetExceeded { in_use: 70, .. }),
+            "{e}"
+        );
+        b.alloc(20);
+        assert_eq!(pool.device.used(), 90);
+        drop(a);
+        assert_eq!(pool.device.used(), 20);
+        b.reset();
+        assert_eq!((pool.device.used(), pool.device.peak()), (0, 90));
+    }
 }
