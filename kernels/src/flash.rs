@@ -23,20 +23,19 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 
 mod cpu;
 mod elem;
 mod plan;
+mod runs;
 mod small;
 pub mod softmax;
 mod workspace;
-use cpu::compute;
-use elem::Q8Block;
 pub use elem::{Q8_BYTES, Q8_VALUES};
 pub use plan::{scratch_bytes, threads, CallShape, FlashParams, TILE_KEYS, TILE_ROWS};
-use plan::{Geometry, Meter};
+use plan::Meter;
+pub use runs::{flash_attn_runs, KvRun};
 
 /// The result of [`flash_attn`].
 #[derive(Clone, Debug)]
@@ -92,35 +91,10 @@ impl CustomOp3 for FlashAttn {
         v: &CpuStorage,
         vl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        if let (CpuStorage::F32(q), CpuStorage::U8(k), CpuStorage::U8(v)) = (q, k, v) {
-            // f32 queries over a cache stored as q8_0 blocks (`--kv-dtype q8_0`).
-            let g = Geometry::of_q8(ql, kl, vl)?;
-            let shape = Shape::from((g.b, g.nh, g.t, g.d + 1));
-            let (k, v) = (Q8Block::slice(k), Q8Block::slice(v));
-            let out = compute(g, self.params, q, k, v, &self.meter);
-            return Ok((CpuStorage::F32(out), shape));
-        }
-        let g = Geometry::of(ql, kl, vl)?;
-        let shape = Shape::from((g.b, g.nh, g.t, g.d + 1));
-        let p = self.params;
-        let m = &self.meter;
-        let out = match (q, k, v) {
-            (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) => compute(g, p, q, k, v, m),
-            (CpuStorage::F16(q), CpuStorage::F16(k), CpuStorage::F16(v)) => compute(g, p, q, k, v, m),
-            (CpuStorage::BF16(q), CpuStorage::BF16(k), CpuStorage::BF16(v)) => compute(g, p, q, k, v, m),
-            // f32 queries over a cache stored smaller (`--kv-dtype`), widened tile by tile.
-            (CpuStorage::F32(q), CpuStorage::F16(k), CpuStorage::F16(v)) => compute(g, p, q, k, v, m),
-            (CpuStorage::F32(q), CpuStorage::BF16(k), CpuStorage::BF16(v)) => compute(g, p, q, k, v, m),
-            _ => {
-                return Err(candle_core::Error::Msg(format!(
-                    "flash_attn: keys and values must share a dtype, and queries be in it or f32 (u8 keys and values: q8_0 blocks under f32 queries; got {:?}, {:?}, {:?})",
-                    q.dtype(),
-                    k.dtype(),
-                    v.dtype()
-                )))
-            }
-        };
-        Ok((CpuStorage::F32(out), shape))
+        let (b, nh, t, d) = ql.shape().dims4()?;
+        let run = [runs::CpuRun { k, kl, v, vl }];
+        let out = runs::attend_cpu(q, ql, &run, self.params, &self.meter)?;
+        Ok((CpuStorage::F32(out), Shape::from((b, nh, t, d + 1))))
     }
 }
 

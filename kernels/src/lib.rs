@@ -31,7 +31,7 @@ pub mod heads_into;
 mod heads_layout;
 pub mod quant;
 
-pub use flash::{flash_attn, CallShape, FlashAttn, FlashOut, FlashParams, TILE_KEYS, TILE_ROWS};
+pub use flash::{flash_attn, flash_attn_runs, CallShape, KvRun, FlashAttn, FlashOut, FlashParams, TILE_KEYS, TILE_ROWS};
 pub use heads_into::{heads_into, HeadsInto, Rotation};
 
 #[cfg(feature = "cuda")]

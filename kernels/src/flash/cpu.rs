@@ -39,17 +39,36 @@ struct Task {
     slot: Option<usize>,
 }
 
+/// One run of the call's keys, `start..start + len`, in storage of its own (a shared
+/// prefix chunk, a sequence's own buffer): its keys and values and their views (offset and
+/// strides, in elements of `T`). A call's runs follow each other; a tile never crosses
+/// from one to the next, so runs of whole tiles give the tiles of one buffer, bit for bit.
+#[derive(Clone, Copy)]
+pub(super) struct Seg<'a, T> {
+    pub k: &'a [T],
+    pub v: &'a [T],
+    pub kview: (usize, [usize; 4]),
+    pub vview: (usize, [usize; 4]),
+    pub start: usize,
+    pub len: usize,
+}
+
 /// Queries of type `Q`, keys and values of type `T` (f32 queries over a cache stored in
-/// f16/bf16 or q8_0 blocks: `--kv-dtype`).
+/// f16/bf16 or q8_0 blocks: `--kv-dtype`), the keys in one or more runs.
 struct Kernel<'a, Q, T> {
     g: Geometry,
     p: FlashParams,
     q: &'a [Q],
-    k: &'a [T],
-    v: &'a [T],
+    segs: &'a [Seg<'a, T>],
 }
 
 impl<Q: Elem, T: Elem> Kernel<'_, Q, T> {
+    /// The run holding key `j`.
+    fn seg(&self, j: usize) -> &Seg<'_, T> {
+        let at = self.segs.partition_point(|s| s.start <= j).max(1) - 1;
+        &self.segs[at]
+    }
+
     /// Key indices `lo..hi` the rows of `item` can see at all.
     fn key_range(&self, item: &Item) -> (usize, usize) {
         let (qa, qb) = (self.p.q_pos + item.i0, self.p.q_pos + item.i1 - 1);
@@ -149,14 +168,17 @@ impl<Q: Elem, T: Elem> Kernel<'_, Q, T> {
         ws.m.buf[..rows].fill(f32::NEG_INFINITY);
         ws.l.buf[..rows].fill(0.0);
         let (qa, qb) = (self.p.q_pos + item.i0, self.p.q_pos + item.i1 - 1);
-        // Half K/V whose rows are contiguous are read in place by the small path.
-        let raw = small::applies(rows, d) && self.g.k.1[3] == 1 && self.g.v.1[3] == 1;
+        let small_rows = small::applies(rows, d);
         let mut j0 = lo;
         while j0 < hi {
-            let nk = TILE_KEYS.min(hi - j0);
+            let seg = *self.seg(j0);
+            // Half K/V whose rows are contiguous are read in place by the small path.
+            let raw = small_rows && seg.kview.1[3] == 1 && seg.vview.1[3] == 1;
+            let nk = TILE_KEYS.min(hi - j0).min(seg.start + seg.len - j0);
             let (ka, kb) = (self.p.k_pos + j0, self.p.k_pos + j0 + nk - 1);
-            let kt = self.kv_tile(self.k, self.g.k, (item, j0, nk), raw, ws.kt.as_mut());
-            let vt = self.kv_tile(self.v, self.g.v, (item, j0, nk), raw, ws.vt.as_mut());
+            let at = (item, j0 - seg.start, nk);
+            let kt = self.kv_tile(seg.k, seg.kview, at, raw, ws.kt.as_mut());
+            let vt = self.kv_tile(seg.v, seg.vview, at, raw, ws.vt.as_mut());
             let s = &mut ws.sc.buf[..rows * nk];
             // S (rows × nk) = Qs (rows × d) · K^T (d × nk): K^T's element (c, j) is key j's
             // value c.
@@ -328,12 +350,13 @@ fn finish_row(o: &[f32], m: f32, l: f32, row: &mut [f32]) {
     }
 }
 
-pub(super) fn compute<Q: Elem, T: Elem>(
+/// The attention of `q` over keys and values in the runs `segs` (`g.s` keys in all; `g.k`
+/// and `g.v` unused): the tiles of each run, in order, as if they were one buffer.
+pub(super) fn compute_runs<Q: Elem, T: Elem>(
     g: Geometry,
     p: FlashParams,
     q: &[Q],
-    k: &[T],
-    v: &[T],
+    segs: &[Seg<'_, T>],
     meter: &Meter,
 ) -> Vec<f32> {
     let d = g.d;
@@ -351,7 +374,7 @@ pub(super) fn compute<Q: Elem, T: Elem>(
         }
     }
     let threads = threads();
-    let kernel = Kernel { g, p, q, k, v };
+    let kernel = Kernel { g, p, q, segs };
     // Tasks: each item's visible keys, split into ranges of whole tiles when items alone
     // would leave threads idle.
     let splits = splits_for(items.len(), threads);
@@ -389,7 +412,7 @@ pub(super) fn compute<Q: Elem, T: Elem>(
     }
     let slot_len = rows_max * (d + 2);
     let mut partial = Scratch::new(slots * slot_len, 0.0, meter);
-    let widen = T::as_f32(k).is_none();
+    let widen = T::as_f32(&[]).is_none();
     let pool = Pool(
         (0..threads.min(tasks.len()))
             .map(|_| {
