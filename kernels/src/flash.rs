@@ -33,8 +33,8 @@ mod small;
 pub mod softmax;
 mod workspace;
 pub use elem::{Q8_BYTES, Q8_VALUES};
-pub use plan::{scratch_bytes, threads, CallShape, FlashParams, TILE_KEYS, TILE_ROWS};
 use plan::Meter;
+pub use plan::{scratch_bytes, threads, CallShape, FlashParams, TILE_KEYS, TILE_ROWS};
 pub use runs::{flash_attn_runs, KvRun};
 
 /// The result of [`flash_attn`].

@@ -31,7 +31,10 @@ pub mod heads_into;
 mod heads_layout;
 pub mod quant;
 
-pub use flash::{flash_attn, flash_attn_runs, CallShape, KvRun, FlashAttn, FlashOut, FlashParams, TILE_KEYS, TILE_ROWS};
+pub use flash::{
+    flash_attn, flash_attn_runs, CallShape, FlashAttn, FlashOut, FlashParams, KvRun, TILE_KEYS,
+    TILE_ROWS,
+};
 pub use heads_into::{heads_into, HeadsInto, Rotation};
 
 #[cfg(feature = "cuda")]

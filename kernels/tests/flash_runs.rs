@@ -65,7 +65,10 @@ fn check(c: &Case) -> Result<(f32, f32)> {
     };
     let got = flash_attn_runs(&q, &runs, &p)?;
     let want = flash_attn(&q, &joined.0, &joined.1, &p)?;
-    Ok((max_diff(&got.out, &want.out)?, max_diff(&got.lse, &want.lse)?))
+    Ok((
+        max_diff(&got.out, &want.out)?,
+        max_diff(&got.lse, &want.lse)?,
+    ))
 }
 
 fn cases() -> impl Strategy<Value = Case> {

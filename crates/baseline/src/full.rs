@@ -14,10 +14,12 @@ use std::ops::Range;
 
 use candle_core::{Device, Tensor};
 use kvpolicy_core::{
-    attend_partial, window_capacity, Advice, AttnInputs, AttnStep, DeviceMeter, Knob, KvError,
-    KvPolicy, KvShape, KvStats, PolicyOption, PolicyOptions, Result, WindowKv,
+    attend_partial_runs, window_capacity, Advice, AttnStep, DeviceMeter, Knob, KvError, KvPolicy,
+    KvShape, KvStats, PolicyOption, PolicyOptions, Result,
 };
-use kvpolicy_core::{KvCodec, KvRestore, Need, Partial, ShardLocal};
+use kvpolicy_core::{KvCodec, KvLease, KvRestore, Need, Partial, ShardLocal, SharedRun};
+
+use crate::held::LayerHeld;
 
 /// Why `full` cannot shrink to a device budget.
 const NOTE: &str = "`full` keeps every layer's KV on the device";
@@ -35,7 +37,7 @@ fn advice() -> Vec<Advice> {
 /// Everything on the device: the reference policy.
 #[derive(Debug)]
 pub struct FullPolicy {
-    layers: Vec<WindowKv>,
+    layers: Vec<LayerHeld>,
     grow_tokens: usize,
     meter: DeviceMeter,
     device: Device,
@@ -114,7 +116,7 @@ impl KvPolicy for FullPolicy {
     }
 
     fn seq_len(&self) -> usize {
-        self.layers.first().map(WindowKv::end).unwrap_or(0)
+        self.layers.first().map(|l| l.own.end()).unwrap_or(0)
     }
 
     fn reset(&mut self) {
@@ -146,24 +148,13 @@ impl FullPolicy {
     /// log-sum-exp (nothing held in it: the attention over no key).
     fn attend_held(&mut self, step: &AttnStep<'_>) -> Result<Partial> {
         let (b, nh, t, d) = step.q.dims4()?;
-        let Some(buf) = self.layers.get(step.layer) else {
+        let Some(held) = self.layers.get(step.layer) else {
             return Partial::empty(b, nh, t, d, step.q.device());
         };
-        let start = step.spec.window_start(step.pos).max(buf.base());
-        if start >= buf.end() {
+        let Some(seen) = held.visible(step.spec.window_start(step.pos))? else {
             return Partial::empty(b, nh, t, d, step.q.device());
-        }
-        let (k, v) = buf.view(start, buf.end())?;
-        let out = attend_partial(
-            AttnInputs {
-                q: step.q,
-                k: &k,
-                v: &v,
-                q_pos: step.pos,
-                k_pos: start,
-            },
-            step.spec,
-        )?;
+        };
+        let out = attend_partial_runs(step.q, &seen.as_runs(), step.pos, seen.k_pos, step.spec)?;
         let act = self.shape.as_ref().map_or(0, |s| s.activation_bytes(t));
         self.stats.note_scratch(out.scratch_bytes, act);
         Ok(out)
@@ -181,10 +172,8 @@ impl FullPolicy {
                 step.v.narrow(2, pos - step.pos, t)?,
             )
         };
-        while self.layers.len() <= step.layer {
-            self.layers.push(WindowKv::new(self.grow_tokens));
-        }
-        let buf = &mut self.layers[step.layer];
+        self.grow_to(step.layer);
+        let buf = &mut self.layers[step.layer].own;
         if pos != buf.end() {
             return Err(KvError::OutOfOrder {
                 seq: step.seq,
@@ -216,6 +205,22 @@ impl FullPolicy {
     }
 }
 
+impl FullPolicy {
+    /// Layers up to `layer` exist.
+    fn grow_to(&mut self, layer: usize) {
+        while self.layers.len() <= layer {
+            self.layers.push(LayerHeld::new(self.grow_tokens));
+        }
+    }
+
+    /// Whether K/V of `dtype` are stored as they are (so a shared run can be read as its
+    /// owner keeps it), on the CPU (elsewhere a run restored from host RAM is a copy on the
+    /// device anyway).
+    fn stores_as_given(&self, dtype: candle_core::DType, d: usize) -> bool {
+        self.device.is_cpu() && self.codec.stored(dtype, d) == (dtype, d)
+    }
+}
+
 impl KvRestore for FullPolicy {
     fn append_kv(&mut self, step: &AttnStep<'_>) -> Result<()> {
         let t = step.k.dim(2)?;
@@ -224,6 +229,46 @@ impl KvRestore for FullPolicy {
             step.pos..step.pos + t,
             step.spec.window_start(step.pos),
         )
+    }
+
+    /// On the CPU, when K/V are stored in the model's dtype.
+    fn attaches_kv(&mut self, _seq: usize) -> bool {
+        self.shape
+            .as_ref()
+            .is_some_and(|s| self.stores_as_given(s.dtype, s.head_dim))
+    }
+
+    /// Kept by reference while the layer holds no token of its own (a prefix restored
+    /// before the prefill); copied otherwise.
+    fn attach_kv(&mut self, step: &AttnStep<'_>, lease: &KvLease) -> Result<()> {
+        let (dt, d) = (step.k.dtype(), step.k.dim(3)?);
+        if self.stores_as_given(dt, d) && step.k.device().same_device(&self.device) {
+            self.grow_to(step.layer);
+            let run = SharedRun {
+                k: step.k,
+                v: step.v,
+                pos: step.pos,
+                lease,
+            };
+            if self.layers[step.layer].attach(&run)? {
+                return Ok(());
+            }
+        }
+        self.append_kv(step)
+    }
+
+    fn adopt_kv(&mut self, _seq: usize, layer: usize, runs: &[SharedRun<'_>]) -> Result<bool> {
+        let Some(first) = runs.first() else {
+            return Ok(false);
+        };
+        let (dt, d) = (first.k.dtype(), first.k.dim(3)?);
+        if !self.stores_as_given(dt, d) {
+            return Ok(false);
+        }
+        match self.layers.get_mut(layer) {
+            Some(held) => held.adopt(runs, &mut self.meter),
+            None => Ok(false),
+        }
     }
 }
 
@@ -235,10 +280,8 @@ impl ShardLocal for FullPolicy {
     fn attend_shard(&mut self, step: &AttnStep<'_>, store: Range<usize>) -> Result<Partial> {
         if !store.is_empty() {
             kvpolicy_core::check_store(step, &store)?;
-            while self.layers.len() <= step.layer {
-                self.layers.push(WindowKv::new(self.grow_tokens));
-            }
-            let buf = &mut self.layers[step.layer];
+            self.grow_to(step.layer);
+            let buf = &mut self.layers[step.layer].own;
             if buf.buffer().is_empty() {
                 buf.start_at(store.start)?;
             }

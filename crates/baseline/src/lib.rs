@@ -9,6 +9,7 @@
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 pub mod full;
+pub mod held;
 
 pub use full::FullPolicy;
 

@@ -25,7 +25,8 @@
 //!   the tests compare against.
 use candle_core::{DType, Device, Tensor};
 pub use kvpolicy_kernels::CallShape;
-use kvpolicy_kernels::{flash_attn, FlashParams};
+pub use kvpolicy_kernels::KvRun;
+use kvpolicy_kernels::{flash_attn, flash_attn_runs, FlashParams};
 
 use crate::error::{KvError, Result};
 use crate::storage::KvCodec;
@@ -154,6 +155,78 @@ pub fn attend_partial(x: AttnInputs<'_>, spec: &AttnSpec) -> Result<Partial> {
         lse: f.lse,
         scratch_bytes: f.scratch_peak_bytes,
     })
+}
+
+/// [`attend_partial`] over keys and values held in several runs of storage, one after
+/// another from `k_pos` (a prefix shared by reference, [`crate::lease`], then a sequence's
+/// own buffer). On the CPU, with K/V the kernel reads in place, one kernel call walks the
+/// runs' tiles ([`kvpolicy_kernels::flash_attn_runs`]): runs of whole tiles give exactly
+/// the result over the runs joined. Elsewhere the runs are joined (a copy) and attended as
+/// one.
+pub fn attend_partial_runs(
+    q: &Tensor,
+    runs: &[KvRun<'_>],
+    q_pos: usize,
+    k_pos: usize,
+    spec: &AttnSpec,
+) -> Result<Partial> {
+    let runs = runs
+        .iter()
+        .filter(|r| r.k.dim(2).is_ok_and(|s| s > 0))
+        .copied()
+        .collect::<Vec<_>>();
+    let dt = q.dtype();
+    let in_place = |k: &Tensor| {
+        k.dtype() == dt
+            || (dt == DType::F32 && matches!(k.dtype(), DType::F16 | DType::BF16 | DType::U8))
+    };
+    let one_call = q.device().is_cpu()
+        && q.dim(2)? > 0
+        && runs
+            .iter()
+            .all(|r| r.k.device().is_cpu() && in_place(r.k) && r.v.dtype() == r.k.dtype());
+    match runs.as_slice() {
+        [] => {
+            let (b, nh, t, d) = q.dims4()?;
+            Partial::empty(b, nh, t, d, q.device())
+        }
+        [one] => attend_partial(inputs(q, one, q_pos, k_pos), spec),
+        _ if one_call => {
+            let f = flash_attn_runs(
+                q,
+                &runs,
+                &FlashParams {
+                    scale: spec.scale as f32,
+                    softcap: spec.softcap.map(|c| c as f32),
+                    causal: spec.causal,
+                    window: spec.sliding_window,
+                    q_pos,
+                    k_pos,
+                },
+            )?;
+            Ok(Partial {
+                out: f.out,
+                lse: f.lse,
+                scratch_bytes: f.scratch_peak_bytes,
+            })
+        }
+        many => {
+            let k = Tensor::cat(&many.iter().map(|r| r.k).collect::<Vec<_>>(), 2)?;
+            let v = Tensor::cat(&many.iter().map(|r| r.v).collect::<Vec<_>>(), 2)?;
+            attend_partial(inputs(q, &KvRun { k: &k, v: &v }, q_pos, k_pos), spec)
+        }
+    }
+}
+
+/// The inputs of one call over one run.
+fn inputs<'a>(q: &'a Tensor, run: &KvRun<'a>, q_pos: usize, k_pos: usize) -> AttnInputs<'a> {
+    AttnInputs {
+        q,
+        k: run.k,
+        v: run.v,
+        q_pos,
+        k_pos,
+    }
 }
 
 /// Stored K or V (`kv_dtype`'s form) as `dt` values of width `d`: q8_0 blocks (u8) are

@@ -9,6 +9,7 @@ use candle_core::Tensor;
 
 use crate::capabilities::{Batched, KvRestore, Profiled, SeqHeld};
 use crate::error::Result;
+use crate::lease::{KvLease, SharedRun};
 use crate::policy::KvPolicy;
 use crate::profile::Profile;
 use crate::restore::not_restorable;
@@ -168,6 +169,30 @@ impl KvRestore for PerSequence {
             .append_kv(step)?;
         self.device_peak = self.device_peak.max(self.live_device_bytes());
         Ok(())
+    }
+
+    fn attaches_kv(&mut self, seq: usize) -> bool {
+        self.cache(seq)
+            .ok()
+            .and_then(|p| p.as_restore().map(|r| r.attaches_kv(seq)))
+            .unwrap_or(false)
+    }
+
+    fn attach_kv(&mut self, step: &AttnStep<'_>, lease: &KvLease) -> Result<()> {
+        let p = self.cache(step.seq)?;
+        let name = p.name().to_string();
+        p.as_restore()
+            .ok_or_else(|| not_restorable(&name, step.layer))?
+            .attach_kv(step, lease)?;
+        self.device_peak = self.device_peak.max(self.live_device_bytes());
+        Ok(())
+    }
+
+    fn adopt_kv(&mut self, seq: usize, layer: usize, runs: &[SharedRun<'_>]) -> Result<bool> {
+        match self.seqs.get_mut(&seq).and_then(|p| p.as_restore()) {
+            Some(r) => r.adopt_kv(seq, layer, runs),
+            None => Ok(false),
+        }
     }
 }
 

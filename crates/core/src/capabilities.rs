@@ -7,6 +7,7 @@ use std::ops::Range;
 
 use crate::attention::Partial;
 use crate::error::Result;
+use crate::lease::{KvLease, SharedRun};
 use crate::profile::Profile;
 use crate::step::AttnStep;
 
@@ -17,6 +18,30 @@ pub trait KvRestore {
     /// Stores the step's K/V (`step.q` is not read); later steps continue the sequence as
     /// after a prefill. The step follows the same call protocol as `attend`.
     fn append_kv(&mut self, step: &AttnStep<'_>) -> Result<()>;
+
+    /// Whether [`attach_kv`](Self::attach_kv) keeps sequence `seq`'s K/V by reference
+    /// (the default: no, it copies them as [`append_kv`](Self::append_kv) does).
+    fn attaches_kv(&mut self, seq: usize) -> bool {
+        let _ = seq;
+        false
+    }
+
+    /// [`append_kv`](Self::append_kv) of K/V shared with other sequences (a prefix cache's
+    /// chunk, immutable): a policy that can keeps the step's tensors by reference, holding a
+    /// clone of `lease` while it does, instead of copying them. The default copies.
+    fn attach_kv(&mut self, step: &AttnStep<'_>, lease: &KvLease) -> Result<()> {
+        let _ = lease;
+        self.append_kv(step)
+    }
+
+    /// What sequence `seq` holds of layer `layer` at the positions of `runs` — one after
+    /// another from the first position it holds by itself — equals their K/V (it computed
+    /// them, and they are now shared): it may hold the runs by reference instead and free
+    /// its own copy. Returns whether it did (the default: it keeps its copy).
+    fn adopt_kv(&mut self, seq: usize, layer: usize, runs: &[SharedRun<'_>]) -> Result<bool> {
+        let _ = (seq, layer, runs);
+        Ok(false)
+    }
 }
 
 /// A policy that keeps one cache per [`AttnStep::seq`], so that requests of different

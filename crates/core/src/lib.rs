@@ -30,6 +30,7 @@ pub mod buffer;
 pub mod capabilities;
 pub mod error;
 pub mod knob;
+pub mod lease;
 pub mod options;
 pub mod policy;
 pub mod pool;
@@ -48,12 +49,16 @@ pub mod storage;
 pub mod userfile;
 pub mod window;
 
-pub use attention::{attend, attend_partial, merge_partials, AttnInputs, AttnSpec, Partial};
+pub use attention::{
+    attend, attend_partial, attend_partial_runs, merge_partials, AttnInputs, AttnSpec, KvRun,
+    Partial,
+};
 pub use batch::{PerSequence, PolicyFactory};
 pub use buffer::{grown, move_to_front, round_up, KvBuffer};
 pub use capabilities::{check_store, Batched, KvRestore, Profiled, SeqHeld, SeqLoad, ShardLocal};
 pub use error::{Advice, KvError, Result};
 pub use knob::{Knob, PolicyOption};
+pub use lease::{KvLease, SharedRun};
 pub use options::PolicyOptions;
 pub use policy::KvPolicy;
 pub use pool::{KvPool, TierPool};

@@ -9,6 +9,7 @@ use candle_core::Tensor;
 
 use crate::capabilities::{Batched, KvRestore, Profiled, SeqLoad};
 use crate::error::{KvError, Result};
+use crate::lease::{KvLease, SharedRun};
 use crate::policy::KvPolicy;
 use crate::restore::not_restorable;
 use crate::stats::KvStats;
@@ -197,6 +198,27 @@ impl KvRestore for Checked<'_> {
             .as_restore()
             .ok_or_else(|| not_restorable(&name, step.layer))?
             .append_kv(step)
+    }
+
+    fn attaches_kv(&mut self, seq: usize) -> bool {
+        self.inner.as_restore().is_some_and(|r| r.attaches_kv(seq))
+    }
+
+    fn attach_kv(&mut self, step: &AttnStep<'_>, lease: &KvLease) -> Result<()> {
+        self.admit(step)?;
+        let name = self.inner.name().to_string();
+        self.inner
+            .as_restore()
+            .ok_or_else(|| not_restorable(&name, step.layer))?
+            .attach_kv(step, lease)
+    }
+
+    /// Holds no new tokens: the protocol's positions are unchanged.
+    fn adopt_kv(&mut self, seq: usize, layer: usize, runs: &[SharedRun<'_>]) -> Result<bool> {
+        match self.inner.as_restore() {
+            Some(r) => r.adopt_kv(seq, layer, runs),
+            None => Ok(false),
+        }
     }
 }
 

@@ -230,6 +230,12 @@ impl PrefixCache {
         }
     }
 
+    /// `key`'s chunk and its lease when it is held in RAM, where a sequence may hold it by
+    /// reference (it stays there while one does); not counted as a lookup.
+    pub fn leased(&self, key: &ChunkKey) -> Option<crate::ram::Leased> {
+        self.ram.leased(key)
+    }
+
     /// Counts `tokens` restored from `tier` in `seconds`.
     pub fn count_restored(&mut self, tier: Tier, tokens: usize, seconds: f64) {
         match tier {
@@ -244,6 +250,7 @@ impl PrefixCache {
         let disk = self.disk.as_ref().map(|d| d.counts()).unwrap_or_default();
         PrefixStats {
             ram_bytes: self.ram.bytes(),
+            shared_bytes: self.ram.shared_bytes(),
             ram_evictions: self.ram.evictions(),
             disk_bytes: disk.bytes,
             disk_evictions: disk.evictions,

@@ -37,6 +37,8 @@ pub use chunk::{ChunkKv, LayerKv};
 pub use error::{PrefixError, Result};
 pub use key::{chunk_keys, ChunkKey, Fingerprint, FingerprintBuilder};
 pub use layers::LayerSpecs;
-pub use restore::{restore_kv, restore_prefix, store_new, Placement, Restored, Resume, Reuse};
+pub use restore::{
+    adopt_prefix, restore_kv, restore_prefix, store_new, Placement, Restored, Resume, Reuse,
+};
 pub use session::{Session, SESSION_VERSION};
 pub use stats::{PrefixStats, WriteErrorKind, WriteErrors};

@@ -2,8 +2,13 @@
 //! least recently used evicted first — never the chunks before a new one in its prompt
 //! ([`RamTier::put_after`]), so that what the budget keeps is a prefix a restore can use.
 //! Its byte count is exact (the K/V bytes of the chunks it holds) and never exceeds the
-//! budget: a chunk larger than the whole budget is not kept.
+//! budget: a chunk larger than the whole budget is not kept. Each chunk has a
+//! [`KvLease`]: while a live sequence holds the chunk by reference (its policy keeps a
+//! clone of the lease), the chunk is not evicted — its bytes are counted here, once, for
+//! every sequence that reads it (SGLang's radix cache pins the nodes a request uses).
 use std::collections::HashMap;
+
+use kvpolicy_core::KvLease;
 
 use crate::chunk::ChunkKv;
 use crate::key::ChunkKey;
@@ -13,7 +18,21 @@ use crate::lru::Lru;
 pub struct RamTier {
     lru: Lru,
     evictions: u64,
-    chunks: HashMap<ChunkKey, ChunkKv>,
+    chunks: HashMap<ChunkKey, Held>,
+}
+
+/// A chunk and its lease.
+struct Held {
+    kv: ChunkKv,
+    lease: KvLease,
+}
+
+/// A chunk held in RAM, with a clone of its lease ([`RamTier::leased`]).
+pub struct Leased {
+    /// The chunk's K/V (the tensors the tier holds, not a copy).
+    pub kv: ChunkKv,
+    /// Its lease: a sequence that reads `kv` by reference keeps a clone.
+    pub lease: KvLease,
 }
 
 impl RamTier {
@@ -29,7 +48,26 @@ impl RamTier {
     /// The chunk under `key`, marked as just used.
     pub fn get(&mut self, key: &ChunkKey) -> Option<ChunkKv> {
         self.lru.touch(key);
-        self.chunks.get(key).cloned()
+        self.chunks.get(key).map(|h| h.kv.clone())
+    }
+
+    /// The chunk under `key` and its lease, if held (not marked as used): a policy that
+    /// keeps the chunk by reference keeps a clone of the lease, and the chunk stays until
+    /// every clone is dropped.
+    pub fn leased(&self, key: &ChunkKey) -> Option<Leased> {
+        self.chunks.get(key).map(|h| Leased {
+            kv: h.kv.clone(),
+            lease: h.lease.clone(),
+        })
+    }
+
+    /// Bytes of the chunks held by reference now.
+    pub fn shared_bytes(&self) -> u64 {
+        self.chunks
+            .values()
+            .filter(|h| h.lease.holders() > 0)
+            .map(|h| h.kv.bytes())
+            .sum()
     }
 
     /// Whether `key` is held (not marked as used).
@@ -42,8 +80,12 @@ impl RamTier {
         self.lru.touch(key);
     }
 
-    /// Drops the chunk under `key`, if held (not counted as an eviction).
+    /// Drops the chunk under `key`, if held (not counted as an eviction); a chunk held by
+    /// reference stays (it is replaced only once no sequence reads it).
     pub fn remove(&mut self, key: &ChunkKey) {
+        if self.chunks.get(key).is_some_and(|h| h.lease.holders() > 0) {
+            return;
+        }
         self.lru.remove(key);
         self.chunks.remove(key);
     }
@@ -54,11 +96,24 @@ impl RamTier {
         self.put_after(&[], key, chunk)
     }
 
-    /// [`RamTier::put`], evicting none of `before` (the chunks before `key` in its prompt):
-    /// when `chunk` fits only by evicting one of them it is not kept, and nothing is evicted.
+    /// [`RamTier::put`], evicting none of `before` (the chunks before `key` in its prompt)
+    /// nor a chunk held by reference: when `chunk` fits only by evicting one of them it is
+    /// not kept, and nothing is evicted. A chunk already held under `key` and held by
+    /// reference is kept as it is.
     pub fn put_after(&mut self, before: &[ChunkKey], key: ChunkKey, chunk: ChunkKv) -> bool {
+        if self.chunks.get(&key).is_some_and(|h| h.lease.holders() > 0) {
+            self.lru.touch(&key);
+            return true;
+        }
         let bytes = chunk.bytes();
-        let Some(victims) = self.lru.victims(Some(&key), bytes, before) else {
+        let mut keep = before.to_vec();
+        keep.extend(
+            self.chunks
+                .iter()
+                .filter(|(_, h)| h.lease.holders() > 0)
+                .map(|(k, _)| *k),
+        );
+        let Some(victims) = self.lru.victims(Some(&key), bytes, &keep) else {
             return false;
         };
         for k in victims {
@@ -66,7 +121,13 @@ impl RamTier {
             self.evictions += 1;
         }
         self.lru.insert(key, bytes);
-        self.chunks.insert(key, chunk);
+        self.chunks.insert(
+            key,
+            Held {
+                kv: chunk,
+                lease: KvLease::new(),
+            },
+        );
         true
     }
 

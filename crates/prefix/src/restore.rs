@@ -7,12 +7,13 @@
 use std::time::Instant;
 
 use candle_core::Tensor;
-use kvpolicy_core::{append_kv, AttnStep, KvPolicy, NoRegen};
+use kvpolicy_core::{append_kv, AttnStep, KvPolicy, NoRegen, SharedRun};
 
 use crate::cache::{PrefixCache, Tier};
 use crate::chunk::ChunkKv;
 use crate::error::Result;
 pub use crate::layers::LayerSpecs;
+use crate::ram::Leased;
 
 /// What one request got from the cache or a session.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -99,6 +100,76 @@ pub fn restore_kv(
     Ok(())
 }
 
+/// Gives `policy` the chunk `held` (held in the cache's RAM) at `at.pos`, layer by layer,
+/// with [`attach_kv`](kvpolicy_core::KvRestore::attach_kv): a policy that can keeps it by reference and its lease.
+fn attach_chunk(
+    policy: &mut dyn KvPolicy,
+    held: &Leased,
+    at: Placement,
+    layers: &LayerSpecs,
+) -> Result<()> {
+    let tokens = held.kv.shape()?.tokens;
+    let x = Tensor::zeros((1, tokens, layers.hidden), layers.dtype, &layers.device)?;
+    let name = policy.name().to_string();
+    let restore = policy.as_restore().ok_or_else(|| {
+        crate::error::PrefixError::Invalid(format!("`{name}` takes no K/V without attention"))
+    })?;
+    for (layer, (l, spec)) in held.kv.layers.iter().zip(&layers.specs).enumerate() {
+        let step = AttnStep {
+            layer,
+            seq: at.seq,
+            // Not read.
+            q: &l.k,
+            k: &l.k,
+            v: &l.v,
+            x: &x,
+            pos: at.pos,
+            spec,
+            regen: &NoRegen,
+        };
+        restore.attach_kv(&step, &held.lease)?;
+    }
+    Ok(())
+}
+
+/// After sequence `seq` of `policy` computed `prompt` and its chunks were stored
+/// ([`store_new`]): the sequence holds the prompt's chunks that the cache keeps in RAM by
+/// reference instead of its own copy ([`adopt_kv`](kvpolicy_core::KvRestore::adopt_kv)), so that it and the
+/// requests that restore them hold them once. Returns the chunks adopted (0 when the policy
+/// keeps its copy).
+pub fn adopt_prefix(
+    cache: &PrefixCache,
+    policy: &mut dyn KvPolicy,
+    seq: usize,
+    prompt: &[u32],
+) -> Result<usize> {
+    let c = cache.chunk_tokens();
+    let keys = cache.keys(&prompt[..prompt.len() / c * c]);
+    let held = keys
+        .iter()
+        .map_while(|k| cache.leased(k))
+        .collect::<Vec<_>>();
+    let Some(restore) = policy.as_restore().filter(|_| !held.is_empty()) else {
+        return Ok(0);
+    };
+    let mut adopted = false;
+    let n_layers = held[0].kv.layers.len();
+    for layer in 0..n_layers {
+        let runs = held
+            .iter()
+            .enumerate()
+            .map(|(i, h)| SharedRun {
+                k: &h.kv.layers[layer].k,
+                v: &h.kv.layers[layer].v,
+                pos: i * c,
+                lease: &h.lease,
+            })
+            .collect::<Vec<_>>();
+        adopted |= restore.adopt_kv(seq, layer, &runs)?;
+    }
+    Ok(if adopted { held.len() } else { 0 })
+}
+
 /// Restores into `policy` (prepared, holding nothing) the longest cached run of `prompt`'s
 /// chunks from its start that `usable` accepts (the tokens restored; the prefill must be
 /// able to resume there), leaving at least one token to prefill (the last position's
@@ -145,6 +216,52 @@ pub fn restore_prefix(
             Tier::Disk => out.reuse.from_disk += c,
         }
     }
+    if policy.as_restore().is_some_and(|r| r.attaches_kv(seq)) {
+        // Held by reference where the chunk is in RAM (leased there while the sequence
+        // reads it); copied where it came from a file and RAM could not keep it.
+        for (i, chunk) in out.chunks.iter().enumerate() {
+            let at = Placement {
+                seq,
+                pos: out.reuse.tokens,
+                piece,
+            };
+            match cache.leased(&keys[i]) {
+                Some(l) => attach_chunk(policy, &l, at, layers)?,
+                None => restore_kv(policy, chunk, at, layers)?,
+            }
+            out.reuse.tokens += c;
+        }
+    } else {
+        restore_copies(
+            policy,
+            &mut out,
+            Placement { seq, pos: 0, piece },
+            layers,
+            c,
+        )?;
+    }
+    out.reuse.seconds = start.elapsed().as_secs_f64();
+    let per_tier = out.reuse.seconds / out.reuse.tokens.max(1) as f64;
+    for (tier, tokens) in [
+        (Tier::Ram, out.reuse.from_ram),
+        (Tier::Disk, out.reuse.from_disk),
+    ] {
+        cache.count_restored(tier, tokens, per_tier * tokens as f64);
+    }
+    Ok(out)
+}
+
+/// Copies `out.chunks` into `policy` (a policy that keeps no K/V by reference), joined into
+/// `at.piece` tokens per `append_kv` step: its buffers then grow as often as a prefill in
+/// passes of that size makes them, not once per chunk. Counts the tokens in `out.reuse`.
+fn restore_copies(
+    policy: &mut dyn KvPolicy,
+    out: &mut Restored,
+    at: Placement,
+    layers: &LayerSpecs,
+    c: usize,
+) -> Result<()> {
+    let Placement { seq, piece, .. } = at;
     let per_piece = (piece / c).max(1);
     for group in out.chunks.chunks(per_piece) {
         let joined = match group {
@@ -160,15 +277,7 @@ pub fn restore_prefix(
         restore_kv(policy, &joined, at, layers)?;
         out.reuse.tokens += group.len() * c;
     }
-    out.reuse.seconds = start.elapsed().as_secs_f64();
-    let per_tier = out.reuse.seconds / out.reuse.tokens.max(1) as f64;
-    for (tier, tokens) in [
-        (Tier::Ram, out.reuse.from_ram),
-        (Tier::Disk, out.reuse.from_disk),
-    ] {
-        cache.count_restored(tier, tokens, per_tier * tokens as f64);
-    }
-    Ok(out)
+    Ok(())
 }
 
 /// Stores the whole chunks of `kv` — the K/V of `prompt[from..]` as a run computed them —

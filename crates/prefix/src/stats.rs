@@ -99,6 +99,9 @@ pub struct PrefixStats {
     pub stored: u64,
     /// K/V bytes held in host RAM (never above its budget).
     pub ram_bytes: u64,
+    /// Of those, the bytes of chunks live sequences hold by reference (leased: not
+    /// evicted while held).
+    pub shared_bytes: u64,
     /// Bytes of the chunk files known (never above its budget).
     pub disk_bytes: u64,
     /// Chunks evicted from host RAM.

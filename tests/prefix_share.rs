@@ -1,0 +1,226 @@
+//! Prefixes shared by reference (issue 54, item 4): `full` holds a prefix restored from the
+//! cache's RAM as the cache's own tensors — its device bytes count none of it, the cache
+//! counts it once as shared and never evicts it while a sequence reads it — and a sequence
+//! that computed a prefix gives its own copy up for the stored chunks (`adopt_prefix`).
+//! Either way its attention is the attention over one buffer holding the same K/V, bit for
+//! bit (chunks of whole kernel tiles).
+use anyhow::{ensure, Result};
+use candle_core::{DType, Device, Tensor};
+use kvpolicy::prefix::{
+    adopt_prefix, restore_prefix, store_new, ChunkKv, FingerprintBuilder, LayerKv, LayerSpecs,
+    PrefixCache, PrefixConfig, Resume,
+};
+use kvpolicy::{build_policy, AttnSpec, AttnStep, KvPolicy, KvShape, NoRegen, PolicyOptions};
+
+const LAYERS: usize = 2;
+const HEADS: usize = 2;
+const DIM: usize = 64;
+/// Tokens per chunk: one kernel tile.
+const CHUNK: usize = 256;
+
+fn specs() -> LayerSpecs {
+    LayerSpecs {
+        specs: vec![AttnSpec::new(2 * HEADS, HEADS, DIM); LAYERS],
+        hidden: 2 * HEADS * DIM,
+        device: Device::Cpu,
+        dtype: DType::F32,
+    }
+}
+
+/// Random K/V of `tokens` tokens, every layer.
+fn kv(tokens: usize) -> Result<ChunkKv> {
+    let layers = (0..LAYERS)
+        .map(|_| -> Result<LayerKv> {
+            let r = || Tensor::randn(0f32, 1.0, (1, HEADS, tokens, DIM), &Device::Cpu);
+            Ok(LayerKv { k: r()?, v: r()? })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(ChunkKv { layers })
+}
+
+/// A prepared `full` policy for one sequence of up to 1,024 tokens.
+fn full() -> Result<Box<dyn KvPolicy>> {
+    let mut p = build_policy("full", &PolicyOptions::default())?;
+    p.prepare(&KvShape {
+        n_layers: LAYERS,
+        n_heads: 2 * HEADS,
+        n_kv_heads: HEADS,
+        head_dim: DIM,
+        hidden: 2 * HEADS * DIM,
+        batch: 1,
+        dtype: DType::F32,
+        max_tokens: 1024,
+        step_tokens: CHUNK,
+        activation_bytes_per_token: 0,
+        windows: Vec::new(),
+        readers: Vec::new(),
+    })?;
+    Ok(p)
+}
+
+/// One step of `kv` at `pos` through every layer (`attend`), with queries `q`; the
+/// outputs.
+fn step(p: &mut dyn KvPolicy, q: &Tensor, kv: &ChunkKv, pos: usize) -> Result<Vec<Tensor>> {
+    let specs = specs();
+    let x = Tensor::zeros((1, q.dim(2)?, specs.hidden), DType::F32, &Device::Cpu)?;
+    let mut out = Vec::new();
+    for (layer, (l, spec)) in kv.layers.iter().zip(&specs.specs).enumerate() {
+        out.push(p.attend(&AttnStep {
+            layer,
+            seq: 0,
+            q,
+            k: &l.k,
+            v: &l.v,
+            x: &x,
+            pos,
+            spec,
+            regen: &NoRegen,
+        })?);
+    }
+    Ok(out)
+}
+
+/// `kv` stored in `p` without attention (a copy), from position 0.
+fn append(p: &mut dyn KvPolicy, kv: &ChunkKv) -> Result<()> {
+    let q = Tensor::zeros((1, 2 * HEADS, 1, DIM), DType::F32, &Device::Cpu)?;
+    let specs = specs();
+    let x = Tensor::zeros(
+        (1, kv.shape()?.tokens, specs.hidden),
+        DType::F32,
+        &Device::Cpu,
+    )?;
+    for (layer, (l, spec)) in kv.layers.iter().zip(&specs.specs).enumerate() {
+        kvpolicy::core::append_kv(
+            p,
+            &AttnStep {
+                layer,
+                seq: 0,
+                q: &q,
+                k: &l.k,
+                v: &l.v,
+                x: &x,
+                pos: 0,
+                spec,
+                regen: &NoRegen,
+            },
+        )?;
+    }
+    Ok(())
+}
+
+fn cache(ram_chunks: u64) -> Result<PrefixCache> {
+    let cfg = PrefixConfig {
+        chunk_tokens: CHUNK,
+        ram_bytes: ram_chunks * kv(CHUNK)?.bytes(),
+        dir: None,
+        ..PrefixConfig::default()
+    };
+    let fp = FingerprintBuilder::new().field("m", b"share").finish();
+    Ok(PrefixCache::open(&cfg, fp)?)
+}
+
+fn same(a: &[Tensor], b: &[Tensor]) -> Result<()> {
+    for (x, y) in a.iter().zip(b) {
+        let d = (x - y)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+        ensure!(d == 0.0, "outputs differ by {d}");
+    }
+    Ok(())
+}
+
+#[test]
+fn a_restored_prefix_is_held_by_reference_and_pinned() -> Result<()> {
+    let prompt: Vec<u32> = (0..600).collect();
+    let history = kv(600)?;
+    let mut cache = cache(3)?;
+    ensure!(store_new(&mut cache, &prompt, 0, &history)? == 2);
+    let mut shared = full()?;
+    let usable = |_| true;
+    let resume = Resume {
+        usable: &usable,
+        piece: CHUNK,
+        seq: 0,
+    };
+    let got = restore_prefix(&mut cache, shared.as_mut(), &prompt, &specs(), resume)?;
+    ensure!(got.reuse.tokens == 2 * CHUNK && shared.seq_len() == 2 * CHUNK);
+    let chunk_bytes = kv(CHUNK)?.bytes();
+    ensure!(
+        shared.stats().device_kv_bytes == 0,
+        "the policy counts {} bytes of a prefix it holds by reference",
+        shared.stats().device_kv_bytes
+    );
+    ensure!(cache.stats().shared_bytes == 2 * chunk_bytes);
+
+    // Another prompt's chunks do not evict the leased ones: the RAM has room for one more.
+    let other: Vec<u32> = (1000..1600).collect();
+    store_new(&mut cache, &other, 0, &kv(600)?)?;
+    let s = cache.stats();
+    ensure!(
+        s.ram_bytes == 3 * chunk_bytes && s.ram_evictions == 0,
+        "{s:?}"
+    );
+    for k in cache.keys(&prompt[..2 * CHUNK]) {
+        ensure!(cache.contains(&k), "a leased chunk was evicted");
+    }
+
+    // The rest of the prompt, then a decode step: the outputs of a policy holding the
+    // whole history in its own buffer, bit for bit.
+    let mut copied = full()?;
+    append(copied.as_mut(), &history.narrow(0, 2 * CHUNK)?)?;
+    let rest = history.narrow(2 * CHUNK, 600 - 2 * CHUNK)?;
+    let q = Tensor::randn(
+        0f32,
+        1.0,
+        (1, 2 * HEADS, rest.shape()?.tokens, DIM),
+        &Device::Cpu,
+    )?;
+    same(
+        &step(shared.as_mut(), &q, &rest, 2 * CHUNK)?,
+        &step(copied.as_mut(), &q, &rest, 2 * CHUNK)?,
+    )?;
+    let (q1, t1) = (
+        Tensor::randn(0f32, 1.0, (1, 2 * HEADS, 1, DIM), &Device::Cpu)?,
+        kv(1)?,
+    );
+    same(
+        &step(shared.as_mut(), &q1, &t1, 600)?,
+        &step(copied.as_mut(), &q1, &t1, 600)?,
+    )?;
+    ensure!(shared.stats().device_kv_bytes < copied.stats().device_kv_bytes);
+
+    // Released: the chunks are the cache's again, evictable.
+    drop(shared);
+    ensure!(cache.stats().shared_bytes == 0);
+    Ok(())
+}
+
+#[test]
+fn the_sequence_that_computed_a_prefix_adopts_the_stored_chunks() -> Result<()> {
+    let prompt: Vec<u32> = (0..600).collect();
+    let history = kv(600)?;
+    let (mut adopting, mut keeping) = (full()?, full()?);
+    append(adopting.as_mut(), &history)?;
+    append(keeping.as_mut(), &history)?;
+    let before = adopting.stats().device_kv_bytes;
+    let mut cache = cache(4)?;
+    ensure!(store_new(&mut cache, &prompt, 0, &history)? == 2);
+    ensure!(adopt_prefix(&cache, adopting.as_mut(), 0, &prompt)? == 2);
+    let after = adopting.stats().device_kv_bytes;
+    ensure!(
+        after < before && adopting.seq_len() == 600,
+        "{before} → {after} bytes, {} tokens",
+        adopting.seq_len()
+    );
+    ensure!(cache.stats().shared_bytes == 2 * kv(CHUNK)?.bytes());
+    // Adopting again changes nothing.
+    ensure!(adopt_prefix(&cache, adopting.as_mut(), 0, &prompt)? == 0);
+    for _ in 0..3 {
+        let q = Tensor::randn(0f32, 1.0, (1, 2 * HEADS, 1, DIM), &Device::Cpu)?;
+        let t = kv(1)?;
+        let at = adopting.seq_len();
+        same(
+            &step(adopting.as_mut(), &q, &t, at)?,
+            &step(keeping.as_mut(), &q, &t, at)?,
+        )?;
+    }
+    Ok(())
+}
