@@ -94,6 +94,9 @@ pub struct Metrics {
     pub prefix_bytes: Family<TierLabels, Gauge<u64, AtomicU64>>,
     /// Chunk files the prefix cache could not write, by cause.
     pub prefix_write_errors: Family<KindLabels, Counter>,
+    /// Bytes of the prefix cache's RAM chunks that running requests hold by reference
+    /// (held once however many read them; part of `prefix_bytes{tier="ram"}`).
+    pub kv_shared_bytes: Gauge<u64, AtomicU64>,
     /// HTTP connections open now.
     pub connections: Gauge,
     /// Connections answered 503 and closed at `--max-connections`.
@@ -136,6 +139,7 @@ impl Metrics {
             prefix_restored_tokens: Counter::default(),
             prefix_stored_chunks: Counter::default(),
             prefix_bytes: Family::default(),
+            kv_shared_bytes: Gauge::default(),
             prefix_write_errors: Family::default(),
             connections: Gauge::default(),
             connections_shed: Counter::default(),
@@ -258,6 +262,11 @@ impl Metrics {
             m.prefix_bytes.clone(),
         );
         registry.register(
+            "kv_shared_bytes",
+            "Bytes of K/V that running requests hold by reference: prefix cache chunks (RAM) read by one or more requests, held once",
+            m.kv_shared_bytes.clone(),
+        );
+        registry.register(
             "prefix_cache_write_errors",
             "Chunk files the prefix cache could not write (the directory gone, the disk full, writing denied, other)",
             m.prefix_write_errors.clone(),
@@ -320,6 +329,7 @@ impl Metrics {
 
     /// The prefix cache's gauges and write errors from its counters.
     pub fn set_prefix(&self, s: &kvpolicy::prefix::PrefixStats) {
+        self.kv_shared_bytes.set(s.shared_bytes);
         for (tier, bytes) in [("ram", s.ram_bytes), ("disk", s.disk_bytes)] {
             self.prefix_bytes
                 .get_or_create(&TierLabels { tier: tier.into() })

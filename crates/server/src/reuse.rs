@@ -4,11 +4,18 @@
 //! (`restore_prefix`), so its prefill starts after them; the prompt K/V its prefill
 //! computes are recorded (`Capture` over `Recordings`, per slot) and stored as new chunks
 //! when it finishes, for the requests after it.
+//!
+//! With a policy that holds K/V by reference (`full` on the CPU, [`KvRestore::attaches_kv`])
+//! live requests share prefixes (issue 54, item 4): restored chunks are the cache's own
+//! tensors, and a request's prompt chunks are stored as soon as its prompt is in — the
+//! request then holds them by reference too ([`adopt_prefix`]) — so that requests sharing
+//! a prefix hold it once, in the cache's RAM, leased there while any reads it.
+use kvpolicy::core::KvRestore;
 use kvpolicy::models::engine::reuse::resumable;
 use kvpolicy::models::ModelInfo;
 use kvpolicy::prefix::{
-    restore_prefix, store_new, Capture, ChunkKv, LayerSpecs, PrefixCache, PrefixStats, Recordings,
-    Resume,
+    adopt_prefix, restore_prefix, store_new, Capture, ChunkKv, LayerSpecs, PrefixCache,
+    PrefixStats, Recordings, Resume,
 };
 use kvpolicy::KvPolicy;
 
@@ -79,6 +86,35 @@ impl Reuse {
     /// Stores the whole chunks of `kv`, the K/V of `prompt[from..]`. Returns how many.
     pub fn store(&mut self, prompt: &[u32], from: usize, kv: &ChunkKv) -> anyhow::Result<usize> {
         Ok(store_new(&mut self.cache, prompt, from, kv)?)
+    }
+
+    /// Whether slot `seq` of `policy` holds restored chunks by reference (then prefixes are
+    /// shared between live requests).
+    pub fn shares(&self, policy: &mut dyn KvPolicy, seq: usize) -> bool {
+        policy
+            .as_restore()
+            .is_some_and(|r: &mut dyn KvRestore| r.attaches_kv(seq))
+    }
+
+    /// Tokens per chunk.
+    pub fn chunk_tokens(&self) -> usize {
+        self.cache.chunk_tokens()
+    }
+
+    /// Stores the whole chunks of `kv` (the K/V of `prompt[from..]`, computed by slot `seq`)
+    /// now, while the request runs, and has the slot hold the prompt's stored chunks by
+    /// reference instead of its copy. Returns the chunks stored.
+    pub fn share(
+        &mut self,
+        policy: &mut dyn KvPolicy,
+        seq: usize,
+        prompt: &[u32],
+        from: usize,
+        kv: &ChunkKv,
+    ) -> anyhow::Result<usize> {
+        let stored = store_new(&mut self.cache, prompt, from, kv)?;
+        adopt_prefix(&self.cache, policy, seq, prompt)?;
+        Ok(stored)
     }
 
     /// The cache's counters.

@@ -28,6 +28,16 @@ impl Engine {
                 // Nothing has left since the last preemption: its room is not back yet.
                 break;
             }
+            if self.preempted.is_empty()
+                && self
+                    .waiting
+                    .front()
+                    .is_some_and(|job| self.awaits_shared_prefix(&job.prompt))
+            {
+                // A running request is computing chunks of its prompt: it starts when they
+                // are stored, and holds them by reference instead of computing them again.
+                break;
+            }
             if let Some(running) = self.running(&[]) {
                 if self
                     .memory
@@ -51,6 +61,7 @@ impl Engine {
                         pos: 0,
                         restored: 0,
                         computed: None,
+                        sharing: false,
                         generated: Vec::new(),
                         last_token_at: None,
                         admitted: 0,
@@ -78,11 +89,38 @@ impl Engine {
             };
             // (A resumed request records its prompt's K/V again from here.)
             a.restored = restored;
+            a.sharing = self
+                .reuse
+                .as_ref()
+                .is_some_and(|r| r.shares(self.policy.as_mut(), free));
             a.pos = restored;
             self.admissions += 1;
             a.admitted = self.admissions;
             self.slots[free] = Some(a);
         }
+    }
+
+    /// Whether `prompt` shares whole chunks with the prompt of a running request that is
+    /// still computing them (in its prefill, past what it restored), when requests share
+    /// prefixes by reference: then it had better wait for them than compute them again.
+    fn awaits_shared_prefix(&self, prompt: &[u32]) -> bool {
+        let Some(c) = self.reuse.as_ref().map(|r| r.chunk_tokens()) else {
+            return false;
+        };
+        self.slots.iter().flatten().any(|a| {
+            let theirs = &a.job.prompt;
+            if !a.sharing || a.pos >= theirs.len() {
+                return false;
+            }
+            // Whole chunks both prompts hold (a restore leaves a prompt's last token).
+            let common = prompt
+                .iter()
+                .zip(theirs)
+                .take_while(|(x, y)| x == y)
+                .count();
+            let whole = common.min(prompt.len().saturating_sub(1)).min(theirs.len()) / c;
+            whole * c > a.restored
+        })
     }
 
     /// The running requests as the memory rules see them; `adding` says how many tokens

@@ -114,6 +114,9 @@ struct Active {
     restored: usize,
     /// The prompt's K/V this request computed, stored in the cache when it finishes.
     computed: Option<kvpolicy::prefix::ChunkKv>,
+    /// Whether its slot holds prefix chunks by reference (its prompt's chunks are stored
+    /// and shared as soon as its prompt is in).
+    sharing: bool,
     generated: Vec<u32>,
     chooser: Chooser,
     detok: TextStream,
@@ -393,9 +396,22 @@ impl Engine {
             return Ok(());
         }
         if a.pos - chunk.ids.len() < prompt && a.computed.is_none() {
-            // The prompt is in: what it computed goes to the cache when the request ends.
+            // The prompt is in: what it computed goes to the cache when the request ends —
+            // or now, when requests share prefixes by reference: the request holds its
+            // stored chunks from the cache, and the ones waiting for them can start.
             if let Some(r) = self.reuse.as_mut() {
                 a.computed = r.take(chunk.seq)?;
+                if let Some(kv) = a.computed.as_ref().filter(|_| a.sharing) {
+                    let n = r.share(
+                        self.policy.as_mut(),
+                        chunk.seq,
+                        &a.job.prompt,
+                        a.restored,
+                        kv,
+                    )?;
+                    self.metrics.prefix_stored_chunks.inc_by(n as u64);
+                    a.computed = None;
+                }
             }
         }
         if a.pos < prompt + a.generated.len() {

@@ -1,0 +1,155 @@
+//! Live requests share a prefix by reference (issue 54, item 4, done-when 2): eight
+//! requests sent at once, sharing a 2,000-token system prompt and each with its own
+//! question, hold the prefix once — every `/metrics` sample's K/V bytes over all tiers (the
+//! policy's device, host and disk bytes and the prefix cache's RAM, where the shared chunks
+//! live) stay within one prefix, their suffixes and one chunk per request — and each gets
+//! exactly the tokens and log-probabilities a server without a prefix cache gives it alone.
+mod common;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use anyhow::{ensure, Result};
+use common::{agent, get, metric, post, Server};
+use serde_json::{json, Value};
+
+/// SmolLM2-135M's K/V per token in f32: 30 layers × 3 KV heads × 64 × 2 (K and V) × 4 bytes.
+const KV_PER_TOKEN: f64 = 30.0 * 3.0 * 64.0 * 2.0 * 4.0;
+/// The prefix cache's chunk (its default).
+const CHUNK: f64 = 256.0;
+const PREFIX: usize = 2000;
+const SUFFIX: usize = 40;
+const REQUESTS: usize = 8;
+const NEW_TOKENS: usize = 4;
+
+/// The shared prefix, then request `i`'s own question.
+fn prompt(i: usize) -> Value {
+    let prefix = (0..PREFIX).map(|k| 100 + (k * 37) % 4000);
+    let own = (0..SUFFIX).map(|k| 200 + (k * 53 + i * 211) % 4000);
+    json!(prefix.chain(own).collect::<Vec<_>>())
+}
+
+/// A greedy answer's tokens and log-probabilities.
+fn greedy(a: &ureq::Agent, url: &str, prompt: &Value) -> Result<Value> {
+    let body = json!({"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
+                      "logprobs": 0, "logit_bias": {"0": -100, "1": -100, "2": -100}});
+    let (status, text) = post(a, url, &serde_json::to_vec(&body)?)?;
+    ensure!(status == 200, "{status}: {text}");
+    let v: Value = serde_json::from_str(&text)?;
+    let lp = &v["choices"][0]["logprobs"];
+    Ok(json!([lp["tokens"], lp["token_logprobs"]]))
+}
+
+/// The server's flags, with `extra`.
+fn flags<'a>(extra: &[&'a str]) -> Vec<&'a str> {
+    let base = [
+        "--policy",
+        "full",
+        "--batch-invariant",
+        "--ctx-size",
+        "2048",
+        "--max-batch",
+        "8",
+        "--prefill-chunk",
+        "256",
+    ];
+    [&base[..], extra].concat()
+}
+
+/// K/V bytes over every tier in one `/metrics` text: the policy's and the prefix cache's
+/// RAM (where shared chunks are held).
+fn kv_bytes_everywhere(m: &str) -> Result<f64> {
+    let mut sum = 0.0;
+    for tier in ["device", "host", "disk"] {
+        sum += metric(m, &format!("kvpolicy_kv_bytes{{tier=\"{tier}\"}}")).unwrap_or(0.0);
+    }
+    // (Absent until the engine's first step publishes it.)
+    sum += metric(m, "kvpolicy_prefix_cache_bytes{tier=\"ram\"}").unwrap_or(0.0);
+    Ok(sum)
+}
+
+#[test]
+fn eight_live_requests_hold_a_shared_prefix_once_and_stay_exact() -> Result<()> {
+    let a = agent();
+    let alone: Vec<Value> = {
+        let plain = Server::start(&flags(&[]))?;
+        let url = plain.url("/v1/completions");
+        (0..REQUESTS)
+            .map(|i| greedy(&a, &url, &prompt(i)))
+            .collect::<Result<_>>()?
+    };
+    let server = Server::start(&flags(&["--prefix-cache-ram", "512MiB"]))?;
+    let url = server.url("/v1/completions");
+    let done = AtomicBool::new(false);
+    let (together, samples) = std::thread::scope(|s| -> Result<(Vec<Value>, Vec<String>)> {
+        let sampler = s.spawn(|| -> Result<Vec<String>> {
+            let a = agent();
+            let mut seen = Vec::new();
+            while !done.load(Ordering::SeqCst) {
+                seen.push(get(&a, &server.url("/metrics"))?.1);
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Ok(seen)
+        });
+        let handles: Vec<_> = (0..REQUESTS)
+            .map(|i| {
+                let (a, url) = (a.clone(), url.clone());
+                s.spawn(move || greedy(&a, &url, &prompt(i)))
+            })
+            .collect();
+        let got = handles
+            .into_iter()
+            .map(|h| h.join().map_err(|_| anyhow::anyhow!("panicked"))?)
+            .collect::<Result<Vec<_>>>();
+        done.store(true, Ordering::SeqCst);
+        let seen = sampler.join().map_err(|_| anyhow::anyhow!("panicked"))??;
+        Ok((got?, seen))
+    })?;
+    for (i, (got, want)) in together.iter().zip(&alone).enumerate() {
+        ensure!(got == want, "request {i}: {got} sharing vs {want} alone");
+    }
+    // One prefix, every suffix (question and answer), one chunk per request.
+    let own = (SUFFIX + NEW_TOKENS) as f64;
+    let bound = KV_PER_TOKEN * (PREFIX as f64 + REQUESTS as f64 * (own + CHUNK));
+    let mut most = 0f64;
+    let mut shared = 0f64;
+    let mut all_running = 0;
+    for m in &samples {
+        if metric(m, "kvpolicy_requests_running") == Some(REQUESTS as f64) {
+            all_running += 1;
+        }
+        let bytes = kv_bytes_everywhere(m)?;
+        most = most.max(bytes);
+        ensure!(
+            bytes <= bound,
+            "K/V over all tiers {bytes} bytes, above one prefix, the suffixes and a chunk per request ({bound})"
+        );
+        shared = shared.max(metric(m, "kvpolicy_kv_shared_bytes").unwrap_or(0.0));
+    }
+    // Seven whole chunks of the prefix (1,792 tokens) held by reference.
+    let whole = (PREFIX as f64 / CHUNK).floor();
+    ensure!(
+        shared == whole * CHUNK * KV_PER_TOKEN,
+        "{shared} bytes shared at most, not {whole} chunks' (samples: {})",
+        samples.len()
+    );
+    // Live together: the bound held while all eight ran.
+    ensure!(
+        all_running > 0,
+        "no sample saw the {REQUESTS} requests running at once"
+    );
+    let (_, end) = get(&a, &server.url("/metrics"))?;
+    let restored = metric(&end, "kvpolicy_prefix_cache_restored_tokens_total");
+    ensure!(
+        restored == Some((REQUESTS - 1) as f64 * whole * CHUNK),
+        "restored tokens: {restored:?}"
+    );
+    // Without sharing each request would hold its whole prompt: 8 × 2,048 tokens' buffers.
+    eprintln!(
+        "K/V over all tiers: at most {:.1} MiB (bound {:.1} MiB; {} samples)",
+        most / 1048576.0,
+        bound / 1048576.0,
+        samples.len()
+    );
+    Ok(())
+}
