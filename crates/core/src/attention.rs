@@ -26,6 +26,9 @@
 use candle_core::{DType, Device, Tensor};
 pub use kvpolicy_kernels::CallShape;
 pub use kvpolicy_kernels::KvRun;
+/// Keys per tile of the CPU kernel: [`attend_partial_runs`] over runs whose lengths (all
+/// but the last) are multiples of it gives the result over the runs joined, bit for bit.
+pub const RUN_ALIGN: usize = kvpolicy_kernels::TILE_KEYS;
 use kvpolicy_kernels::{flash_attn, flash_attn_runs, FlashParams};
 
 use crate::error::{KvError, Result};

@@ -230,6 +230,15 @@ impl PrefixCache {
         }
     }
 
+    /// Whether its chunks may be held by reference by a policy without changing a bit of
+    /// its results: their length is a whole number of the attention kernel's key tiles
+    /// ([`kvpolicy_core::attention::RUN_ALIGN`], 256; the default chunk). Other chunk sizes
+    /// are restored by copying.
+    pub fn shares_by_reference(&self) -> bool {
+        self.chunk_tokens
+            .is_multiple_of(kvpolicy_core::attention::RUN_ALIGN)
+    }
+
     /// `key`'s chunk and its lease when it is held in RAM, where a sequence may hold it by
     /// reference (it stays there while one does); not counted as a lookup.
     pub fn leased(&self, key: &ChunkKey) -> Option<crate::ram::Leased> {

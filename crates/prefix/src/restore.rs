@@ -143,6 +143,9 @@ pub fn adopt_prefix(
     seq: usize,
     prompt: &[u32],
 ) -> Result<usize> {
+    if !cache.shares_by_reference() {
+        return Ok(0);
+    }
     let c = cache.chunk_tokens();
     let keys = cache.keys(&prompt[..prompt.len() / c * c]);
     let held = keys
@@ -216,7 +219,7 @@ pub fn restore_prefix(
             Tier::Disk => out.reuse.from_disk += c,
         }
     }
-    if policy.as_restore().is_some_and(|r| r.attaches_kv(seq)) {
+    if cache.shares_by_reference() && policy.as_restore().is_some_and(|r| r.attaches_kv(seq)) {
         // Held by reference where the chunk is in RAM (leased there while the sequence
         // reads it); copied where it came from a file and RAM could not keep it.
         for (i, chunk) in out.chunks.iter().enumerate() {

@@ -6,7 +6,7 @@
 //! when it finishes, for the requests after it.
 //!
 //! With a policy that holds K/V by reference (`full` on the CPU, [`KvRestore::attaches_kv`])
-//! live requests share prefixes (issue 54, item 4): restored chunks are the cache's own
+//! and chunks of whole kernel tiles (256 tokens, the default) live requests share prefixes (issue 54, item 4): restored chunks are the cache's own
 //! tensors, and a request's prompt chunks are stored as soon as its prompt is in — the
 //! request then holds them by reference too ([`adopt_prefix`]) — so that requests sharing
 //! a prefix hold it once, in the cache's RAM, leased there while any reads it.
@@ -91,9 +91,10 @@ impl Reuse {
     /// Whether slot `seq` of `policy` holds restored chunks by reference (then prefixes are
     /// shared between live requests).
     pub fn shares(&self, policy: &mut dyn KvPolicy, seq: usize) -> bool {
-        policy
-            .as_restore()
-            .is_some_and(|r: &mut dyn KvRestore| r.attaches_kv(seq))
+        self.cache.shares_by_reference()
+            && policy
+                .as_restore()
+                .is_some_and(|r: &mut dyn KvRestore| r.attaches_kv(seq))
     }
 
     /// Tokens per chunk.
