@@ -163,8 +163,9 @@ def pool_metrics(url):
     text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
     for line in text.splitlines():
         for name in ("kvpolicy_kv_peak_bytes", "kvpolicy_kv_budget_bytes",
-                     "kvpolicy_num_preemptions_total"):
-            if line.startswith(name + "{"):
+                     "kvpolicy_num_preemptions_total", "kvpolicy_prefix_cache_bytes",
+                     "kvpolicy_prefix_cache_restored_tokens_total"):
+            if line.startswith(name + "{") or line.startswith(name + " "):
                 out[line.split(" ")[0]] = float(line.split(" ")[1])
     return out
 
@@ -204,6 +205,9 @@ def main():
     ap.add_argument("--prefix-cache", help="kvpolicy-server's prefix cache directory (its "
                                            "RAM tier --prefix-cache-ram is the same bytes as "
                                            "--kv-budget when given)")
+    ap.add_argument("--prefix-cache-ram", help="kvpolicy-server's prefix cache in RAM only, "
+                                               "this many bytes (e.g. 80MiB): live requests "
+                                               "share its chunks by reference")
     ap.add_argument("--n-ctx", type=int, default=8192,
                     help="llama.cpp's context (tokens); with --kv-budget, its bytes' worth")
     ap.add_argument("--results", help="JSON to write")
@@ -218,8 +222,10 @@ def main():
         budget_flags += ["--ctx-size", str(a.ctx_size)]
     if a.prefix_cache:
         budget_flags += ["--prefix-cache", a.prefix_cache]
-        if a.kv_budget:
+        if a.kv_budget and not a.prefix_cache_ram:
             budget_flags += ["--prefix-cache-ram", a.kv_budget]
+    if a.prefix_cache_ram:
+        budget_flags += ["--prefix-cache-ram", a.prefix_cache_ram]
     rows = []
     binary = ROOT / "target" / "release" / "kvpolicy-server"
     if not binary.is_file():
@@ -240,6 +246,7 @@ def main():
         results, wall = load(url, prompts, a.clients, a.requests, a.seed, a.timeout)
         budget = f", KV budget {a.kv_budget}" if a.kv_budget else ""
         budget += ", prefix cache" if a.prefix_cache else ""
+        budget += (f", prefix cache RAM {a.prefix_cache_ram}" if a.prefix_cache_ram else "")
         rows.append(summarize(f"kvpolicy-server ({a.policy}, --batch-invariant, "
                               f"--max-batch {a.max_batch}{budget})", results, wall,
                               peak_rss(proc.pid), solo))

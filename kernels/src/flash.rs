@@ -23,7 +23,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor};
 
 mod cpu;
 mod elem;
@@ -35,7 +35,7 @@ mod workspace;
 pub use elem::{Q8_BYTES, Q8_VALUES};
 use plan::Meter;
 pub use plan::{scratch_bytes, threads, CallShape, FlashParams, TILE_KEYS, TILE_ROWS};
-pub use runs::{flash_attn_runs, KvRun};
+pub use runs::KvRun;
 
 /// The result of [`flash_attn`].
 #[derive(Clone, Debug)]
@@ -66,6 +66,60 @@ pub fn flash_attn(q: &Tensor, k: &Tensor, v: &Tensor, params: &FlashParams) -> R
         lse,
         scratch_peak_bytes: meter.peak.load(Ordering::Relaxed),
     })
+}
+
+/// Attention of `q` over the keys and values of `runs`, one after another (the first key
+/// of run 0 at `params.k_pos`), as [`flash_attn`] over them joined would compute it.
+pub fn flash_attn_runs(q: &Tensor, runs: &[KvRun<'_>], params: &FlashParams) -> Result<FlashOut> {
+    match runs {
+        [] => Err(candle_core::Error::Msg(
+            "flash_attn_runs: no keys given (at least one run)".into(),
+        )),
+        [one] => flash_attn(q, one.k, one.v, params),
+        _ if !on_cpu(q, runs) => {
+            let ks = runs.iter().map(|r| r.k).collect::<Vec<_>>();
+            let vs = runs.iter().map(|r| r.v).collect::<Vec<_>>();
+            flash_attn(q, &Tensor::cat(&ks, 2)?, &Tensor::cat(&vs, 2)?, params)
+        }
+        _ => {
+            let (b, nh, t, d) = q.dims4()?;
+            let meter = Arc::new(Meter::default());
+            let (qs, ql) = q.storage_and_layout();
+            let held = runs
+                .iter()
+                .map(|r| (r.k.storage_and_layout(), r.v.storage_and_layout()))
+                .collect::<Vec<_>>();
+            let parts = held
+                .iter()
+                .map(|((ks, kl), (vs, vl))| match (&**ks, &**vs) {
+                    (Storage::Cpu(k), Storage::Cpu(v)) => Ok(runs::CpuRun { k, kl, v, vl }),
+                    _ => Err(candle_core::Error::Msg(
+                        "flash_attn_runs: keys moved off the CPU".into(),
+                    )),
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let Storage::Cpu(qc) = &*qs else {
+                return Err(candle_core::Error::Msg(
+                    "flash_attn_runs: queries moved off the CPU".into(),
+                ));
+            };
+            let out = runs::attend_cpu(qc, ql, &parts, *params, &meter)?;
+            let both = Tensor::from_vec(out, (b, nh, t, d + 1), q.device())?;
+            Ok(FlashOut {
+                out: both.narrow(3, 0, d)?.contiguous()?,
+                lse: both.narrow(3, d, 1)?.reshape((b, nh, t))?,
+                scratch_peak_bytes: meter.peak.load(Ordering::Relaxed),
+            })
+        }
+    }
+}
+
+/// Whether the queries and every run are on the CPU.
+fn on_cpu(q: &Tensor, runs: &[KvRun<'_>]) -> bool {
+    q.device().is_cpu()
+        && runs
+            .iter()
+            .all(|r| r.k.device().is_cpu() && r.v.device().is_cpu())
 }
 
 /// The op: `q.apply_op3_no_bwd(k, v, &op)` gives `(b, n_heads, t, d + 1)` f32, each row's

@@ -1,21 +1,17 @@
-//! [`flash_attn_runs`]: the attention of [`super::flash_attn`] over keys and values held in
-//! several runs of storage — a prefix shared by reference between sequences (vLLM's
+//! The CPU side of [`super::flash_attn_runs`]: the attention of [`super::flash_attn`] over
+//! keys and values held in several runs of storage — a prefix shared by reference between sequences (vLLM's
 //! PagedAttention blocks, SOSP '23 §4.3; SGLang's radix cache) followed by a sequence's own
 //! buffer — without joining them. On the CPU the kernel walks the runs' tiles in order, a
 //! tile never crossing from one run to the next: runs whose lengths are whole tiles
-//! ([`TILE_KEYS`]) give the tiles of one joined buffer, so the result is that of
+//! ([`super::TILE_KEYS`]) give the tiles of one joined buffer, so the result is that of
 //! [`super::flash_attn`] over the joined keys, bit for bit. On other devices the runs are
 //! joined (a copy) and attended as one.
-use std::sync::atomic::Ordering;
-use std::sync::Arc;
-
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, Layout, Result, Storage, Tensor};
+use candle_core::{CpuStorage, Layout, Result, Tensor};
 
 use super::cpu::{compute_runs, Seg};
 use super::elem::{Elem, Q8Block};
 use super::plan::{FlashParams, Geometry, Meter};
-use super::{flash_attn, FlashOut};
 
 /// One run of keys and values `(b, n_kv_heads, len, d)`, any strides.
 #[derive(Clone, Copy, Debug)]
@@ -24,60 +20,6 @@ pub struct KvRun<'a> {
     pub k: &'a Tensor,
     /// Values.
     pub v: &'a Tensor,
-}
-
-/// Attention of `q` over the keys and values of `runs`, one after another (the first key
-/// of run 0 at `params.k_pos`), as [`flash_attn`] over them joined would compute it.
-pub fn flash_attn_runs(q: &Tensor, runs: &[KvRun<'_>], params: &FlashParams) -> Result<FlashOut> {
-    match runs {
-        [] => Err(candle_core::Error::Msg(
-            "flash_attn_runs: no keys given (at least one run)".into(),
-        )),
-        [one] => flash_attn(q, one.k, one.v, params),
-        _ if !on_cpu(q, runs) => {
-            let ks = runs.iter().map(|r| r.k).collect::<Vec<_>>();
-            let vs = runs.iter().map(|r| r.v).collect::<Vec<_>>();
-            flash_attn(q, &Tensor::cat(&ks, 2)?, &Tensor::cat(&vs, 2)?, params)
-        }
-        _ => {
-            let (b, nh, t, d) = q.dims4()?;
-            let meter = Arc::new(Meter::default());
-            let (qs, ql) = q.storage_and_layout();
-            let held = runs
-                .iter()
-                .map(|r| (r.k.storage_and_layout(), r.v.storage_and_layout()))
-                .collect::<Vec<_>>();
-            let parts = held
-                .iter()
-                .map(|((ks, kl), (vs, vl))| match (&**ks, &**vs) {
-                    (Storage::Cpu(k), Storage::Cpu(v)) => Ok(CpuRun { k, kl, v, vl }),
-                    _ => Err(candle_core::Error::Msg(
-                        "flash_attn_runs: keys moved off the CPU".into(),
-                    )),
-                })
-                .collect::<Result<Vec<_>>>()?;
-            let Storage::Cpu(qc) = &*qs else {
-                return Err(candle_core::Error::Msg(
-                    "flash_attn_runs: queries moved off the CPU".into(),
-                ));
-            };
-            let out = attend_cpu(qc, ql, &parts, *params, &meter)?;
-            let both = Tensor::from_vec(out, (b, nh, t, d + 1), q.device())?;
-            Ok(FlashOut {
-                out: both.narrow(3, 0, d)?.contiguous()?,
-                lse: both.narrow(3, d, 1)?.reshape((b, nh, t))?,
-                scratch_peak_bytes: meter.peak.load(Ordering::Relaxed),
-            })
-        }
-    }
-}
-
-/// Whether the queries and every run are on the CPU.
-fn on_cpu(q: &Tensor, runs: &[KvRun<'_>]) -> bool {
-    q.device().is_cpu()
-        && runs
-            .iter()
-            .all(|r| r.k.device().is_cpu() && r.v.device().is_cpu())
 }
 
 /// One run's storages and layouts on the CPU.
