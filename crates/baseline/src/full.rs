@@ -1,15 +1,20 @@
 //! `full`: all K/V of all layers on the device tier — the reference policy.
 //!
-//! Each layer owns a [`WindowKv`] that grows by whole chunks, so a decode step writes its
-//! new entries in place and attends over a strided view of the buffer. A sliding-window
-//! layer (Mistral, Gemma 2/3) keeps only its window and a step: the tokens no later query
-//! sees are dropped before its buffer would grow (Gemma 3 holds 3 histories and 15
-//! windows, not 18 histories). With `kv_dtype` f16, bf16 or q8_0 (LOSSY, opt-in) the
-//! buffers hold that form: a step's K/V are converted as they are stored and the attention
-//! kernel reads the stored form in place, accumulating in f32 — llama.cpp's
+//! Each layer owns a [`WindowKv`](kvpolicy_core::WindowKv) that grows by whole chunks, so a
+//! decode step writes its new entries in place and attends over a strided view of the
+//! buffer. A sliding-window layer (Mistral, Gemma 2/3) keeps only its window and a step: the
+//! tokens no later query sees are dropped before its buffer would grow (Gemma 3 holds 3
+//! histories and 15 windows, not 18 histories). With `kv_dtype` f16, bf16 or q8_0 (LOSSY,
+//! opt-in) the buffers hold that form: a step's K/V are converted as they are stored and the
+//! attention kernel reads the stored form in place, accumulating in f32 — llama.cpp's
 //! `--cache-type-k f16` / `q8_0`.
 //! With a device budget the policy fails before allocating past it and points to the
 //! offload policies.
+//!
+//! On the CPU, with K/V stored as the model gives them, a prefix restored from the prefix
+//! cache's RAM is held by reference ([`crate::held`]: the cache's own tensors, leased;
+//! vLLM's shared prefix blocks, PagedAttention §4.3), before the layer's own buffer, and a
+//! sequence that computed a stored prefix may give its copy up for it (`adopt_kv`).
 use std::ops::Range;
 
 use candle_core::{Device, Tensor};
