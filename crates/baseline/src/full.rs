@@ -135,6 +135,13 @@ impl KvPolicy for FullPolicy {
             device_kv_bytes: self.meter.current(),
             device_kv_peak_bytes: self.meter.peak(),
             kv_tokens: self.seq_len() as u64,
+            // A global layer's (windowed ones hold none by reference).
+            shared_kv_tokens: self
+                .layers
+                .iter()
+                .map(LayerHeld::shared_tokens)
+                .max()
+                .unwrap_or(0),
             ..self.stats.clone()
         }
     }
@@ -243,11 +250,14 @@ impl KvRestore for FullPolicy {
             .is_some_and(|s| self.stores_as_given(s.dtype, s.head_dim))
     }
 
-    /// Kept by reference while the layer holds no token of its own (a prefix restored
-    /// before the prefill); copied otherwise.
+    /// Kept by reference while a global layer holds no token of its own (a prefix restored
+    /// before the prefill); copied otherwise. A sliding-window layer copies: its window
+    /// starts anywhere in a chunk, and the tiles of a cut chunk would change the attention's
+    /// summation order (its buffer is a window, small anyway).
     fn attach_kv(&mut self, step: &AttnStep<'_>, lease: &KvLease) -> Result<()> {
         let (dt, d) = (step.k.dtype(), step.k.dim(3)?);
-        if self.stores_as_given(dt, d) && step.k.device().same_device(&self.device) {
+        let global = step.spec.sliding_window.is_none();
+        if global && self.stores_as_given(dt, d) && step.k.device().same_device(&self.device) {
             self.grow_to(step.layer);
             let run = SharedRun {
                 k: step.k,
@@ -267,7 +277,12 @@ impl KvRestore for FullPolicy {
             return Ok(false);
         };
         let (dt, d) = (first.k.dtype(), first.k.dim(3)?);
-        if !self.stores_as_given(dt, d) {
+        // Global layers only (see `attach_kv`).
+        let windowed = self
+            .shape
+            .as_ref()
+            .is_none_or(|s| s.windows.get(layer).copied().flatten().is_some());
+        if windowed || !self.stores_as_given(dt, d) {
             return Ok(false);
         }
         match self.layers.get_mut(layer) {
@@ -286,9 +301,10 @@ impl ShardLocal for FullPolicy {
         if !store.is_empty() {
             kvpolicy_core::check_store(step, &store)?;
             self.grow_to(step.layer);
-            let buf = &mut self.layers[step.layer].own;
-            if buf.buffer().is_empty() {
-                buf.start_at(store.start)?;
+            let held = &mut self.layers[step.layer];
+            // (Never past runs held by reference: the positions must follow them.)
+            if held.own.buffer().is_empty() && held.shared_tokens() == 0 {
+                held.own.start_at(store.start)?;
             }
             self.store(step, store, step.spec.window_start(step.pos))?;
         }

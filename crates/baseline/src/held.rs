@@ -57,12 +57,9 @@ impl LayerHeld {
         }
     }
 
-    /// Bytes held by reference.
-    pub fn shared_bytes(&self) -> u64 {
-        self.shared
-            .iter()
-            .map(|r| (r.k.elem_count() + r.v.elem_count()) * r.k.dtype().size_in_bytes())
-            .sum::<usize>() as u64
+    /// Tokens held by reference.
+    pub fn shared_tokens(&self) -> u64 {
+        self.shared.iter().map(|r| r.end() - r.pos).sum::<usize>() as u64
     }
 
     /// Keeps `run` by reference when it continues the layer and the layer holds no token of

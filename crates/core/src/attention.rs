@@ -173,11 +173,13 @@ pub fn attend_partial_runs(
     k_pos: usize,
     spec: &AttnSpec,
 ) -> Result<Partial> {
-    let runs = runs
-        .iter()
-        .filter(|r| r.k.dim(2).is_ok_and(|s| s > 0))
-        .copied()
-        .collect::<Vec<_>>();
+    let mut kept = Vec::with_capacity(runs.len());
+    for r in runs {
+        if r.k.dim(2)? > 0 {
+            kept.push(*r);
+        }
+    }
+    let runs = kept;
     let dt = q.dtype();
     let in_place = |k: &Tensor| {
         k.dtype() == dt

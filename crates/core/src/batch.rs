@@ -224,7 +224,7 @@ impl Batched for PerSequence {
         Some(self.seqs.get(&seq).map_or_else(SeqHeld::default, |p| {
             let s = p.stats();
             SeqHeld {
-                tokens: p.seq_len() as u64,
+                tokens: (p.seq_len() as u64).saturating_sub(s.shared_kv_tokens),
                 device_bytes: s.device_kv_bytes,
                 host_bytes: s.host_kv_bytes,
             }

@@ -34,10 +34,12 @@ pub trait KvRestore {
         self.append_kv(step)
     }
 
-    /// What sequence `seq` holds of layer `layer` at the positions of `runs` — one after
-    /// another from the first position it holds by itself — equals their K/V (it computed
-    /// them, and they are now shared): it may hold the runs by reference instead and free
-    /// its own copy. Returns whether it did (the default: it keeps its copy).
+    /// Sequence `seq` computed the K/V of `runs` at their positions in layer `layer` (one
+    /// after another from position 0 or from the first it holds by itself), and they are
+    /// now shared: it may hold the runs by reference instead and free its own copy. (Under
+    /// a batch-invariant schedule the runs are what it computed, bit for bit; otherwise a
+    /// run another sequence stored first may differ from its copy in the last bits.)
+    /// Returns whether it did (the default: it keeps its copy).
     fn adopt_kv(&mut self, seq: usize, layer: usize, runs: &[SharedRun<'_>]) -> Result<bool> {
         let _ = (seq, layer, runs);
         Ok(false)
@@ -74,7 +76,8 @@ pub trait Batched {
 /// What one sequence's cache holds ([`Batched::held`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SeqHeld {
-    /// Tokens held.
+    /// Tokens held whose bytes it counts (not those it holds by reference, a shared
+    /// prefix: their owner counts them).
     pub tokens: u64,
     /// Bytes on the device tier.
     pub device_bytes: u64,

@@ -107,6 +107,9 @@ pub struct KvStats {
     pub recompute_tokens: u64,
     /// Tokens cached per layer.
     pub kv_tokens: u64,
+    /// Of those, tokens held by reference (a prefix shared with other sequences, whose
+    /// bytes its owner counts: not in `device_kv_bytes`), in the first layer.
+    pub shared_kv_tokens: u64,
     /// Seconds spent waiting for transfers that compute could not hide (host waits; on CUDA
     /// the compute stream waits on the device instead, so this stays near 0 there).
     pub transfer_wait_s: f64,

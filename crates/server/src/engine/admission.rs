@@ -17,25 +17,21 @@ impl Engine {
     /// allows ([`crate::memory`]); those whose client left are dropped.
     pub(super) fn admit(&mut self) {
         while let Some(free) = self.slots.iter().position(Option::is_none) {
-            let (tokens, planned) = match self.preempted.front() {
-                Some(a) => (a.job.prompt.len() + a.generated.len(), a.planned()),
-                None => match self.waiting.front() {
-                    Some(job) => (job.prompt.len(), job.prompt.len() + job.max_tokens),
-                    None => break,
-                },
+            // The oldest waiting request that is not waiting for a running request to store
+            // chunks of its prompt (it then holds them by reference instead of computing
+            // them again); those behind it go ahead meanwhile.
+            let next = (0..self.waiting.len())
+                .find(|&i| !self.awaits_shared_prefix(&self.waiting[i].prompt));
+            let (tokens, planned) = match (self.preempted.front(), next) {
+                (Some(a), _) => (a.job.prompt.len() + a.generated.len(), a.planned()),
+                (None, Some(i)) => {
+                    let job = &self.waiting[i];
+                    (job.prompt.len(), job.prompt.len() + job.max_tokens)
+                }
+                (None, None) => break,
             };
             if self.hold_resumes && !self.preempted.is_empty() {
                 // Nothing has left since the last preemption: its room is not back yet.
-                break;
-            }
-            if self.preempted.is_empty()
-                && self
-                    .waiting
-                    .front()
-                    .is_some_and(|job| self.awaits_shared_prefix(&job.prompt))
-            {
-                // A running request is computing chunks of its prompt: it starts when they
-                // are stored, and holds them by reference instead of computing them again.
                 break;
             }
             if let Some(running) = self.running(&[]) {
@@ -50,7 +46,7 @@ impl Engine {
             let mut a = match self.preempted.pop_front() {
                 Some(a) => a,
                 None => {
-                    let Some(job) = self.waiting.pop_front() else {
+                    let Some(job) = next.and_then(|i| self.waiting.remove(i)) else {
                         break;
                     };
                     self.queued.fetch_sub(1, Ordering::SeqCst);

@@ -401,16 +401,18 @@ impl Engine {
             // stored chunks from the cache, and the ones waiting for them can start.
             if let Some(r) = self.reuse.as_mut() {
                 a.computed = r.take(chunk.seq)?;
-                if let Some(kv) = a.computed.as_ref().filter(|_| a.sharing) {
-                    let n = r.share(
-                        self.policy.as_mut(),
-                        chunk.seq,
-                        &a.job.prompt,
-                        a.restored,
-                        kv,
-                    )?;
-                    self.metrics.prefix_stored_chunks.inc_by(n as u64);
-                    a.computed = None;
+                if let Some(kv) = a.computed.take_if(|_| a.sharing) {
+                    // Chunks that cannot be stored or shared cost only their reuse: the
+                    // request keeps its own copy.
+                    let (policy, p) = (self.policy.as_mut(), &a.job.prompt);
+                    match r.share(policy, chunk.seq, p, a.restored, &kv) {
+                        Ok(n) => {
+                            self.metrics.prefix_stored_chunks.inc_by(n as u64);
+                        }
+                        Err(e) => {
+                            eprintln!("prefix cache: a request's chunks were not shared: {e:#}")
+                        }
+                    }
                 }
             }
         }
