@@ -33,6 +33,7 @@ use crate::metrics::Metrics;
 use crate::passes::{forward, Passes};
 
 mod admission;
+mod prefix;
 use crate::reuse::Reuse;
 use crate::sampler::Chooser;
 
@@ -396,26 +397,11 @@ impl Engine {
             return Ok(());
         }
         if a.pos - chunk.ids.len() < prompt && a.computed.is_none() {
-            // The prompt is in: what it computed goes to the cache when the request ends —
-            // or now, when requests share prefixes by reference: the request holds its
-            // stored chunks from the cache, and the ones waiting for them can start.
-            if let Some(r) = self.reuse.as_mut() {
-                a.computed = r.take(chunk.seq)?;
-                if let Some(kv) = a.computed.take_if(|_| a.sharing) {
-                    // Chunks that cannot be stored or shared cost only their reuse: the
-                    // request keeps its own copy.
-                    let (policy, p) = (self.policy.as_mut(), &a.job.prompt);
-                    match r.share(policy, chunk.seq, p, a.restored, &kv) {
-                        Ok(n) => {
-                            self.metrics.prefix_stored_chunks.inc_by(n as u64);
-                        }
-                        Err(e) => {
-                            eprintln!("prefix cache: a request's chunks were not shared: {e:#}")
-                        }
-                    }
-                }
-            }
+            self.prompt_in(chunk.seq)?;
         }
+        let Some(a) = self.slots[chunk.seq].as_mut() else {
+            return Ok(());
+        };
         if a.pos < prompt + a.generated.len() {
             // Replaying what it generated before a preemption: already sampled and sent.
             return Ok(());
@@ -474,18 +460,7 @@ impl Engine {
                     prompt_tokens: a.job.prompt.len(),
                     completion_tokens: a.generated.len(),
                 });
-                // After the answer (the client does not wait for the writes) and after the
-                // slot is free: a chunk that cannot be stored costs only its reuse.
-                if let (Some(r), Some(kv)) = (self.reuse.as_mut(), &a.computed) {
-                    match r.store(&a.job.prompt, a.restored, kv) {
-                        Ok(n) => {
-                            self.metrics.prefix_stored_chunks.inc_by(n as u64);
-                        }
-                        Err(e) => {
-                            eprintln!("prefix cache: a request's chunks were not stored: {e:#}")
-                        }
-                    }
-                }
+                self.store_finished(&a);
             }
         }
         Ok(())
