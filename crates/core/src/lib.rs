@@ -61,7 +61,7 @@ pub use knob::{Knob, PolicyOption};
 pub use lease::{KvLease, SharedRun};
 pub use options::PolicyOptions;
 pub use policy::KvPolicy;
-pub use pool::{KvPool, TierPool};
+pub use pool::{KvPool, PoolTier, TierPool};
 pub use profile::Profile;
 pub use protocol::Checked;
 pub use ranges::{HeadRange, TokenRange};

@@ -94,7 +94,24 @@ pub struct KvPool {
     sequences: usize,
 }
 
+/// Which of a [`KvPool`]'s ledgers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PoolTier {
+    /// The device tier's.
+    Device,
+    /// The host tier's RAM.
+    Host,
+}
+
 impl KvPool {
+    /// The ledger of `tier`.
+    pub fn tier(&self, tier: PoolTier) -> &TierPool {
+        match tier {
+            PoolTier::Device => &self.device,
+            PoolTier::Host => &self.host,
+        }
+    }
+
     /// Pools of `device` and `host` bytes (`None`: unlimited, only counted).
     pub fn new(device: Option<u64>, host: Option<u64>) -> Arc<Self> {
         Self::shared_by(device, host, 1)

@@ -230,6 +230,24 @@ impl PrefixCache {
         }
     }
 
+    /// Books the RAM tier's bytes in `pool`'s `tier` ledger — the one the requests' K/V
+    /// on the device the chunks are read from draw from — so that the cache and the live
+    /// requests share one budget ([`crate::ram`]).
+    pub fn pooled(
+        mut self,
+        pool: std::sync::Arc<kvpolicy_core::KvPool>,
+        tier: kvpolicy_core::PoolTier,
+    ) -> Self {
+        self.ram.pooled(pool, tier);
+        self
+    }
+
+    /// Evicts the least recently used chunks no live sequence holds from RAM until the pool
+    /// ledger has `need` bytes free (a live sequence needs the room); whether it has.
+    pub fn evict_for(&mut self, need: u64) -> bool {
+        self.ram.evict_for(need, &[])
+    }
+
     /// Whether its chunks may be held by reference by a policy without changing a bit of
     /// its results: their length is a whole number of the attention kernel's key tiles
     /// ([`kvpolicy_core::attention::RUN_ALIGN`], 256; the default chunk). Other chunk sizes

@@ -85,6 +85,19 @@ impl Lru {
         Some(s.bytes)
     }
 
+    /// Every chunk held but `keep`, least recently used first, with its bytes.
+    pub(crate) fn oldest(&self, keep: &[ChunkKey]) -> Vec<(ChunkKey, u64)> {
+        let keep: HashSet<&ChunkKey> = keep.iter().collect();
+        let mut all: Vec<(u64, ChunkKey, u64)> = self
+            .slots
+            .iter()
+            .filter(|(k, _)| !keep.contains(k))
+            .map(|(k, s)| (s.used, *k, s.bytes))
+            .collect();
+        all.sort_unstable();
+        all.into_iter().map(|(_, k, b)| (k, b)).collect()
+    }
+
     /// The chunks to evict, least recently used first, so that `key` (if any) can hold
     /// `incoming` bytes (what it holds now counted as freed) — none of `keep`. `None` when
     /// that cannot be: `incoming` above the budget, or room only by evicting some of `keep`.

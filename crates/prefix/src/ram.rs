@@ -6,9 +6,16 @@
 //! [`KvLease`]: while a live sequence holds the chunk by reference (its policy keeps a
 //! clone of the lease), the chunk is not evicted — its bytes are counted here, once, for
 //! every sequence that reads it (SGLang's radix cache pins the nodes a request uses).
+//!
+//! In a server's memory pool ([`RamTier::pooled`]) its bytes are also booked in one ledger
+//! of the [`KvPool`] the requests' policies draw from: a chunk is kept only where the pool
+//! has room (evicting older unleased chunks for it), and a live sequence that needs the room
+//! gets it by evicting them ([`RamTier::evict_for`]) — the prefix cache and the live K/V are
+//! one pool, as SGLang's radix cache and vLLM's free block queue are.
 use std::collections::HashMap;
+use std::sync::Arc;
 
-use kvpolicy_core::KvLease;
+use kvpolicy_core::{KvLease, KvPool, PoolTier};
 
 use crate::chunk::ChunkKv;
 use crate::key::ChunkKey;
@@ -19,6 +26,8 @@ pub struct RamTier {
     lru: Lru,
     evictions: u64,
     chunks: HashMap<ChunkKey, Held>,
+    /// The pool ledger its bytes are booked in, if any.
+    pool: Option<(Arc<KvPool>, PoolTier)>,
 }
 
 /// A chunk and its lease.
@@ -42,7 +51,51 @@ impl RamTier {
             lru: Lru::new(budget),
             evictions: 0,
             chunks: HashMap::new(),
+            pool: None,
         }
+    }
+
+    /// Books its bytes in `pool`'s `tier` ledger from now on (what it holds already too).
+    pub fn pooled(&mut self, pool: Arc<KvPool>, tier: PoolTier) {
+        pool.tier(tier).add(self.lru.bytes());
+        self.pool = Some((pool, tier));
+    }
+
+    /// Whether its pool ledger has `need` bytes free (always outside a pool).
+    fn pool_fits(&self, need: u64) -> bool {
+        self.pool
+            .as_ref()
+            .is_none_or(|(p, t)| p.tier(*t).fits(need))
+    }
+
+    /// Evicts least recently used chunks, none leased nor in `keep`, until its pool ledger
+    /// has `need` bytes free; whether it has.
+    /// Outside a pool it always has.
+    pub fn evict_for(&mut self, need: u64, keep: &[ChunkKey]) -> bool {
+        for (key, _) in self.lru.oldest(keep) {
+            if self.pool_fits(need) {
+                break;
+            }
+            if self
+                .chunks
+                .get(&key)
+                .is_some_and(|h| h.lease.holders() == 0)
+            {
+                self.drop_chunk(&key);
+                self.evictions += 1;
+            }
+        }
+        self.pool_fits(need)
+    }
+
+    /// Forgets `key`'s chunk and its bytes.
+    fn drop_chunk(&mut self, key: &ChunkKey) {
+        if let Some(bytes) = self.lru.remove(key) {
+            if let Some((p, t)) = &self.pool {
+                p.tier(*t).sub(bytes);
+            }
+        }
+        self.chunks.remove(key);
     }
 
     /// The chunk under `key`, marked as just used.
@@ -86,8 +139,7 @@ impl RamTier {
         if self.chunks.get(key).is_some_and(|h| h.lease.holders() > 0) {
             return;
         }
-        self.lru.remove(key);
-        self.chunks.remove(key);
+        self.drop_chunk(key);
     }
 
     /// Keeps `chunk` under `key`, evicting the least recently used chunks to stay within the
@@ -105,6 +157,8 @@ impl RamTier {
             self.lru.touch(&key);
             return true;
         }
+        // (Equal keys, equal K/V: the one held gives its bytes back first.)
+        self.drop_chunk(&key);
         let bytes = chunk.bytes();
         let mut keep = before.to_vec();
         keep.extend(
@@ -119,6 +173,13 @@ impl RamTier {
         for k in victims {
             self.remove(&k);
             self.evictions += 1;
+        }
+        // In a pool: room there too, from the oldest unleased chunks but `before`.
+        if !self.evict_for(bytes, &[before, &[key]].concat()) {
+            return false;
+        }
+        if let Some((p, t)) = &self.pool {
+            p.tier(*t).add(bytes);
         }
         self.lru.insert(key, bytes);
         self.chunks.insert(
@@ -149,5 +210,14 @@ impl RamTier {
     /// Chunks evicted so far.
     pub fn evictions(&self) -> u64 {
         self.evictions
+    }
+}
+
+impl Drop for RamTier {
+    /// Gives its bytes back to its pool.
+    fn drop(&mut self) {
+        if let Some((p, t)) = &self.pool {
+            p.tier(*t).sub(self.lru.bytes());
+        }
     }
 }

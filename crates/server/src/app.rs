@@ -8,6 +8,7 @@ use std::thread::JoinHandle;
 
 use anyhow::{Context, Result};
 use axum::Router;
+use kvpolicy::core::PoolTier;
 use kvpolicy::models::engine::generate::kv_shape;
 use kvpolicy::models::{fingerprint, layer_specs, load, resolve, CausalLm, ModelSpec};
 use kvpolicy::KvPool;
@@ -101,7 +102,16 @@ pub fn build(
     let reuse = if args.prefix.wanted() {
         args.prefix
             .open(fingerprint(&files, &info)?)?
-            .map(|cache| Reuse::new(cache, layer_specs(&info)))
+            // One pool with the requests' K/V: the ledger of the memory its chunks are read
+            // from (the CPU is the device; on a GPU they are host RAM).
+            .map(|cache| {
+                let tier = if opts.device.is_cpu() {
+                    PoolTier::Device
+                } else {
+                    PoolTier::Host
+                };
+                Reuse::new(cache.pooled(pool.clone(), tier), layer_specs(&info))
+            })
     } else {
         None
     };

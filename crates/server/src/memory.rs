@@ -121,13 +121,37 @@ impl Governor {
 
     /// Rule 1 on the device tier.
     fn device_admits(&self, running: &[Running], tokens: usize) -> bool {
-        if self.pool.device.budget().is_none() {
-            return true;
-        }
+        self.admission_need(running, tokens)
+            .is_none_or(|need| self.pool.device.fits(need))
+    }
+
+    /// The device bytes rule 1 needs free to admit a request of `tokens` prompt tokens
+    /// beside `running` (`None` without a device budget): what the running prompts still
+    /// add and its own prompt and a token. A prefix cache in the pool evicts for it.
+    pub fn admission_need(&self, running: &[Running], tokens: usize) -> Option<u64> {
+        self.pool.device.budget()?;
         let top = self.top_rate(running);
         let promised: f64 = running.iter().map(|r| self.growth(r, r.pending, top)).sum();
-        let need = promised + top * self.capacity(tokens as u64 + 1) as f64;
-        self.pool.device.fits(need.ceil() as u64)
+        Some((promised + top * self.capacity(tokens as u64 + 1) as f64).ceil() as u64)
+    }
+
+    /// The device bytes this step's growth needs free (`None` without a device budget): each
+    /// growing request's growth and one layer of overlap. A prefix cache in the pool evicts
+    /// for it before any request is preempted.
+    pub fn step_need(&self, running: &[Running]) -> Option<u64> {
+        self.pool.device.budget()?;
+        let top = self.top_rate(running);
+        let growth: f64 = running.iter().map(|r| self.growth(r, r.adding, top)).sum();
+        Some((growth + self.overlap(running, top)).ceil() as u64)
+    }
+
+    /// A growing buffer and the one it replaces exist together for a moment: the largest
+    /// layer of a growing request.
+    fn overlap(&self, live: &[Running], top: f64) -> f64 {
+        live.iter()
+            .filter(|r| self.growth(r, r.adding, top) > 0.0)
+            .map(|r| r.held.device_bytes as f64 / self.n_layers as f64)
+            .fold(0.0, f64::max)
     }
 
     /// Rule 3: the host RAM every running request may still take, and the newcomer's whole
@@ -162,12 +186,7 @@ impl Governor {
         let mut out = Vec::new();
         loop {
             let growth: f64 = live.iter().map(|r| self.growth(r, r.adding, top)).sum();
-            // A growing buffer and the one it replaces exist together for a moment.
-            let overlap = live
-                .iter()
-                .filter(|r| self.growth(r, r.adding, top) > 0.0)
-                .map(|r| r.held.device_bytes as f64 / self.n_layers as f64)
-                .fold(0.0, f64::max);
+            let overlap = self.overlap(&live, top);
             if used + growth + overlap <= budget as f64 || live.len() <= 1 {
                 return out;
             }

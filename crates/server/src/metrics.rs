@@ -94,6 +94,9 @@ pub struct Metrics {
     pub prefix_bytes: Family<TierLabels, Gauge<u64, AtomicU64>>,
     /// Chunk files the prefix cache could not write, by cause.
     pub prefix_write_errors: Family<KindLabels, Counter>,
+    /// Chunks the prefix cache evicted, per tier (`ram`, `disk`): for its own budget, or
+    /// for a live request that needed the room in the pool.
+    pub prefix_evictions: Family<TierLabels, Counter>,
     /// Bytes of the prefix cache's RAM chunks that running requests hold by reference
     /// (held once however many read them; part of `prefix_bytes{tier="ram"}`).
     pub kv_shared_bytes: Gauge<u64, AtomicU64>,
@@ -140,6 +143,7 @@ impl Metrics {
             prefix_stored_chunks: Counter::default(),
             prefix_bytes: Family::default(),
             kv_shared_bytes: Gauge::default(),
+            prefix_evictions: Family::default(),
             prefix_write_errors: Family::default(),
             connections: Gauge::default(),
             connections_shed: Counter::default(),
@@ -262,6 +266,11 @@ impl Metrics {
             m.prefix_bytes.clone(),
         );
         registry.register(
+            "prefix_cache_evictions",
+            "Chunks the prefix cache evicted, per tier (for its budget, or for a live request's room in the pool)",
+            m.prefix_evictions.clone(),
+        );
+        registry.register(
             "kv_shared_bytes",
             "Bytes of K/V that running requests hold by reference: prefix cache chunks (RAM) read by one or more requests, held once",
             m.kv_shared_bytes.clone(),
@@ -330,6 +339,16 @@ impl Metrics {
     /// The prefix cache's gauges and write errors from its counters.
     pub fn set_prefix(&self, s: &kvpolicy::prefix::PrefixStats) {
         self.kv_shared_bytes.set(s.shared_bytes);
+        for (tier, n) in [("ram", s.ram_evictions), ("disk", s.disk_evictions)] {
+            let c = self
+                .prefix_evictions
+                .get_or_create(&TierLabels { tier: tier.into() });
+            // The cache counts; the counter follows.
+            let seen = c.get();
+            if n > seen {
+                c.inc_by(n - seen);
+            }
+        }
         for (tier, bytes) in [("ram", s.ram_bytes), ("disk", s.disk_bytes)] {
             self.prefix_bytes
                 .get_or_create(&TierLabels { tier: tier.into() })

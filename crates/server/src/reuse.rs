@@ -97,6 +97,11 @@ impl Reuse {
                 .is_some_and(|r: &mut dyn KvRestore| r.attaches_kv(seq))
     }
 
+    /// Evicts unleased chunks until the pool has `need` bytes free (a cache in the pool).
+    pub fn evict_for(&mut self, need: u64) -> bool {
+        self.cache.evict_for(need)
+    }
+
     /// Tokens per chunk.
     pub fn chunk_tokens(&self) -> usize {
         self.cache.chunk_tokens()
@@ -113,6 +118,8 @@ impl Reuse {
         from: usize,
         kv: &ChunkKv,
     ) -> anyhow::Result<usize> {
+        // In a pool, only the chunks that fit beside its own copy are kept (the pool is
+        // never passed, even for the moment before it gives the copy up).
         let stored = store_new(&mut self.cache, prompt, from, kv)?;
         adopt_prefix(&self.cache, policy, seq, prompt)?;
         Ok(stored)

@@ -4,6 +4,8 @@
 //! policy's device, host and disk bytes and the prefix cache's RAM, where the shared chunks
 //! live) stay within one prefix, their suffixes and one chunk per request — and each gets
 //! exactly the tokens and log-probabilities a server without a prefix cache gives it alone.
+//! And the prefix cache's RAM is in the same pool as the requests' K/V: its chunks stay
+//! after their request finishes and are evicted when a live request needs the room.
 mod common;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -68,8 +70,12 @@ fn kv_bytes_everywhere(m: &str) -> Result<f64> {
     Ok(sum)
 }
 
+/// Held by the test running now (two servers at once thrash two cores).
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[test]
 fn eight_live_requests_hold_a_shared_prefix_once_and_stay_exact() -> Result<()> {
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let a = agent();
     let alone: Vec<Value> = {
         let plain = Server::start(&flags(&[]))?;
@@ -150,6 +156,102 @@ fn eight_live_requests_hold_a_shared_prefix_once_and_stay_exact() -> Result<()> 
         most / 1048576.0,
         bound / 1048576.0,
         samples.len()
+    );
+    Ok(())
+}
+
+/// The device pool's usage in a `/metrics` text.
+fn device_usage(m: &str) -> f64 {
+    metric(m, "kvpolicy_kv_cache_usage_perc{tier=\"device\"}").unwrap_or(0.0)
+}
+
+#[test]
+fn the_prefix_cache_gives_its_room_to_live_requests() -> Result<()> {
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let server = Server::start(&[
+        "--policy",
+        "full",
+        "--batch-invariant",
+        "--ctx-size",
+        "1024",
+        "--max-batch",
+        "4",
+        "--prefill-chunk",
+        "256",
+        "--device-kv-budget",
+        "64MiB",
+        "--prefix-cache-ram",
+        "256MiB",
+    ])?;
+    let a = agent();
+    let url = server.url("/v1/completions");
+    let ids = |n: usize, salt: usize| {
+        json!((0..n)
+            .map(|k| 100 + (k * 53 + salt * 7) % 3000)
+            .collect::<Vec<_>>())
+    };
+    // A 800-token prompt (a 1,024-token buffer, 45 MiB, while it runs): of its three whole
+    // chunks, what fits beside that in the pool is stored, and stays after it finishes.
+    greedy(&a, &url, &ids(800, 1))?;
+    let (_, after) = get(&a, &server.url("/metrics"))?;
+    let held = metric(&after, "kvpolicy_prefix_cache_bytes{tier=\"ram\"}").unwrap_or(0.0);
+    let chunk = CHUNK * KV_PER_TOKEN;
+    ensure!(
+        held >= chunk && metric(&after, "kvpolicy_requests_running") == Some(0.0),
+        "the cache holds {held} bytes after its request finished"
+    );
+    ensure!(
+        (device_usage(&after) * 64.0 * 1048576.0 - held).abs() < 1.0,
+        "the cache's chunks are not the device pool's bytes: usage {}",
+        device_usage(&after)
+    );
+    // Two other 600-token prompts at once: each needs 768 tokens' buffers (33.75 MiB), so
+    // the second needs the cache's room.
+    let done = AtomicBool::new(false);
+    let samples = std::thread::scope(|s| -> Result<Vec<String>> {
+        let sampler = s.spawn(|| -> Result<Vec<String>> {
+            let a = agent();
+            let mut seen = Vec::new();
+            while !done.load(Ordering::SeqCst) {
+                seen.push(get(&a, &server.url("/metrics"))?.1);
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Ok(seen)
+        });
+        let handles: Vec<_> = [2, 3]
+            .into_iter()
+            .map(|salt| {
+                let (a, url, p) = (a.clone(), url.clone(), ids(600, salt));
+                s.spawn(move || greedy(&a, &url, &p))
+            })
+            .collect();
+        let got = handles
+            .into_iter()
+            .map(|h| h.join().map_err(|_| anyhow::anyhow!("panicked"))?)
+            .collect::<Result<Vec<_>>>();
+        done.store(true, Ordering::SeqCst);
+        let seen = sampler.join().map_err(|_| anyhow::anyhow!("panicked"))??;
+        got?;
+        Ok(seen)
+    })?;
+    for m in &samples {
+        ensure!(
+            device_usage(m) <= 1.0,
+            "device KV at {} of its budget",
+            device_usage(m)
+        );
+    }
+    let (_, end) = get(&a, &server.url("/metrics"))?;
+    let evicted = metric(&end, "kvpolicy_prefix_cache_evictions_total{tier=\"ram\"}");
+    ensure!(
+        evicted > Some(0.0),
+        "no chunk was evicted for the live requests:\n{end}"
+    );
+    let peak = metric(&end, "kvpolicy_kv_peak_bytes{tier=\"device\"}").unwrap_or(f64::MAX);
+    ensure!(peak <= 64.0 * 1048576.0, "the pool's peak {peak}");
+    ensure!(
+        metric(&end, "kvpolicy_requests_failed_total") == Some(0.0),
+        "a request failed:\n{end}"
     );
     Ok(())
 }

@@ -35,12 +35,23 @@ impl Engine {
                 break;
             }
             if let Some(running) = self.running(&[]) {
-                if self
-                    .memory
-                    .as_ref()
-                    .is_some_and(|g| !g.admits(&running, tokens, planned))
-                {
-                    break;
+                let refused = |e: &Self| {
+                    e.memory
+                        .as_ref()
+                        .is_some_and(|g| !g.admits(&running, tokens, planned))
+                };
+                if refused(self) {
+                    // The prefix cache's unleased chunks make room first, when it is in the pool.
+                    let need = self
+                        .memory
+                        .as_ref()
+                        .and_then(|g| g.admission_need(&running, tokens));
+                    if let (Some(r), Some(need)) = (self.reuse.as_mut(), need) {
+                        r.evict_for(need);
+                    }
+                    if refused(self) {
+                        break;
+                    }
                 }
             }
             let mut a = match self.preempted.pop_front() {
@@ -157,6 +168,11 @@ impl Engine {
         let Some(running) = self.running(chunks) else {
             return false;
         };
+        // The prefix cache's unleased chunks make room before any request is preempted.
+        let need = self.memory.as_ref().and_then(|g| g.step_need(&running));
+        if let (Some(r), Some(need)) = (self.reuse.as_mut(), need) {
+            r.evict_for(need);
+        }
         let out = self
             .memory
             .as_ref()
