@@ -111,6 +111,11 @@ impl PrefixCache {
         chunk_keys(&self.fp, ids, self.chunk_tokens)
     }
 
+    /// Whether `key` is held in RAM (not marked as used).
+    pub fn in_ram(&self, key: &ChunkKey) -> bool {
+        self.ram.contains(key)
+    }
+
     /// Whether `key` is held in RAM or known on disk (without reading it).
     pub fn contains(&self, key: &ChunkKey) -> bool {
         self.ram.contains(key) || self.disk.as_ref().is_some_and(|d| d.contains(key))

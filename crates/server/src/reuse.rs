@@ -24,6 +24,8 @@ pub struct Reuse {
     cache: PrefixCache,
     layers: LayerSpecs,
     rec: Recordings,
+    /// Whether the policy holds restored chunks by reference, once an admission asked.
+    sharing: Option<bool>,
 }
 
 impl Reuse {
@@ -33,6 +35,7 @@ impl Reuse {
             cache,
             layers,
             rec: Recordings::default(),
+            sharing: None,
         }
     }
 
@@ -90,11 +93,27 @@ impl Reuse {
 
     /// Whether slot `seq` of `policy` holds restored chunks by reference (then prefixes are
     /// shared between live requests).
-    pub fn shares(&self, policy: &mut dyn KvPolicy, seq: usize) -> bool {
-        self.cache.shares_by_reference()
+    pub fn shares(&mut self, policy: &mut dyn KvPolicy, seq: usize) -> bool {
+        let shares = self.cache.shares_by_reference()
             && policy
                 .as_restore()
-                .is_some_and(|r: &mut dyn KvRestore| r.attaches_kv(seq))
+                .is_some_and(|r: &mut dyn KvRestore| r.attaches_kv(seq));
+        self.sharing = Some(shares);
+        shares
+    }
+
+    /// The prompt tokens a request admitted now would hold by reference rather than in its
+    /// own buffers: the whole chunks at `prompt`'s start held in RAM, where the policy
+    /// shares (0 until an admission has said it does).
+    pub fn shared_prefix_tokens(&self, prompt: &[u32]) -> usize {
+        if self.sharing != Some(true) {
+            return 0;
+        }
+        let c = self.cache.chunk_tokens();
+        // A restore leaves the last token to prefill.
+        let whole = prompt.len().saturating_sub(1) / c;
+        let keys = self.cache.keys(&prompt[..whole * c]);
+        keys.iter().take_while(|k| self.cache.in_ram(k)).count() * c
     }
 
     /// Evicts unleased chunks until the pool has `need` bytes free (a cache in the pool).

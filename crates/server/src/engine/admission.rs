@@ -22,14 +22,29 @@ impl Engine {
             // them again); those behind it go ahead meanwhile.
             let next = (0..self.waiting.len())
                 .find(|&i| !self.awaits_shared_prefix(&self.waiting[i].prompt));
-            let (tokens, planned) = match (self.preempted.front(), next) {
-                (Some(a), _) => (a.job.prompt.len() + a.generated.len(), a.planned()),
+            let (prompt, tokens, planned) = match (self.preempted.front(), next) {
+                (Some(a), _) => (
+                    &a.job.prompt,
+                    a.job.prompt.len() + a.generated.len(),
+                    a.planned(),
+                ),
                 (None, Some(i)) => {
                     let job = &self.waiting[i];
-                    (job.prompt.len(), job.prompt.len() + job.max_tokens)
+                    (
+                        &job.prompt,
+                        job.prompt.len(),
+                        job.prompt.len() + job.max_tokens,
+                    )
                 }
                 (None, None) => break,
             };
+            // What it will hold by reference (a shared prefix in the cache) takes no room of
+            // its own on the device.
+            let shared = self
+                .reuse
+                .as_ref()
+                .map_or(0, |r| r.shared_prefix_tokens(prompt));
+            let tokens = tokens - shared.min(tokens);
             if self.hold_resumes && !self.preempted.is_empty() {
                 // Nothing has left since the last preemption: its room is not back yet.
                 break;
@@ -98,7 +113,7 @@ impl Engine {
             a.restored = restored;
             a.sharing = self
                 .reuse
-                .as_ref()
+                .as_mut()
                 .is_some_and(|r| r.shares(self.policy.as_mut(), free));
             a.pos = restored;
             self.admissions += 1;
