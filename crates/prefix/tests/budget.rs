@@ -4,7 +4,7 @@
 //! before its earlier ones.
 mod common;
 
-use anyhow::{ensure, Result};
+use anyhow::{ensure, Context, Result};
 use common::{chunk, fp, same};
 use kvpolicy_core::DiskIo;
 use kvpolicy_prefix::chunk;
@@ -85,5 +85,60 @@ fn eviction_takes_a_chains_last_chunks_first() -> Result<()> {
             "{tier}: b"
         );
     }
+    Ok(())
+}
+
+/// In a server's pool (`PrefixCache::pooled`) the RAM tier's bytes are the pool ledger's:
+/// a chunk is kept only where the pool has room beside what the live sequences hold,
+/// evicting older unleased chunks for it; a live sequence gets the room back
+/// (`evict_for`), never from a leased chunk; a dropped cache gives its bytes back.
+#[test]
+fn in_a_pool_the_cache_shares_one_budget_with_live_sequences() -> Result<()> {
+    use kvpolicy_core::{KvPool, PoolTier};
+    let per_chunk = chunk(4, 0.0)?.bytes();
+    let pool = KvPool::new(Some(4 * per_chunk), None);
+    let cfg = PrefixConfig {
+        chunk_tokens: 4,
+        ram_bytes: 100 * per_chunk,
+        dir: None,
+        ..PrefixConfig::default()
+    };
+    let mut cache = PrefixCache::open(&cfg, fp())?.pooled(pool.clone(), PoolTier::Device);
+    // A live sequence holds two chunks' worth of the pool.
+    pool.device.add(2 * per_chunk);
+    let (a, b): (Vec<u32>, Vec<u32>) = ((0..9).collect(), (50..59).collect());
+    store_new(&mut cache, &a, 0, &chunk(8, 1.0)?)?;
+    ensure!(
+        pool.device.used() == 4 * per_chunk,
+        "{}",
+        pool.device.used()
+    );
+    // b's chunks fit only by evicting a's (its later one first); a's first is leased.
+    let lease = cache
+        .leased(&cache.keys(&a)[0])
+        .context("a's first chunk")?;
+    store_new(&mut cache, &b, 0, &chunk(8, 2.0)?)?;
+    ensure!(
+        cache.contains(&cache.keys(&a)[0]),
+        "a leased chunk was evicted"
+    );
+    ensure!(!cache.contains(&cache.keys(&a)[1]));
+    ensure!(pool.device.used() <= 4 * per_chunk);
+    // The live sequence needs two more chunks' room: only unleased chunks go (b's), not
+    // enough while a's first is leased; once it is not, it goes too.
+    ensure!(!cache.evict_for(2 * per_chunk));
+    ensure!(cache.contains(&cache.keys(&a)[0]) && !cache.contains(&cache.keys(&b)[0]));
+    drop(lease);
+    ensure!(cache.evict_for(2 * per_chunk));
+    ensure!(!cache.contains(&cache.keys(&a)[0]));
+    ensure!(cache.stats().ram_bytes == 0);
+    store_new(&mut cache, &a, 0, &chunk(8, 1.0)?)?;
+    ensure!(pool.device.used() == 4 * per_chunk);
+    drop(cache);
+    ensure!(
+        pool.device.used() == 2 * per_chunk,
+        "{}",
+        pool.device.used()
+    );
     Ok(())
 }
