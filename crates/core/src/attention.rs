@@ -128,36 +128,43 @@ pub fn attend_partial(x: AttnInputs<'_>, spec: &AttnSpec) -> Result<Partial> {
             }),
         );
     }
-    // The kernel reads K/V of q's dtype, or f16/bf16/q8_0 under f32 queries (a cache stored
-    // smaller, `kv_dtype`) in place; anything else is converted to q's dtype first.
+    // Anything the kernel does not read in place is converted to q's dtype first.
     let dt = q.dtype();
-    let in_place = k.dtype() == dt
-        || (dt == DType::F32
-            && matches!(k.dtype(), DType::F16 | DType::BF16 | DType::U8)
-            && v.dtype() == k.dtype());
-    let (k, v) = if in_place {
+    let (k, v) = if read_in_place(dt, k.dtype(), v.dtype()) {
         (k.clone(), v.clone())
     } else {
         (widen(k, dt, d)?, widen(v, dt, d)?)
     };
-    let f = flash_attn(
-        q,
-        &k,
-        &v,
-        &FlashParams {
-            scale: spec.scale as f32,
-            softcap: spec.softcap.map(|c| c as f32),
-            causal: spec.causal,
-            window: spec.sliding_window,
-            q_pos,
-            k_pos,
-        },
-    )?;
-    Ok(Partial {
+    let f = flash_attn(q, &k, &v, &flash_params(spec, q_pos, k_pos))?;
+    Ok(partial_of(f))
+}
+
+/// Whether the CPU kernel reads K/V of dtypes `k` and `v` in place under queries of `q`:
+/// K/V of q's dtype, or f16/bf16/q8_0 under f32 queries (a cache stored smaller,
+/// `kv_dtype`).
+fn read_in_place(q: DType, k: DType, v: DType) -> bool {
+    k == q || (q == DType::F32 && matches!(k, DType::F16 | DType::BF16 | DType::U8) && v == k)
+}
+
+/// The kernel's parameters for `spec`, queries at `q_pos`, keys at `k_pos`.
+fn flash_params(spec: &AttnSpec, q_pos: usize, k_pos: usize) -> FlashParams {
+    FlashParams {
+        scale: spec.scale as f32,
+        softcap: spec.softcap.map(|c| c as f32),
+        causal: spec.causal,
+        window: spec.sliding_window,
+        q_pos,
+        k_pos,
+    }
+}
+
+/// The kernel's result as a [`Partial`].
+fn partial_of(f: kvpolicy_kernels::FlashOut) -> Partial {
+    Partial {
         out: f.out,
         lse: f.lse,
         scratch_bytes: f.scratch_peak_bytes,
-    })
+    }
 }
 
 /// [`attend_partial`] over keys and values held in several runs of storage, one after
@@ -180,41 +187,24 @@ pub fn attend_partial_runs(
         }
     }
     let runs = kept;
-    let dt = q.dtype();
-    let in_place = |k: &Tensor| {
-        k.dtype() == dt
-            || (dt == DType::F32 && matches!(k.dtype(), DType::F16 | DType::BF16 | DType::U8))
-    };
     let one_call = q.device().is_cpu()
         && q.dim(2)? > 0
-        && runs
-            .iter()
-            .all(|r| r.k.device().is_cpu() && in_place(r.k) && r.v.dtype() == r.k.dtype());
+        && runs.iter().all(|r| {
+            r.k.device().is_cpu()
+                && read_in_place(q.dtype(), r.k.dtype(), r.v.dtype())
+                && r.v.dtype() == r.k.dtype()
+        });
     match runs.as_slice() {
         [] => {
             let (b, nh, t, d) = q.dims4()?;
             Partial::empty(b, nh, t, d, q.device())
         }
         [one] => attend_partial(inputs(q, one, q_pos, k_pos), spec),
-        _ if one_call => {
-            let f = flash_attn_runs(
-                q,
-                &runs,
-                &FlashParams {
-                    scale: spec.scale as f32,
-                    softcap: spec.softcap.map(|c| c as f32),
-                    causal: spec.causal,
-                    window: spec.sliding_window,
-                    q_pos,
-                    k_pos,
-                },
-            )?;
-            Ok(Partial {
-                out: f.out,
-                lse: f.lse,
-                scratch_bytes: f.scratch_peak_bytes,
-            })
-        }
+        _ if one_call => Ok(partial_of(flash_attn_runs(
+            q,
+            &runs,
+            &flash_params(spec, q_pos, k_pos),
+        )?)),
         many => {
             let k = Tensor::cat(&many.iter().map(|r| r.k).collect::<Vec<_>>(), 2)?;
             let v = Tensor::cat(&many.iter().map(|r| r.v).collect::<Vec<_>>(), 2)?;

@@ -15,6 +15,22 @@ pub fn append_kv(policy: &mut dyn KvPolicy, step: &AttnStep<'_>) -> Result<()> {
         .append_kv(step)
 }
 
+/// Keeps `step`'s K/V — shared with other sequences, held under `lease` — in `policy`
+/// without attention ([`KvRestore::attach_kv`](crate::KvRestore::attach_kv): by reference
+/// where it can, else a copy), or fails naming the policy when it does not take K/V that
+/// way.
+pub fn attach_kv(
+    policy: &mut dyn KvPolicy,
+    step: &AttnStep<'_>,
+    lease: &crate::lease::KvLease,
+) -> Result<()> {
+    let name = policy.name().to_string();
+    policy
+        .as_restore()
+        .ok_or_else(|| not_restorable(&name, step.layer))?
+        .attach_kv(step, lease)
+}
+
 /// The error for `append_kv` on `policy`, which takes no K/V without attention.
 pub(crate) fn not_restorable(policy: &str, layer: usize) -> crate::error::KvError {
     crate::error::KvError::Unsupported(format!(

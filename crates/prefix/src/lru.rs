@@ -115,16 +115,9 @@ impl Lru {
         let Some(mut need) = after.checked_sub(self.budget).filter(|&n| n > 0) else {
             return Some(Vec::new());
         };
-        let keep: HashSet<&ChunkKey> = keep.iter().chain(key).collect();
-        let mut candidates: Vec<(u64, ChunkKey, u64)> = self
-            .slots
-            .iter()
-            .filter(|(k, _)| !keep.contains(k))
-            .map(|(k, s)| (s.used, *k, s.bytes))
-            .collect();
-        candidates.sort_unstable();
+        let keep: Vec<ChunkKey> = keep.iter().chain(key).copied().collect();
         let mut out = Vec::new();
-        for (_, k, bytes) in candidates {
+        for (k, bytes) in self.oldest(&keep) {
             out.push(k);
             need = need.saturating_sub(bytes);
             if need == 0 {

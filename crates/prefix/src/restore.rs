@@ -7,7 +7,7 @@
 use std::time::Instant;
 
 use candle_core::Tensor;
-use kvpolicy_core::{append_kv, AttnStep, KvPolicy, NoRegen, SharedRun};
+use kvpolicy_core::{append_kv, attach_kv, AttnStep, KvPolicy, NoRegen, SharedRun};
 
 use crate::cache::{PrefixCache, Tier};
 use crate::chunk::ChunkKv;
@@ -101,7 +101,7 @@ pub fn restore_kv(
 }
 
 /// Gives `policy` the chunk `held` (held in the cache's RAM) at `at.pos`, layer by layer,
-/// with [`attach_kv`](kvpolicy_core::KvRestore::attach_kv): a policy that can keeps it by reference and its lease.
+/// with [`attach_kv`]: a policy that can keeps it by reference, and its lease.
 fn attach_chunk(
     policy: &mut dyn KvPolicy,
     held: &Leased,
@@ -110,10 +110,6 @@ fn attach_chunk(
 ) -> Result<()> {
     let tokens = held.kv.shape()?.tokens;
     let x = Tensor::zeros((1, tokens, layers.hidden), layers.dtype, &layers.device)?;
-    let name = policy.name().to_string();
-    let restore = policy.as_restore().ok_or_else(|| {
-        crate::error::PrefixError::Invalid(format!("`{name}` takes no K/V without attention"))
-    })?;
     for (layer, (l, spec)) in held.kv.layers.iter().zip(&layers.specs).enumerate() {
         let step = AttnStep {
             layer,
@@ -127,7 +123,7 @@ fn attach_chunk(
             spec,
             regen: &NoRegen,
         };
-        restore.attach_kv(&step, &held.lease)?;
+        attach_kv(policy, &step, &held.lease)?;
     }
     Ok(())
 }

@@ -340,14 +340,8 @@ impl Metrics {
     pub fn set_prefix(&self, s: &kvpolicy::prefix::PrefixStats) {
         self.kv_shared_bytes.set(s.shared_bytes);
         for (tier, n) in [("ram", s.ram_evictions), ("disk", s.disk_evictions)] {
-            let c = self
-                .prefix_evictions
-                .get_or_create(&TierLabels { tier: tier.into() });
-            // The cache counts; the counter follows.
-            let seen = c.get();
-            if n > seen {
-                c.inc_by(n - seen);
-            }
+            let labels = TierLabels { tier: tier.into() };
+            follow(&self.prefix_evictions.get_or_create(&labels), n);
         }
         for (tier, bytes) in [("ram", s.ram_bytes), ("disk", s.disk_bytes)] {
             self.prefix_bytes
@@ -355,14 +349,8 @@ impl Metrics {
                 .set(bytes);
         }
         for (kind, n) in s.write_error_kinds.by_kind() {
-            let c = self
-                .prefix_write_errors
-                .get_or_create(&KindLabels { kind: kind.into() });
-            // The cache counts; the counter follows.
-            let seen = c.get();
-            if n > seen {
-                c.inc_by(n - seen);
-            }
+            let labels = KindLabels { kind: kind.into() };
+            follow(&self.prefix_write_errors.get_or_create(&labels), n);
         }
     }
 
@@ -382,5 +370,14 @@ impl Metrics {
         // Writing into a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
         out
+    }
+}
+
+/// Brings counter `c` up to `n`, a count kept elsewhere (the prefix cache counts; the
+/// counter follows).
+fn follow(c: &Counter, n: u64) {
+    let seen = c.get();
+    if n > seen {
+        c.inc_by(n - seen);
     }
 }

@@ -7,11 +7,8 @@
 //! the approximate `quest` (its LOSSY label intact).
 mod common;
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
-
 use anyhow::{ensure, Context, Result};
-use common::{agent, get, metric, post, Server};
+use common::{agent, get, greedy_logprobs, metric, run_sampled, Sampled, Server};
 use serde_json::{json, Value};
 
 // SmolLM2-135M's K/V per token in f32: 30 layers × 3 KV heads × 64 × 2 × 4 bytes = 45 KiB.
@@ -35,14 +32,7 @@ fn prompts(n: usize) -> Vec<Value> {
 /// A greedy answer's tokens and log-probabilities (equal only when every kernel computed
 /// the same numbers).
 fn greedy(a: &ureq::Agent, url: &str, prompt: &Value) -> Result<Value> {
-    // The special tokens (end of text among them) banned: every answer runs its length.
-    let body = json!({"prompt": prompt, "max_tokens": 40, "temperature": 0, "logprobs": 0,
-                      "logit_bias": {"0": -100, "1": -100, "2": -100}});
-    let (status, text) = post(a, url, &serde_json::to_vec(&body)?)?;
-    ensure!(status == 200, "{status}: {text}");
-    let v: Value = serde_json::from_str(&text)?;
-    let lp = &v["choices"][0]["logprobs"];
-    Ok(json!([lp["tokens"], lp["token_logprobs"]]))
+    greedy_logprobs(a, url, prompt, 40)
 }
 
 /// What one load under one policy must show.
@@ -113,32 +103,16 @@ fn check(load: &Load<'_>) -> Result<()> {
         .iter()
         .map(|p| greedy(&a, &url, p))
         .collect::<Result<_>>()?;
-    let done = AtomicBool::new(false);
-    let (together, samples) = std::thread::scope(|s| -> Result<(Vec<Value>, Vec<String>)> {
-        let sampler = s.spawn(|| -> Result<Vec<String>> {
-            let a = agent();
-            let mut seen = Vec::new();
-            while !done.load(Ordering::SeqCst) {
-                seen.push(get(&a, &server.url("/metrics"))?.1);
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            Ok(seen)
-        });
-        let handles: Vec<_> = prompts(load.requests)
-            .into_iter()
-            .map(|p| {
-                let (a, url) = (a.clone(), url.clone());
-                s.spawn(move || greedy(&a, &url, &p))
-            })
-            .collect();
-        let got = handles
-            .into_iter()
-            .map(|h| h.join().map_err(|_| anyhow::anyhow!("panicked"))?)
-            .collect::<Result<Vec<_>>>();
-        done.store(true, Ordering::SeqCst);
-        let seen = sampler.join().map_err(|_| anyhow::anyhow!("panicked"))??;
-        Ok((got?, seen))
-    })?;
+    let Sampled {
+        results: together,
+        metrics: samples,
+    } = run_sampled(
+        &server,
+        prompts(load.requests).into_iter().map(|p| {
+            let (a, url) = (a.clone(), url.clone());
+            move || greedy(&a, &url, &p)
+        }),
+    )?;
     for (i, (got, want)) in together.iter().zip(&alone).enumerate() {
         ensure!(got == want, "prompt {i}: {got} together vs {want} alone");
     }

@@ -8,11 +8,8 @@
 //! after their request finishes and are evicted when a live request needs the room.
 mod common;
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
-
 use anyhow::{ensure, Result};
-use common::{agent, get, metric, post, Server};
+use common::{agent, get, greedy_logprobs, metric, run_sampled, Sampled, Server};
 use serde_json::{json, Value};
 
 /// SmolLM2-135M's K/V per token in f32: 30 layers × 3 KV heads × 64 × 2 (K and V) × 4 bytes.
@@ -33,13 +30,7 @@ fn prompt(i: usize) -> Value {
 
 /// A greedy answer's tokens and log-probabilities.
 fn greedy(a: &ureq::Agent, url: &str, prompt: &Value) -> Result<Value> {
-    let body = json!({"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
-                      "logprobs": 0, "logit_bias": {"0": -100, "1": -100, "2": -100}});
-    let (status, text) = post(a, url, &serde_json::to_vec(&body)?)?;
-    ensure!(status == 200, "{status}: {text}");
-    let v: Value = serde_json::from_str(&text)?;
-    let lp = &v["choices"][0]["logprobs"];
-    Ok(json!([lp["tokens"], lp["token_logprobs"]]))
+    greedy_logprobs(a, url, prompt, NEW_TOKENS)
 }
 
 /// The server's flags, with `extra`.
@@ -86,31 +77,16 @@ fn eight_live_requests_hold_a_shared_prefix_once_and_stay_exact() -> Result<()> 
     };
     let server = Server::start(&flags(&["--prefix-cache-ram", "512MiB"]))?;
     let url = server.url("/v1/completions");
-    let done = AtomicBool::new(false);
-    let (together, samples) = std::thread::scope(|s| -> Result<(Vec<Value>, Vec<String>)> {
-        let sampler = s.spawn(|| -> Result<Vec<String>> {
-            let a = agent();
-            let mut seen = Vec::new();
-            while !done.load(Ordering::SeqCst) {
-                seen.push(get(&a, &server.url("/metrics"))?.1);
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            Ok(seen)
-        });
-        let handles: Vec<_> = (0..REQUESTS)
-            .map(|i| {
-                let (a, url) = (a.clone(), url.clone());
-                s.spawn(move || greedy(&a, &url, &prompt(i)))
-            })
-            .collect();
-        let got = handles
-            .into_iter()
-            .map(|h| h.join().map_err(|_| anyhow::anyhow!("panicked"))?)
-            .collect::<Result<Vec<_>>>();
-        done.store(true, Ordering::SeqCst);
-        let seen = sampler.join().map_err(|_| anyhow::anyhow!("panicked"))??;
-        Ok((got?, seen))
-    })?;
+    let Sampled {
+        results: together,
+        metrics: samples,
+    } = run_sampled(
+        &server,
+        (0..REQUESTS).map(|i| {
+            let (a, url) = (a.clone(), url.clone());
+            move || greedy(&a, &url, &prompt(i))
+        }),
+    )?;
     for (i, (got, want)) in together.iter().zip(&alone).enumerate() {
         ensure!(got == want, "request {i}: {got} sharing vs {want} alone");
     }
@@ -207,33 +183,14 @@ fn the_prefix_cache_gives_its_room_to_live_requests() -> Result<()> {
     );
     // Two other 600-token prompts at once: each needs 768 tokens' buffers (33.75 MiB), so
     // the second needs the cache's room.
-    let done = AtomicBool::new(false);
-    let samples = std::thread::scope(|s| -> Result<Vec<String>> {
-        let sampler = s.spawn(|| -> Result<Vec<String>> {
-            let a = agent();
-            let mut seen = Vec::new();
-            while !done.load(Ordering::SeqCst) {
-                seen.push(get(&a, &server.url("/metrics"))?.1);
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            Ok(seen)
-        });
-        let handles: Vec<_> = [2, 3]
-            .into_iter()
-            .map(|salt| {
-                let (a, url, p) = (a.clone(), url.clone(), ids(600, salt));
-                s.spawn(move || greedy(&a, &url, &p))
-            })
-            .collect();
-        let got = handles
-            .into_iter()
-            .map(|h| h.join().map_err(|_| anyhow::anyhow!("panicked"))?)
-            .collect::<Result<Vec<_>>>();
-        done.store(true, Ordering::SeqCst);
-        let seen = sampler.join().map_err(|_| anyhow::anyhow!("panicked"))??;
-        got?;
-        Ok(seen)
-    })?;
+    let samples = run_sampled(
+        &server,
+        [2, 3].map(|salt| {
+            let (a, url, p) = (a.clone(), url.clone(), ids(600, salt));
+            move || greedy(&a, &url, &p)
+        }),
+    )?
+    .metrics;
     for m in &samples {
         ensure!(
             device_usage(m) <= 1.0,

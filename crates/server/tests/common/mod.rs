@@ -163,3 +163,63 @@ pub fn completion_text(agent: &ureq::Agent, url: &str, body: &serde_json::Value)
         .context("text")?
         .to_string())
 }
+
+/// A greedy completion of `prompt` (token ids) at `url`, `max_tokens` long, its special
+/// tokens 0–2 (end of text among them) banned so that every answer runs its length: its
+/// tokens and log-probabilities, equal between two runs only when every kernel computed the
+/// same numbers.
+pub fn greedy_logprobs(
+    agent: &ureq::Agent,
+    url: &str,
+    prompt: &serde_json::Value,
+    max_tokens: usize,
+) -> Result<serde_json::Value> {
+    let body = serde_json::json!({"prompt": prompt, "max_tokens": max_tokens,
+        "temperature": 0, "logprobs": 0, "logit_bias": {"0": -100, "1": -100, "2": -100}});
+    let (status, text) = post(agent, url, &serde_json::to_vec(&body)?)?;
+    if status != 200 {
+        bail!("{status}: {text}");
+    }
+    let v: serde_json::Value = serde_json::from_str(&text)?;
+    let lp = &v["choices"][0]["logprobs"];
+    Ok(serde_json::json!([lp["tokens"], lp["token_logprobs"]]))
+}
+
+/// What [`run_sampled`] saw.
+pub struct Sampled<T> {
+    /// Each job's result, in order.
+    pub results: Vec<T>,
+    /// `/metrics` texts, one every 20 ms while the jobs ran.
+    pub metrics: Vec<String>,
+}
+
+/// Runs `jobs` at once, each on a thread of its own, sampling `server`'s `/metrics` every
+/// 20 ms until every job is done; the first job that failed fails it.
+pub fn run_sampled<T: Send, F: FnOnce() -> Result<T> + Send>(
+    server: &Server,
+    jobs: impl IntoIterator<Item = F>,
+) -> Result<Sampled<T>> {
+    let done = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let sampler = s.spawn(|| -> Result<Vec<String>> {
+            let a = agent();
+            let mut seen = Vec::new();
+            while !done.load(std::sync::atomic::Ordering::SeqCst) {
+                seen.push(get(&a, &server.url("/metrics"))?.1);
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Ok(seen)
+        });
+        let handles: Vec<_> = jobs.into_iter().map(|job| s.spawn(job)).collect();
+        let got = handles
+            .into_iter()
+            .map(|h| h.join().map_err(|_| anyhow::anyhow!("panicked"))?)
+            .collect::<Result<Vec<_>>>();
+        done.store(true, std::sync::atomic::Ordering::SeqCst);
+        let metrics = sampler.join().map_err(|_| anyhow::anyhow!("panicked"))??;
+        Ok(Sampled {
+            results: got?,
+            metrics,
+        })
+    })
+}
