@@ -22,7 +22,7 @@ use kvpolicy_core::{
     attend_partial_runs, window_capacity, Advice, AttnStep, DeviceMeter, Knob, KvError, KvPolicy,
     KvShape, KvStats, PolicyOption, PolicyOptions, Result,
 };
-use kvpolicy_core::{KvCodec, KvLease, KvRestore, Need, Partial, ShardLocal, SharedRun};
+use kvpolicy_core::{KvCodec, KvLease, KvRestore, Need, Partial, PoolTier, ShardLocal, SharedRun};
 
 use crate::held::LayerHeld;
 
@@ -248,6 +248,11 @@ impl KvRestore for FullPolicy {
         self.shape
             .as_ref()
             .is_some_and(|s| self.stores_as_given(s.dtype, s.head_dim))
+    }
+
+    /// In place: the CPU is its device.
+    fn attach_tier(&mut self) -> Option<PoolTier> {
+        self.attaches_kv(0).then_some(PoolTier::Device)
     }
 
     /// Kept by reference while a global layer holds no token of its own (a prefix restored

@@ -11,6 +11,7 @@ use crate::capabilities::{Batched, KvRestore, Profiled, SeqHeld};
 use crate::error::Result;
 use crate::lease::{KvLease, SharedRun};
 use crate::policy::KvPolicy;
+use crate::pool::PoolTier;
 use crate::profile::Profile;
 use crate::restore::not_restorable;
 use crate::stats::KvStats;
@@ -34,6 +35,9 @@ pub struct PerSequence {
     /// Whether the policy is LOSSY, as an instance prepared for the run says (known before
     /// any sequence runs: a server prints it when it starts).
     lossy: bool,
+    /// Where an instance prepared for the run holds K/V by reference
+    /// ([`KvRestore::attach_tier`]).
+    attach_tier: Option<PoolTier>,
     device_peak: u64,
 }
 
@@ -48,6 +52,7 @@ impl PerSequence {
             expected: BTreeMap::new(),
             retired: KvStats::default(),
             lossy: false,
+            attach_tier: None,
             device_peak: 0,
         }
     }
@@ -96,6 +101,7 @@ impl KvPolicy for PerSequence {
         let mut probe = (self.factory)()?;
         probe.prepare(&one)?;
         self.lossy = probe.stats().lossy;
+        self.attach_tier = probe.as_restore().and_then(|r| r.attach_tier());
         for p in self.seqs.values_mut() {
             p.prepare(&one)?;
         }
@@ -176,6 +182,10 @@ impl KvRestore for PerSequence {
             .ok()
             .and_then(|p| p.as_restore().map(|r| r.attaches_kv(seq)))
             .unwrap_or(false)
+    }
+
+    fn attach_tier(&mut self) -> Option<PoolTier> {
+        self.attach_tier
     }
 
     fn attach_kv(&mut self, step: &AttnStep<'_>, lease: &KvLease) -> Result<()> {

@@ -8,6 +8,7 @@ use std::ops::Range;
 use crate::attention::Partial;
 use crate::error::Result;
 use crate::lease::{KvLease, SharedRun};
+use crate::pool::PoolTier;
 use crate::profile::Profile;
 use crate::step::AttnStep;
 
@@ -24,6 +25,15 @@ pub trait KvRestore {
     fn attaches_kv(&mut self, seq: usize) -> bool {
         let _ = seq;
         false
+    }
+
+    /// Whose ledger the K/V this policy holds by reference belong to: the memory it reads
+    /// them from — [`PoolTier::Device`] for a policy attending them in place,
+    /// [`PoolTier::Host`] for one streaming them from its host tier. `None` (the default)
+    /// when it never holds K/V by reference. A prefix cache sharing its chunks books them
+    /// there.
+    fn attach_tier(&mut self) -> Option<PoolTier> {
+        None
     }
 
     /// [`append_kv`](Self::append_kv) of K/V shared with other sequences (a prefix cache's

@@ -204,6 +204,10 @@ impl KvRestore for Checked<'_> {
         self.inner.as_restore().is_some_and(|r| r.attaches_kv(seq))
     }
 
+    fn attach_tier(&mut self) -> Option<crate::pool::PoolTier> {
+        self.inner.as_restore().and_then(|r| r.attach_tier())
+    }
+
     fn attach_kv(&mut self, step: &AttnStep<'_>, lease: &KvLease) -> Result<()> {
         self.admit(step)?;
         let name = self.inner.name().to_string();

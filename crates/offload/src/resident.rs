@@ -10,7 +10,7 @@
 //! budget. A resident unit is attended in place ([`Residency::attend`]): its new entries
 //! appended to its buffer, what no later query sees dropped before it would grow; when its
 //! growth no longer fits it says so, and the runtime demotes it.
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 
 use candle_core::Tensor;
 use kvpolicy_core::Result;
@@ -104,6 +104,11 @@ pub(crate) struct Residency {
     order: Vec<usize>,
     /// Units demoted to the host since the last reset.
     demotions: u64,
+    /// Layers whose units stream whatever the budget: they hold a prefix shared with other
+    /// sequences on the host tier, which a resident unit would copy per sequence.
+    streamed_layers: BTreeSet<usize>,
+    /// Units per layer (the plan's).
+    groups: usize,
 }
 
 impl Residency {
@@ -202,15 +207,18 @@ impl Residency {
         plan_cap: usize,
         avail: Option<u64>,
     ) {
-        // Demotions count since the last reset, across plans (a new head group plans again).
-        let demotions = self.demotions;
+        // Demotions count since the last reset, across plans (a new head group plans again);
+        // layers held by reference stay streamed.
+        let (demotions, streamed) = (self.demotions, std::mem::take(&mut self.streamed_layers));
         self.clear();
         self.demotions = demotions;
+        self.streamed_layers = streamed;
         self.planned = true;
         self.plan_cap = plan_cap;
         self.unit_bytes = shape.kv_bytes(group, plan_cap).max(1);
         self.remaining = avail;
         let groups = shape.n_kv_heads / group.max(1);
+        self.groups = groups;
         for (layer, w) in shape.windows.iter().enumerate() {
             let Some(w) = *w else { continue };
             let cap = round_up(w + shape.largest_step(), grow).min(plan_cap.max(grow));
@@ -249,7 +257,9 @@ impl Residency {
     pub fn decide(&mut self, unit: usize, grow_tokens: usize) {
         while self.units.len() <= unit {
             let u = self.units.len();
+            let shared = self.groups > 0 && self.streamed_layers.contains(&(u / self.groups));
             let tokens = match self.preset.get(&u) {
+                _ if shared => None,
                 Some(planned) => *planned,
                 // Under a budget a resident unit is allocated at its planned capacity once
                 // (growth would hold old and new buffers at once, past the charge); without
@@ -265,6 +275,12 @@ impl Residency {
             };
             self.units.push(tokens.map(WindowKv::new));
         }
+    }
+
+    /// `layer`'s units stream from now on, whatever the budget (those not decided yet; the
+    /// caller demotes those resident).
+    pub(crate) fn stream_layer(&mut self, layer: usize) {
+        self.streamed_layers.insert(layer);
     }
 
     /// Whether `unit` is decided (or planned) and resident.

@@ -247,8 +247,9 @@ impl Streaming {
             })
     }
 
-    /// Copy jobs bringing `span`'s history into `place` (from host memory, or read from the
-    /// disk tier first).
+    /// Copy jobs bringing `span`'s history into `place` (from host memory — its own store
+    /// and the runs it holds by reference, each piece to its place — or read from the disk
+    /// tier first).
     fn load_jobs(
         &self,
         host: &mut HostLayers,
@@ -257,19 +258,21 @@ impl Streaming {
     ) -> Result<Vec<CopyJob>> {
         let gs = self.group;
         let heads = HeadRange::new(span.unit.group * gs, gs);
-        let (hk, hv) = host.history(span.unit.layer, heads, span.tokens)?;
+        let pieces = host.history_pieces(span.unit.layer, heads, span.tokens)?;
         let (kb, vb) = self.staging.buffers(place)?;
         let batch = kb.dim(0)?;
-        let mut jobs = Vec::with_capacity(2 * batch * gs);
-        for bi in 0..batch {
-            for j in 0..gs {
-                for (src, dst) in [(&hk, &kb), (&hv, &vb)] {
-                    jobs.push(CopyJob {
-                        src: src.narrow(0, bi, 1)?.narrow(1, j, 1)?,
-                        dst: dst.narrow(0, bi, 1)?.narrow(1, j, 1)?,
-                        dim: 2,
-                        offset: place.offset(),
-                    });
+        let mut jobs = Vec::with_capacity(2 * batch * gs * pieces.len());
+        for p in &pieces {
+            for bi in 0..batch {
+                for j in 0..gs {
+                    for (src, dst) in [(&p.k, &kb), (&p.v, &vb)] {
+                        jobs.push(CopyJob {
+                            src: src.narrow(0, bi, 1)?.narrow(1, j, 1)?,
+                            dst: dst.narrow(0, bi, 1)?.narrow(1, j, 1)?,
+                            dim: 2,
+                            offset: place.offset() + p.at,
+                        });
+                    }
                 }
             }
         }

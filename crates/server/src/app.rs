@@ -105,11 +105,15 @@ pub fn build(
             // One pool with the requests' K/V: the ledger of the memory its chunks are read
             // from (the CPU is the device; on a GPU they are host RAM).
             .map(|cache| {
-                let tier = if opts.device.is_cpu() {
-                    PoolTier::Device
-                } else {
-                    PoolTier::Host
+                // (Where the policy holds shared chunks, when it does.)
+                let fallback = match opts.device.is_cpu() {
+                    true => PoolTier::Device,
+                    false => PoolTier::Host,
                 };
+                let tier = policy
+                    .as_restore()
+                    .and_then(|r| r.attach_tier())
+                    .unwrap_or(fallback);
                 Reuse::new(cache.pooled(pool.clone(), tier), layer_specs(&info))
             })
     } else {

@@ -1,11 +1,14 @@
-//! Live requests share a prefix by reference (issue 54, item 4, done-when 2): eight
+//! Live requests share a prefix by reference (issue 54, item 4, done-when 2 and 3): eight
 //! requests sent at once, sharing a 2,000-token system prompt and each with its own
 //! question, hold the prefix once — every `/metrics` sample's K/V bytes over all tiers (the
 //! policy's device, host and disk bytes and the prefix cache's RAM, where the shared chunks
 //! live) stay within one prefix, their suffixes and one chunk per request — and each gets
-//! exactly the tokens and log-probabilities a server without a prefix cache gives it alone.
-//! And the prefix cache's RAM is in the same pool as the requests' K/V: its chunks stay
-//! after their request finishes and are evicted when a live request needs the room.
+//! exactly the tokens and log-probabilities `full` without a prefix cache gives it alone:
+//! under `full` (the chunks attended in place), `headwise` and `auto` (streamed from the
+//! host tier). Under the APPROXIMATE `quest` the stored tiers hold it once and each request
+//! gets what `quest` gives it alone; its device holds each request's selected pages. And the prefix cache's RAM is in the same pool as the requests' K/V: its
+//! chunks stay after their request finishes and are evicted when a live request needs the
+//! room.
 mod common;
 
 use anyhow::{ensure, Result};
@@ -33,11 +36,11 @@ fn greedy(a: &ureq::Agent, url: &str, prompt: &Value) -> Result<Value> {
     greedy_logprobs(a, url, prompt, NEW_TOKENS)
 }
 
-/// The server's flags, with `extra`.
-fn flags<'a>(extra: &[&'a str]) -> Vec<&'a str> {
+/// The server's flags for `policy`, with `extra`.
+fn flags<'a>(policy: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
     let base = [
         "--policy",
-        "full",
+        policy,
         "--batch-invariant",
         "--ctx-size",
         "2048",
@@ -49,33 +52,79 @@ fn flags<'a>(extra: &[&'a str]) -> Vec<&'a str> {
     [&base[..], extra].concat()
 }
 
-/// K/V bytes over every tier in one `/metrics` text: the policy's and the prefix cache's
-/// RAM (where shared chunks are held).
-fn kv_bytes_everywhere(m: &str) -> Result<f64> {
+/// K/V bytes over the policy's `tiers` in one `/metrics` text, and the prefix cache's RAM
+/// (where shared chunks are held).
+fn kv_bytes_in(m: &str, tiers: &[&str]) -> f64 {
     let mut sum = 0.0;
-    for tier in ["device", "host", "disk"] {
+    for tier in tiers {
         sum += metric(m, &format!("kvpolicy_kv_bytes{{tier=\"{tier}\"}}")).unwrap_or(0.0);
     }
     // (Absent until the engine's first step publishes it.)
-    sum += metric(m, "kvpolicy_prefix_cache_bytes{tier=\"ram\"}").unwrap_or(0.0);
-    Ok(sum)
+    sum + metric(m, "kvpolicy_prefix_cache_bytes{tier=\"ram\"}").unwrap_or(0.0)
 }
 
 /// Held by the test running now (two servers at once thrash two cores).
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
+/// The lossless policies that share, with their flags: `full` attends the shared chunks
+/// in place; `headwise` and `auto` (under a device budget) stream them from the host tier.
+const SHARING: [(&str, &[&str]); 3] = [
+    ("full", &[]),
+    ("headwise", &[]),
+    ("auto", &["--device-kv-budget", "64MiB"]),
+];
+
 #[test]
 fn eight_live_requests_hold_a_shared_prefix_once_and_stay_exact() -> Result<()> {
     let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let a = agent();
+    // What each request gets alone from `full` without a prefix cache: every lossless
+    // policy gives it, bit for bit.
     let alone: Vec<Value> = {
-        let plain = Server::start(&flags(&[]))?;
+        let plain = Server::start(&flags("full", &[]))?;
         let url = plain.url("/v1/completions");
         (0..REQUESTS)
             .map(|i| greedy(&a, &url, &prompt(i)))
             .collect::<Result<_>>()?
     };
-    let server = Server::start(&flags(&["--prefix-cache-ram", "512MiB"]))?;
+    for (policy, extra) in SHARING {
+        held_once(&a, policy, extra, &alone)?;
+    }
+    Ok(())
+}
+
+/// Done-when 3's approximate policy: `quest` (its default budget, below these prompts'
+/// length: APPROXIMATE) shares the prefix as the lossless ones do, each request getting
+/// exactly what `quest` without a prefix cache gives it alone, and the server still says
+/// LOSSY.
+#[test]
+fn an_approximate_policy_shares_a_prefix_too_and_stays_labeled_lossy() -> Result<()> {
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let a = agent();
+    let alone: Vec<Value> = {
+        let plain = Server::start(&flags("quest", &[]))?;
+        ensure!(plain.banner.contains("LOSSY"), "{}", plain.banner);
+        let url = plain.url("/v1/completions");
+        (0..REQUESTS)
+            .map(|i| greedy(&a, &url, &prompt(i)))
+            .collect::<Result<_>>()?
+    };
+    held_once(&a, "quest", &[], &alone)
+}
+
+/// Done-when 2 under `policy`: the eight requests at once against `alone`.
+fn held_once(a: &ureq::Agent, policy: &str, extra: &[&str], alone: &[Value]) -> Result<()> {
+    let server = Server::start(&flags(
+        policy,
+        &[extra, &["--prefix-cache-ram", "512MiB"]].concat(),
+    ))?;
+    // The APPROXIMATE policy stays labeled LOSSY with a prefix cache.
+    let lossy = policy == "quest";
+    ensure!(
+        server.banner.contains("LOSSY") == lossy,
+        "{}",
+        server.banner
+    );
     let url = server.url("/v1/completions");
     let Sampled {
         results: together,
@@ -87,50 +136,63 @@ fn eight_live_requests_hold_a_shared_prefix_once_and_stay_exact() -> Result<()> 
             move || greedy(&a, &url, &prompt(i))
         }),
     )?;
-    for (i, (got, want)) in together.iter().zip(&alone).enumerate() {
-        ensure!(got == want, "request {i}: {got} sharing vs {want} alone");
+    for (i, (got, want)) in together.iter().zip(alone).enumerate() {
+        ensure!(
+            got == want,
+            "{policy}, request {i}: {got} sharing vs {want} alone"
+        );
     }
-    // One prefix, every suffix (question and answer), one chunk per request.
+    // One prefix, every suffix (question and answer), one chunk per request: over every
+    // tier for a lossless policy; over the tiers that store K/V (host, disk, the cache's
+    // RAM) for `quest`, whose device holds each request's selected pages — its working
+    // set, a copy of at most its budget, shared prefix or not.
+    let tiers: &[&str] = match lossy {
+        true => &["host", "disk"],
+        false => &["device", "host", "disk"],
+    };
     let own = (SUFFIX + NEW_TOKENS) as f64;
     let bound = KV_PER_TOKEN * (PREFIX as f64 + REQUESTS as f64 * (own + CHUNK));
     let mut most = 0f64;
     let mut shared = 0f64;
+    let mut device = 0f64;
     let mut all_running = 0;
     for m in &samples {
         if metric(m, "kvpolicy_requests_running") == Some(REQUESTS as f64) {
             all_running += 1;
         }
-        let bytes = kv_bytes_everywhere(m)?;
+        let bytes = kv_bytes_in(m, tiers);
         most = most.max(bytes);
         ensure!(
             bytes <= bound,
-            "K/V over all tiers {bytes} bytes, above one prefix, the suffixes and a chunk per request ({bound})"
+            "{policy}: K/V over {tiers:?} and the cache {bytes} bytes, above one prefix, the suffixes and a chunk per request ({bound})"
         );
+        device = device.max(metric(m, "kvpolicy_kv_bytes{tier=\"device\"}").unwrap_or(0.0));
         shared = shared.max(metric(m, "kvpolicy_kv_shared_bytes").unwrap_or(0.0));
     }
     // Seven whole chunks of the prefix (1,792 tokens) held by reference.
     let whole = (PREFIX as f64 / CHUNK).floor();
     ensure!(
         shared == whole * CHUNK * KV_PER_TOKEN,
-        "{shared} bytes shared at most, not {whole} chunks' (samples: {})",
+        "{policy}: {shared} bytes shared at most, not {whole} chunks' (samples: {})",
         samples.len()
     );
     // Live together: the bound held while all eight ran.
     ensure!(
         all_running > 0,
-        "no sample saw the {REQUESTS} requests running at once"
+        "{policy}: no sample saw the {REQUESTS} requests running at once"
     );
-    let (_, end) = get(&a, &server.url("/metrics"))?;
+    let (_, end) = get(a, &server.url("/metrics"))?;
     let restored = metric(&end, "kvpolicy_prefix_cache_restored_tokens_total");
     ensure!(
         restored == Some((REQUESTS - 1) as f64 * whole * CHUNK),
-        "restored tokens: {restored:?}"
+        "{policy}: restored tokens: {restored:?}"
     );
     // Without sharing each request would hold its whole prompt: 8 × 2,048 tokens' buffers.
     eprintln!(
-        "K/V over all tiers: at most {:.1} MiB (bound {:.1} MiB; {} samples)",
+        "{policy}: K/V over {tiers:?} and the cache at most {:.1} MiB (bound {:.1} MiB), device at most {:.1} MiB; {} samples",
         most / 1048576.0,
         bound / 1048576.0,
+        device / 1048576.0,
         samples.len()
     );
     Ok(())

@@ -22,7 +22,8 @@
 //! Files: `settings` the settings; `pages` the summaries and scores; `select` top-K and
 //! overlaps; `cache` a head's device pages; `layers` a layer's device tier; `middle` the
 //! dense and selected attention over the middle and the page fetches; `selector` the rule
-//! a policy supplies; `policy` the runtime; `quest`, `flexicache`, `clo` the rules.
+//! a policy supplies; `policy` the runtime; `restore` K/V computed elsewhere (a restored
+//! or shared prefix); `quest`, `flexicache`, `clo` the rules.
 #![deny(missing_docs)]
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -34,6 +35,7 @@ mod middle;
 pub mod pages;
 pub mod policy;
 pub mod quest;
+mod restore;
 pub mod select;
 pub mod selector;
 pub mod settings;

@@ -195,7 +195,8 @@ fn gather_mapped(
     placed: &[Placed],
     shape: &PageShape,
 ) -> Result<bool> {
-    let Some(ram) = host.ram(layer) else {
+    // (Offsets count from position 0: not for a layer holding a prefix by reference.)
+    let Some(ram) = host.ram(layer).filter(|_| host.first_held(layer) == 0) else {
         return Ok(false);
     };
     let elem = shape.dtype.size_in_bytes() as u64;

@@ -6,8 +6,8 @@
 //! attends; exact (≤ 1e-5 of `full`) when the budget covers the context.
 use candle_core::{DType, Tensor};
 use kvpolicy_core::{
-    merge_partials, AttnInputs, AttnStep, KvBuffer, KvError, KvPolicy, KvShape, KvStats, Partial,
-    PolicyMetric, PolicyOptions, Result,
+    merge_partials, AttnInputs, AttnStep, KvBuffer, KvCodec, KvError, KvLease, KvPolicy, KvRestore,
+    KvShape, KvStats, Partial, PolicyMetric, PolicyOptions, Result, SharedRun,
 };
 use kvpolicy_tiered::{DiskTier, HostLayers, Link, WriteAt};
 
@@ -23,15 +23,15 @@ pub const PREFILL_ROWS: usize = 16;
 /// A page-selecting policy: the shared runtime around a [`Selector`] (module docs).
 pub struct SparsePolicy<S: Selector> {
     name: &'static str,
-    pages: Pages,
+    pub(crate) pages: Pages,
     selector: S,
-    link: Link,
-    host: HostLayers,
-    layers: Vec<LayerState>,
+    pub(crate) link: Link,
+    pub(crate) host: HostLayers,
+    pub(crate) layers: Vec<LayerState>,
     /// Per KV head, the buffers a non-persistent selector's pages are fetched into.
     shared: Vec<HeadCache>,
-    device: candle_core::Device,
-    len: usize,
+    pub(crate) device: candle_core::Device,
+    pub(crate) len: usize,
     peak: u64,
     /// Per layer and head, host→device bytes fetched for it.
     fetched: Vec<Vec<u64>>,
@@ -92,7 +92,7 @@ impl<S: Selector> SparsePolicy<S> {
         &self.selector
     }
 
-    fn page_shape(&self, step: &AttnStep<'_>) -> Result<PageShape> {
+    pub(crate) fn page_shape(&self, step: &AttnStep<'_>) -> Result<PageShape> {
         let (b, _, _, d) = step.k.dims4()?;
         Ok(PageShape {
             b,
@@ -110,8 +110,59 @@ impl<S: Selector> SparsePolicy<S> {
     }
 
     /// Records the bytes held now plus `transient` as a candidate peak.
-    fn note_device(&mut self, transient: u64) {
+    pub(crate) fn note_device(&mut self, transient: u64) {
         self.peak = self.peak.max(self.device_bytes() + transient);
+    }
+
+    /// Stores the step's K/V: a global layer's on the host tier (held by reference when
+    /// `lease` comes with them and the host tier can), and on the device the sinks, the
+    /// window and the page summaries ([`LayerState::append`]).
+    pub(crate) fn store(
+        &mut self,
+        step: &AttnStep<'_>,
+        shape: &KvShape,
+        lease: Option<&KvLease>,
+    ) -> Result<()> {
+        let (_, nkv, t, _) = step.k.dims4()?;
+        let (layer, pos) = (step.layer, step.pos);
+        while self.layers.len() <= layer {
+            self.layers.push(LayerState::new(&self.pages, nkv, None));
+        }
+        if self.layers[layer].is_fresh(&self.pages) {
+            // A layer's first step says whether it slides a window.
+            self.layers[layer] = LayerState::new(&self.pages, nkv, step.spec.sliding_window);
+        }
+        if self.layers[layer].global() {
+            let run = lease.map(|lease| SharedRun {
+                k: step.k,
+                v: step.v,
+                pos,
+                lease,
+            });
+            let attached = match run {
+                Some(r) if self.attaches() => {
+                    self.host.attach(&mut self.link, layer, &r, step.spec)?
+                }
+                _ => false,
+            };
+            if !attached {
+                self.host.begin(&mut self.link, step, shape)?;
+                let at = WriteAt {
+                    layer,
+                    first_head: 0,
+                    offset: pos,
+                };
+                self.host.write(&mut self.link, at, step.k, step.v)?;
+                self.host.advance(layer, t);
+            }
+        }
+        self.layers[layer].append(&self.pages, step.k, step.v, pos)
+    }
+
+    /// Whether a prefix shared with other sequences is held by reference on the host tier:
+    /// on the CPU, with K/V stored as given.
+    pub(crate) fn attaches(&self) -> bool {
+        self.device.is_cpu() && self.host.codec() == KvCodec::Model
     }
 
     /// The middle of a global layer at a prefill chunk: all of it, moved over the link;
@@ -332,30 +383,12 @@ impl<S: Selector> KvPolicy for SparsePolicy<S> {
     }
 
     fn attend(&mut self, step: &AttnStep<'_>) -> Result<Tensor> {
-        let (b, nkv, t, _) = step.k.dims4()?;
+        let (b, _, t, _) = step.k.dims4()?;
         one_sequence(self.name, b)?;
         let (layer, pos) = (step.layer, step.pos);
         let shape = self.host.shape_for(step)?;
         let ps = self.page_shape(step)?;
-        while self.layers.len() <= layer {
-            self.layers.push(LayerState::new(&self.pages, nkv, None));
-        }
-        if self.layers[layer].is_fresh(&self.pages) {
-            // A layer's first step says whether it slides a window.
-            self.layers[layer] = LayerState::new(&self.pages, nkv, step.spec.sliding_window);
-        }
-        let global = self.layers[layer].global();
-        if global {
-            self.host.begin(&mut self.link, step, &shape)?;
-            let at = WriteAt {
-                layer,
-                first_head: 0,
-                offset: pos,
-            };
-            self.host.write(&mut self.link, at, step.k, step.v)?;
-            self.host.advance(layer, t);
-        }
-        self.layers[layer].append(&self.pages, step.k, step.v, pos)?;
+        self.store(step, &shape, None)?;
         let parts = self.attend_pieces(step, &ps, false)?;
         let scratch = parts.iter().map(|p| p.scratch_bytes).max().unwrap_or(0);
         self.stats.note_scratch(scratch, shape.activation_bytes(t));
@@ -436,5 +469,9 @@ impl<S: Selector> KvPolicy for SparsePolicy<S> {
             stats.set_metric(m);
         }
         stats
+    }
+
+    fn as_restore(&mut self) -> Option<&mut dyn KvRestore> {
+        Some(self)
     }
 }

@@ -52,7 +52,7 @@ pub mod transfer;
 pub use disk::{raw_bytes, DiskKv};
 pub use disk_fs::{free_disk_bytes, probe_disk_dir, sync_disk_files};
 pub use disk_tier::DiskTier;
-pub use host::{tensor_bytes, HostKv, HostLayers, WriteAt, READ_AHEAD};
+pub use host::{tensor_bytes, HistoryPiece, HostKv, HostLayers, WriteAt, READ_AHEAD};
 pub use link::{report_device, Direction, Link};
 pub use pingpong::{other_buffer, Loaded, PingPong};
 pub use probe::Probe;

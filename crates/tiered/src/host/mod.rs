@@ -7,9 +7,14 @@
 //! reads and writes of that layer go to disk, the rest stays in RAM. [`HostLayers`] routes
 //! every read, write and read-ahead to the layer's store without asking which kind it is.
 //!
+//! A layer may hold its first positions by reference instead: runs of a prefix shared with
+//! other sequences ([`Self::attach`](HostLayers::attach), [`Self::adopt`](HostLayers::adopt));
+//! its store then holds the positions after them.
+//!
 //! Files: this one [`HostLayers`]; `store` the store trait and what a growing store may
 //! use; `ram` the RAM store; `disk_layer` the disk tier's file as a store; `disk_traffic`
-//! the disk reads started ahead and the disk tier's byte and time counts.
+//! the disk reads started ahead and the disk tier's byte and time counts; `shared` the runs
+//! held by reference, `sharing` the methods that attach, adopt and read them.
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -24,11 +29,15 @@ use crate::link::Link;
 mod disk_layer;
 mod disk_traffic;
 mod ram;
+mod shared;
+mod sharing;
 mod store;
 
 pub use disk_traffic::READ_AHEAD;
 use disk_traffic::{DiskTraffic, ReadSpan};
 pub use ram::HostKv;
+pub use shared::HistoryPiece;
+use shared::LayerRuns;
 use store::{stored_bytes, HostBudget, LayerStore, Room};
 pub use store::{tensor_bytes, WriteAt};
 
@@ -42,6 +51,9 @@ pub struct HostLayers {
     /// which hold the layers' files open, before the layers go).
     traffic: DiskTraffic,
     layers: Vec<Option<Box<dyn LayerStore>>>,
+    /// Per layer, the runs held by reference from position 0 (its store holds the
+    /// positions after them: its base is where they end).
+    shared: Vec<LayerRuns>,
     /// Per layer, positions seen (the next position written).
     lens: Vec<usize>,
     /// Per layer, the first position its store holds (RAM stores of sliding-window layers
@@ -75,6 +87,7 @@ impl HostLayers {
             shape: None,
             traffic: DiskTraffic::default(),
             layers: Vec::new(),
+            shared: Vec::new(),
             lens: Vec::new(),
             bases: Vec::new(),
             drop_windows: false,
@@ -220,6 +233,7 @@ impl HostLayers {
     ) -> Result<()> {
         while self.layers.len() <= layer {
             self.layers.push(None);
+            self.shared.push(LayerRuns::default());
             self.lens.push(0);
             self.bases.push(0);
             self.specs.push(None);
@@ -241,8 +255,11 @@ impl HostLayers {
             false => None,
         };
         // (A window-keeping layer's store holds the window and a step from its base; a
-        // global layer's starts at position 0.)
-        let planned = window_capacity(window, shape.max_tokens, shape.largest_step(), 1);
+        // global layer's from position 0, or from the end of the runs it holds by reference.)
+        let planned = match window {
+            Some(_) => window_capacity(window, shape.max_tokens, shape.largest_step(), 1),
+            None => shape.max_tokens.saturating_sub(self.bases[layer]),
+        };
         let mut room = Room::new(
             &mut *link,
             &mut self.traffic,
@@ -307,18 +324,23 @@ impl HostLayers {
     }
 
     /// Tokens `tokens` of heads `heads` (`g` of them) of `layer` as `(b,
-    /// g, len, head_dim)` K and V on the host: views of RAM buffers, or read from disk.
+    /// g, len, head_dim)` K and V on the host: views of RAM buffers, or read from disk
+    /// (joined into one copy when the tokens span runs held by reference and the store:
+    /// [`Self::history_pieces`] reads them without joining).
     pub fn history(
         &mut self,
         layer: usize,
         heads: HeadRange,
         tokens: TokenRange,
     ) -> Result<(Tensor, Tensor)> {
-        let span = ReadSpan::new(layer, heads, self.held(layer, tokens)?);
-        match self.layers.get(layer).and_then(Option::as_ref) {
-            Some(store) => store.history(span, &mut self.traffic),
-            None => Err(no_storage(layer)),
+        let mut pieces = self.history_pieces(layer, heads, tokens)?;
+        if pieces.len() == 1 {
+            let p = pieces.remove(0);
+            return Ok((p.k, p.v));
         }
+        let ks: Vec<&Tensor> = pieces.iter().map(|p| &p.k).collect();
+        let vs: Vec<&Tensor> = pieces.iter().map(|p| &p.v).collect();
+        Ok((Tensor::cat(&ks, 2)?, Tensor::cat(&vs, 2)?))
     }
 
     /// Starts reading what [`history`](Self::history) will be asked for soon, on its own
@@ -326,7 +348,15 @@ impl HostLayers {
     /// are in flight already). Calls come in the order the reads will be asked for. The
     /// tokens must be written already: a read-ahead never races a write of its blocks.
     pub fn read_ahead(&mut self, layer: usize, heads: HeadRange, tokens: TokenRange) -> Result<()> {
-        let span = ReadSpan::new(layer, heads, self.held(layer, tokens)?);
+        // (Runs held by reference are in RAM.)
+        let from = tokens
+            .start
+            .max(self.shared.get(layer).map_or(0, LayerRuns::end));
+        if from >= tokens.end() {
+            return Ok(());
+        }
+        let own = TokenRange::new(from, tokens.end() - from);
+        let span = ReadSpan::new(layer, heads, self.held(layer, own)?);
         match self.layers.get(layer).and_then(Option::as_ref) {
             Some(store) => store.read_ahead(span, &mut self.traffic),
             None => Ok(()),
@@ -425,7 +455,8 @@ impl HostLayers {
     /// The spec of `layer` if it holds exactly `pos` tokens in host storage: a layer whose
     /// history a prefetch for position `pos` may read.
     pub fn ready(&self, layer: usize, pos: usize) -> Option<&AttnSpec> {
-        let stored = self.layers.get(layer).is_some_and(Option::is_some);
+        let stored = self.layers.get(layer).is_some_and(Option::is_some)
+            || self.shared.get(layer).is_some_and(|r| r.end() > 0);
         match (self.lens.get(layer), self.specs.get(layer)) {
             (Some(&len), Some(Some(spec))) if len == pos && stored => Some(spec),
             _ => None,
@@ -452,6 +483,13 @@ impl HostLayers {
         let disk = self.stores().map(|s| s.file_bytes()).sum();
         let stats = KvStats {
             host_kv_bytes: self.ram_bytes(),
+            // The first layer's (all global layers hold the same runs).
+            shared_kv_tokens: self
+                .shared
+                .iter()
+                .map(|r| r.tokens() as u64)
+                .max()
+                .unwrap_or(0),
             disk_kv_bytes: disk,
             disk_direct_io: self.stores().any(|s| s.direct_io()),
             lossy: self
@@ -470,6 +508,7 @@ impl HostLayers {
         for store in self.layers.drain(..).flatten() {
             store.release(link.engine());
         }
+        self.shared.clear();
         self.lens.clear();
         self.bases.clear();
         self.specs.clear();
@@ -490,50 +529,4 @@ impl Drop for HostLayers {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::transfer::SyncTransferEngine;
-
-    fn shape(max_tokens: usize) -> KvShape {
-        KvShape {
-            n_layers: 1,
-            n_heads: 2,
-            n_kv_heads: 1,
-            head_dim: 4,
-            hidden: 8,
-            batch: 1,
-            dtype: DType::F32,
-            max_tokens,
-            step_tokens: 0,
-            activation_bytes_per_token: 0,
-            windows: Vec::new(),
-            readers: Vec::new(),
-        }
-    }
-
-    /// Tokens of room layer 0 holds after growing for `tokens` in a run of `max_tokens`.
-    fn room_after(max_tokens: usize, tokens: usize) -> Result<u64> {
-        let mut link = Link::new(Box::<SyncTransferEngine>::default());
-        let mut host = HostLayers::new(1, None); // chunks of 8 tokens
-        let s = shape(max_tokens);
-        host.set_shape(&s);
-        host.ensure(&mut link, 0, &s, tokens)?;
-        Ok(host.ram_bytes() / host.stored_bytes(&s, 1, 1))
-    }
-
-    #[test]
-    fn growth_takes_the_planned_length_within_the_reserve_factor() -> Result<()> {
-        // 10 tokens need 2 chunks (16); a run of 32 (4 chunks) is within 2 × 16: reserved.
-        assert_eq!(room_after(32, 10)?, 32);
-        assert_eq!(room_after(27, 10)?, 32);
-        // A run of 33 or more tokens is past 2 × 16: whole chunks only.
-        assert_eq!(room_after(33, 10)?, 16);
-        assert_eq!(room_after(1000, 10)?, 16);
-        // Never less than the tokens need.
-        assert_eq!(room_after(4, 10)?, 16);
-        // A run ending inside the chunks they need takes its length only.
-        assert_eq!(room_after(12, 10)?, 12);
-        assert_eq!(room_after(10, 10)?, 10);
-        Ok(())
-    }
-}
+mod tests;
