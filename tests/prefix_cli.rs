@@ -243,8 +243,8 @@ fn reuse_errors_are_one_line_and_write_nothing() -> Result<()> {
             vec!["prefix cache directory"],
         ),
         (
-            vec!["--prefix-cache-ram", "1MiB", "--policy", "quest"],
-            vec!["quest", "cannot take restored K/V"],
+            vec!["--prefix-cache-ram", "1MiB", "--policy", "recompute"],
+            vec!["recompute", "cannot take restored K/V"],
         ),
         (
             vec!["--prefix-cache-ram", "1MiB", "--prefix-cache-chunk", "0"],

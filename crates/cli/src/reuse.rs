@@ -56,7 +56,7 @@ pub fn check_policy(args: &Args, policy: &mut dyn KvPolicy) -> Result<()> {
 pub fn refuse_unrestorable(policy: &mut dyn KvPolicy, flag: &str) -> Result<()> {
     if policy.as_restore().is_none() {
         bail!(
-            "`{}` cannot take restored K/V ({flag}): only full, layer, headwise and auto store K/V without attention; pick one of them",
+            "`{}` cannot take restored K/V ({flag}): only full, layer, headwise, auto and the APPROXIMATE quest, flexicache and clo store K/V without attention; pick one of them",
             policy.name()
         );
     }
