@@ -114,7 +114,7 @@ pub fn build(
                     .as_restore()
                     .and_then(|r| r.attach_tier())
                     .unwrap_or(fallback);
-                Reuse::new(cache.pooled(pool.clone(), tier), layer_specs(&info))
+                Reuse::new(cache.pooled(pool.clone(), tier), layer_specs(&info), tier)
             })
     } else {
         None

@@ -157,9 +157,15 @@ impl Governor {
     /// Rule 3: the host RAM every running request may still take, and the newcomer's whole
     /// reservation, fit the host budget.
     fn host_admits(&self, running: &[Running], planned: usize) -> bool {
-        if self.pool.host.budget().is_none() {
-            return true;
-        }
+        self.host_admission_need(running, planned)
+            .is_none_or(|need| self.pool.host.fits(need))
+    }
+
+    /// The host bytes rule 3 needs free to admit a request that will hold at most `planned`
+    /// tokens beside `running` (`None` without a host budget). A prefix cache in the host
+    /// ledger evicts for it.
+    pub fn host_admission_need(&self, running: &[Running], planned: usize) -> Option<u64> {
+        self.pool.host.budget()?;
         // Host stores never hold more than a sequence's planned tokens; 0 for a policy that
         // keeps nothing on the host (seen once a request holds tokens and no host bytes).
         let uses_host = running.iter().any(|r| r.held.host_bytes > 0)
@@ -169,9 +175,7 @@ impl Governor {
             .iter()
             .map(|r| (rate * r.planned as f64 - r.held.host_bytes as f64).max(0.0))
             .sum();
-        self.pool
-            .host
-            .fits((promised + rate * planned as f64).ceil() as u64)
+        Some((promised + rate * planned as f64).ceil() as u64)
     }
 
     /// The requests to preempt before this step, most recently admitted first (rule 2).

@@ -10,7 +10,7 @@
 //! tensors, and a request's prompt chunks are stored as soon as its prompt is in — the
 //! request then holds them by reference too ([`adopt_prefix`]) — so that requests sharing
 //! a prefix hold it once, in the cache's RAM, leased there while any reads it.
-use kvpolicy::core::KvRestore;
+use kvpolicy::core::{KvRestore, PoolTier};
 use kvpolicy::models::engine::reuse::resumable;
 use kvpolicy::models::ModelInfo;
 use kvpolicy::prefix::{
@@ -26,17 +26,26 @@ pub struct Reuse {
     rec: Recordings,
     /// Whether the policy holds restored chunks by reference, once an admission asked.
     sharing: Option<bool>,
+    /// The pool's ledger its RAM chunks are booked in.
+    ledger: PoolTier,
 }
 
 impl Reuse {
-    /// Serves `cache` for a model whose layers are `layers`.
-    pub fn new(cache: PrefixCache, layers: LayerSpecs) -> Self {
+    /// Serves `cache` for a model whose layers are `layers`, its RAM chunks booked in the
+    /// pool's `ledger` ([`PrefixCache::pooled`]).
+    pub fn new(cache: PrefixCache, layers: LayerSpecs, ledger: PoolTier) -> Self {
         Self {
             cache,
             layers,
             rec: Recordings::default(),
             sharing: None,
+            ledger,
         }
+    }
+
+    /// The pool's ledger its RAM chunks are booked in: evicting them makes room there only.
+    pub fn ledger(&self) -> PoolTier {
+        self.ledger
     }
 
     /// Restores the longest cached prefix of `prompt` into slot `seq` of `policy` (in
@@ -103,10 +112,11 @@ impl Reuse {
     }
 
     /// The prompt tokens a request admitted now would hold by reference rather than in its
-    /// own buffers: the whole chunks at `prompt`'s start held in RAM, where the policy
-    /// shares (0 until an admission has said it does).
+    /// own device buffers: the whole chunks at `prompt`'s start held in RAM, where the policy
+    /// shares them in place on the device (0 until an admission has said it does; 0 for a
+    /// policy streaming them from the host tier, whose device buffers hold every token).
     pub fn shared_prefix_tokens(&self, prompt: &[u32]) -> usize {
-        if self.sharing != Some(true) {
+        if self.sharing != Some(true) || self.ledger != PoolTier::Device {
             return 0;
         }
         let c = self.cache.chunk_tokens();

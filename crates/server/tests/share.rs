@@ -71,7 +71,7 @@ static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 const SHARING: [(&str, &[&str]); 3] = [
     ("full", &[]),
     ("headwise", &[]),
-    ("auto", &["--device-kv-budget", "64MiB"]),
+    ("auto", &["--device-kv-budget", "256MiB"]),
 ];
 
 #[test]

@@ -4,6 +4,7 @@
 //! client went away dropped.
 use std::sync::atomic::Ordering;
 
+use kvpolicy::core::PoolTier;
 use kvpolicy::models::{SeqChunk, TextStream};
 
 use super::{Active, Engine};
@@ -57,10 +58,15 @@ impl Engine {
                 };
                 if refused(self) {
                     // The prefix cache's unleased chunks make room first, when it is in the pool.
-                    let need = self
-                        .memory
-                        .as_ref()
-                        .and_then(|g| g.admission_need(&running, tokens));
+                    // (The need in the ledger its chunks are booked in.)
+                    let need = |ledger| {
+                        let g = self.memory.as_ref()?;
+                        match ledger {
+                            PoolTier::Device => g.admission_need(&running, tokens),
+                            PoolTier::Host => g.host_admission_need(&running, planned),
+                        }
+                    };
+                    let need = self.reuse.as_ref().and_then(|r| need(r.ledger()));
                     if let (Some(r), Some(need)) = (self.reuse.as_mut(), need) {
                         r.evict_for(need);
                     }
@@ -183,9 +189,14 @@ impl Engine {
         let Some(running) = self.running(chunks) else {
             return false;
         };
-        // The prefix cache's unleased chunks make room before any request is preempted.
+        // The prefix cache's unleased chunks make room before any request is preempted,
+        // when they are in the device ledger.
         let need = self.memory.as_ref().and_then(|g| g.step_need(&running));
-        if let (Some(r), Some(need)) = (self.reuse.as_mut(), need) {
+        let reuse = self
+            .reuse
+            .as_mut()
+            .filter(|r| r.ledger() == PoolTier::Device);
+        if let (Some(r), Some(need)) = (reuse, need) {
             r.evict_for(need);
         }
         let out = self

@@ -409,7 +409,8 @@ impl HostLayers {
         }
     }
 
-    /// The first position `layer`'s store holds (0 until a window dropped its front).
+    /// The first position `layer`'s store holds (0 until a window dropped its front, or
+    /// the end of the runs it holds by reference).
     pub fn first_held(&self, layer: usize) -> usize {
         self.bases.get(layer).copied().unwrap_or(0)
     }
@@ -438,8 +439,9 @@ impl HostLayers {
         Some((self.ram(layer)?, self.first_held(layer)))
     }
 
-    /// `layer`'s RAM buffers, if it is in RAM (row `i` holds position `i` only without
-    /// [`Self::dropping_windows`]; else see [`Self::ram_from`]).
+    /// `layer`'s RAM buffers, if it is in RAM (row `i` holds position `i` only while
+    /// [`Self::first_held`] is 0 — no window dropped, no runs held by reference; else see
+    /// [`Self::ram_from`]).
     pub fn ram(&self, layer: usize) -> Option<&HostKv> {
         let store = self.layers.get(layer)?.as_ref()?;
         store.as_any().downcast_ref::<HostKv>()

@@ -10,6 +10,7 @@ use kvpolicy_core::{AttnSpec, HeadRange, KvCodec, Result, SharedRun, TokenRange}
 
 use super::disk_traffic::ReadSpan;
 use super::shared::{adoptable, HistoryPiece};
+use super::store::WriteAt;
 use super::{no_storage, HostLayers};
 use crate::link::Link;
 
@@ -89,9 +90,23 @@ impl HostLayers {
         }
         self.bases[layer] = end;
         self.ensure(link, layer, &shape, len)?;
-        if let (Some((k, v)), Some(ram)) = (tail, self.ram(layer)) {
+        let Some((k, v)) = tail else {
+            return Ok(true);
+        };
+        if let Some(ram) = self.ram(layer) {
             ram.k.slice_set(&k, 2, 0)?;
             ram.v.slice_set(&v, 2, 0)?;
+            return Ok(true);
+        }
+        // The new store went to the disk tier (past the host budget): written through it.
+        let at = WriteAt {
+            layer,
+            first_head: 0,
+            offset: 0,
+        };
+        match self.layers[layer].as_mut() {
+            Some(store) => store.write(link, &mut self.traffic, at, &k, &v)?,
+            None => return Err(no_storage(layer)),
         }
         Ok(true)
     }

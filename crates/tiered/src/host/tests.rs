@@ -1,4 +1,4 @@
-//! The host tier's growth, and its shared runs read in pieces.
+//! The host tier's growth.
 use super::*;
 use crate::transfer::SyncTransferEngine;
 
