@@ -143,6 +143,26 @@ fn within(a: &[Tensor], b: &[Tensor], tol: f32) -> Result<()> {
     Ok(())
 }
 
+/// The longest cached run of `prompt` restored into `p` (one sequence, pieces of a chunk):
+/// the tokens restored.
+fn restored(cache: &mut PrefixCache, p: &mut dyn KvPolicy, prompt: &[u32]) -> Result<usize> {
+    let usable = |_| true;
+    let resume = Resume {
+        usable: &usable,
+        piece: CHUNK,
+        seq: 0,
+    };
+    Ok(restore_prefix(cache, p, prompt, &specs(), resume)?
+        .reuse
+        .tokens)
+}
+
+/// Bytes `p` holds on the device and the host tier.
+fn held(p: &dyn KvPolicy) -> u64 {
+    let s = p.stats();
+    s.host_kv_bytes + s.device_kv_bytes
+}
+
 #[test]
 fn a_restored_prefix_is_held_by_reference_and_pinned() -> Result<()> {
     let prompt: Vec<u32> = (0..600).collect();
@@ -150,14 +170,8 @@ fn a_restored_prefix_is_held_by_reference_and_pinned() -> Result<()> {
     let mut cache = cache(3)?;
     ensure!(store_new(&mut cache, &prompt, 0, &history)? == 2);
     let mut shared = full()?;
-    let usable = |_| true;
-    let resume = Resume {
-        usable: &usable,
-        piece: CHUNK,
-        seq: 0,
-    };
-    let got = restore_prefix(&mut cache, shared.as_mut(), &prompt, &specs(), resume)?;
-    ensure!(got.reuse.tokens == 2 * CHUNK && shared.seq_len() == 2 * CHUNK);
+    ensure!(restored(&mut cache, shared.as_mut(), &prompt)? == 2 * CHUNK);
+    ensure!(shared.seq_len() == 2 * CHUNK);
     let chunk_bytes = kv(CHUNK)?.bytes();
     let mut copied = full()?;
     append(copied.as_mut(), &history.narrow(0, 2 * CHUNK)?)?;
@@ -280,14 +294,8 @@ fn streaming_policies_hold_a_restored_prefix_on_the_host_by_reference() -> Resul
         let mut cache = cache(3)?;
         ensure!(store_new(&mut cache, &prompt, 0, &history)? == 2);
         let mut shared = prepared(name, &opts)?;
-        let usable = |_| true;
-        let resume = Resume {
-            usable: &usable,
-            piece: CHUNK,
-            seq: 0,
-        };
-        let got = restore_prefix(&mut cache, shared.as_mut(), &prompt, &specs(), resume)?;
-        ensure!(got.reuse.tokens == 2 * CHUNK && shared.seq_len() == 2 * CHUNK);
+        ensure!(restored(&mut cache, shared.as_mut(), &prompt)? == 2 * CHUNK);
+        ensure!(shared.seq_len() == 2 * CHUNK);
         ensure!(
             cache.stats().shared_bytes == 2 * chunk_bytes,
             "{name}: {:?}",
@@ -302,10 +310,6 @@ fn streaming_policies_hold_a_restored_prefix_on_the_host_by_reference() -> Resul
         append(reference.as_mut(), &history.narrow(0, 2 * CHUNK)?)?;
         // At least the global layer's prefix (a chunk's bytes: half of each of two) fewer
         // bytes held over the tiers than with a copy.
-        let held = |p: &dyn KvPolicy| {
-            let s = p.stats();
-            s.host_kv_bytes + s.device_kv_bytes
-        };
         let (by_ref, by_copy) = (held(shared.as_ref()), held(copied.as_ref()));
         ensure!(
             by_ref > 0 && by_ref + chunk_bytes <= by_copy,
@@ -345,10 +349,6 @@ fn streaming_policies_adopt_the_stored_chunks() -> Result<()> {
         let (mut adopting, mut keeping) = (prepared(name, &opts)?, prepared(name, &opts)?);
         append(adopting.as_mut(), &history)?;
         append(keeping.as_mut(), &history)?;
-        let held = |p: &dyn KvPolicy| {
-            let s = p.stats();
-            s.host_kv_bytes + s.device_kv_bytes
-        };
         let before = held(adopting.as_ref());
         let mut cache = cache(4)?;
         ensure!(store_new(&mut cache, &prompt, 0, &history)? == 2);

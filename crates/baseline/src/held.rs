@@ -5,27 +5,12 @@
 //! ([`kvpolicy_core::attend_partial_runs`]); the shared runs are never written, and only
 //! the own buffer is counted on the device meter (the runs' owner counts them once).
 use candle_core::Tensor;
-use kvpolicy_core::{DeviceMeter, KvLease, KvRun, Result, SharedRun, WindowKv};
-
-/// One shared run kept by reference, with its lease.
-#[derive(Debug)]
-struct HeldRun {
-    k: Tensor,
-    v: Tensor,
-    pos: usize,
-    _lease: KvLease,
-}
-
-impl HeldRun {
-    fn end(&self) -> usize {
-        self.pos + self.k.dims().get(2).copied().unwrap_or(0)
-    }
-}
+use kvpolicy_core::{DeviceMeter, KeptRun, KvRun, Result, SharedRun, WindowKv};
 
 /// A layer's K/V: shared runs, then its own buffer.
 #[derive(Debug)]
 pub struct LayerHeld {
-    shared: Vec<HeldRun>,
+    shared: Vec<KeptRun>,
     /// The layer's own tokens, from the end of the shared runs.
     pub own: WindowKv,
     grow_tokens: usize,
@@ -68,12 +53,7 @@ impl LayerHeld {
         if !self.own.buffer().is_empty() || run.pos != self.own.end() {
             return Ok(false);
         }
-        let held = HeldRun {
-            k: run.k.clone(),
-            v: run.v.clone(),
-            pos: run.pos,
-            _lease: run.lease.clone(),
-        };
+        let held = run.keep();
         self.own.start_at(held.end())?;
         self.shared.push(held);
         Ok(true)
@@ -115,18 +95,9 @@ impl LayerHeld {
         meter.free(self.own.allocated_bytes());
         self.own = own;
         for r in runs {
-            self.attach_unchecked(r);
+            self.shared.push(r.keep());
         }
         Ok(true)
-    }
-
-    fn attach_unchecked(&mut self, r: &SharedRun<'_>) {
-        self.shared.push(HeldRun {
-            k: r.k.clone(),
-            v: r.v.clone(),
-            pos: r.pos,
-            _lease: r.lease.clone(),
-        });
     }
 
     /// What a query sees from position `start` on: the shared runs that end after it (cut

@@ -39,6 +39,38 @@ pub struct SharedRun<'a> {
     pub lease: &'a KvLease,
 }
 
+impl SharedRun<'_> {
+    /// The run kept by reference: its tensors and a clone of the lease.
+    pub fn keep(&self) -> KeptRun {
+        KeptRun {
+            k: self.k.clone(),
+            v: self.v.clone(),
+            pos: self.pos,
+            _lease: self.lease.clone(),
+        }
+    }
+}
+
+/// A [`SharedRun`] a policy keeps: the K/V of tokens `pos..end()`, and a holder of the
+/// owner's lease for as long as it lives.
+#[derive(Debug)]
+pub struct KeptRun {
+    /// Keys `(1, n_kv_heads, len, head_dim)`.
+    pub k: Tensor,
+    /// Values.
+    pub v: Tensor,
+    /// The position of the first token.
+    pub pos: usize,
+    _lease: KvLease,
+}
+
+impl KeptRun {
+    /// One past the last position.
+    pub fn end(&self) -> usize {
+        self.pos + self.k.dims().get(2).copied().unwrap_or(0)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

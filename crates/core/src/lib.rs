@@ -58,7 +58,7 @@ pub use buffer::{grown, move_to_front, round_up, KvBuffer};
 pub use capabilities::{check_store, Batched, KvRestore, Profiled, SeqHeld, SeqLoad, ShardLocal};
 pub use error::{Advice, KvError, Result};
 pub use knob::{Knob, PolicyOption};
-pub use lease::{KvLease, SharedRun};
+pub use lease::{KeptRun, KvLease, SharedRun};
 pub use options::PolicyOptions;
 pub use policy::KvPolicy;
 pub use pool::{KvPool, PoolTier, TierPool};

@@ -6,22 +6,7 @@
 //! counts them once). A read of a token range is cut into [`HistoryPiece`]s: views of the
 //! runs, then the store's part.
 use candle_core::Tensor;
-use kvpolicy_core::{HeadRange, KvLease, Result, SharedRun, TokenRange};
-
-/// One run kept by reference: `(1, kv_heads, len, head_dim)` K and V from `pos`.
-#[derive(Debug)]
-struct HostRun {
-    k: Tensor,
-    v: Tensor,
-    pos: usize,
-    _lease: KvLease,
-}
-
-impl HostRun {
-    fn end(&self) -> usize {
-        self.pos + self.k.dims().get(2).copied().unwrap_or(0)
-    }
-}
+use kvpolicy_core::{HeadRange, KeptRun, Result, SharedRun, TokenRange};
 
 /// Part of a read: K and V `(b, g, len, width)` of the tokens from `at` (counted from the
 /// read's first token).
@@ -38,13 +23,13 @@ pub struct HistoryPiece {
 /// One layer's shared runs, from position 0 (module docs).
 #[derive(Debug, Default)]
 pub(crate) struct LayerRuns {
-    runs: Vec<HostRun>,
+    runs: Vec<KeptRun>,
 }
 
 impl LayerRuns {
     /// One past the last position the runs hold (0 without runs).
     pub(crate) fn end(&self) -> usize {
-        self.runs.last().map_or(0, HostRun::end)
+        self.runs.last().map_or(0, KeptRun::end)
     }
 
     /// Tokens held by reference.
@@ -57,12 +42,7 @@ impl LayerRuns {
         if run.pos != self.end() {
             return false;
         }
-        self.runs.push(HostRun {
-            k: run.k.clone(),
-            v: run.v.clone(),
-            pos: run.pos,
-            _lease: run.lease.clone(),
-        });
+        self.runs.push(run.keep());
         true
     }
 
