@@ -34,7 +34,9 @@ impl DenseMiddle {
     ) -> Result<Self> {
         let (first, n) = pages;
         let p = shape.page;
-        let (hk, hv) = host.history(
+        // In pieces: a prefix held by reference, then the layer's own store (not joined on
+        // the host first).
+        let pieces = host.history_pieces(
             layer,
             HeadRange::new(0, kv_heads),
             TokenRange::new(first * p, n * p),
@@ -42,20 +44,17 @@ impl DenseMiddle {
         let dims = (shape.b, kv_heads, n * p, shape.d);
         let k = Tensor::zeros(dims, shape.dtype, &shape.device)?;
         let v = Tensor::zeros(dims, shape.dtype, &shape.device)?;
-        let jobs = vec![
-            CopyJob {
-                src: hk,
-                dst: k.clone(),
-                dim: 2,
-                offset: 0,
-            },
-            CopyJob {
-                src: hv,
-                dst: v.clone(),
-                dim: 2,
-                offset: 0,
-            },
-        ];
+        let mut jobs = Vec::with_capacity(2 * pieces.len());
+        for piece in pieces {
+            for (src, dst) in [(piece.k, &k), (piece.v, &v)] {
+                jobs.push(CopyJob {
+                    src,
+                    dst: dst.clone(),
+                    dim: 2,
+                    offset: piece.at,
+                });
+            }
+        }
         let ticket = link.submit(jobs, Direction::H2d)?;
         link.wait(ticket)?;
         Ok(Self { k, v, first })
