@@ -17,10 +17,12 @@ in the same run.
 
 `--mix` picks the requests (issue 54): `stories` (the above), `shared-prefix` (every prompt a
 ~2,000-token shared system prompt and a distinct question), or `long` (distinct prompts of
-~1,500 tokens). `--kv-budget BYTES` gives kvpolicy-server one memory budget for every
+~1,500 tokens), `grow` (prompts just short of a device growth step, for preemption).
+`--kv-budget BYTES` gives kvpolicy-server one memory budget for every
 request together (`--device-kv-budget`; with `--policy headwise` and friends also
 `--host-kv-budget` and a disk tier under `--disk-dir`), and the table then says how full its
-pools got and how many requests were preempted (`/metrics`); llama.cpp's server gets a
+pools got and how many requests were preempted, by mode (`/metrics`; `--preemption-mode
+recompute|swap` picks it, swap writing under `--disk-dir`); llama.cpp's server gets a
 context of the same bytes of f16 K/V (`--n_ctx`), so both hold equal K/V memory.
 
 Every run is bounded: `--timeout` seconds per request and a count fixed by the flags.
@@ -51,6 +53,13 @@ def make_prompts(n, seed, mix="stories"):
         return [{"prompt": f"Notes: {system}.\nQuestion {i}: which word comes after "
                            f"{rng.choice(WORDS)} in note {rng.randint(1, 99)}? Answer:",
                  "max_tokens": rng.choice([16, 24, 32])} for i in range(n)]
+    if mix == "grow":
+        # Token ids 10-24 short of 1,024 (a multiple of `full`'s 256-token growth step) and 48
+        # new tokens: every request grows past what it was admitted with while it decodes, so
+        # requests admitted together under a tight device budget preempt one another.
+        rng = random.Random(seed)
+        return [{"prompt": [100 + rng.randrange(4000) for _ in range(1014 - 2 * (i % 8))],
+                 "max_tokens": 48} for i in range(n)]
     if mix == "long":
         rng = random.Random(seed)
         return [{"prompt": f"Story {i}: " + " ".join(rng.choice(WORDS) for _ in range(1500))
@@ -197,11 +206,14 @@ def main():
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-llamacpp", action="store_true")
-    ap.add_argument("--mix", choices=["stories", "shared-prefix", "long"], default="stories")
+    ap.add_argument("--mix", choices=["stories", "shared-prefix", "long", "grow"], default="stories")
     ap.add_argument("--kv-budget", help="one K/V budget for all requests, e.g. 192MiB")
     ap.add_argument("--disk-dir", help="kvpolicy-server's disk tier (with --kv-budget and an "
                                        "offloading policy: the host budget's overflow)")
     ap.add_argument("--ctx-size", type=int, help="kvpolicy-server's --ctx-size (tokens)")
+    ap.add_argument("--preemption-mode", choices=["recompute", "swap"],
+                    help="kvpolicy-server's --preemption-mode (swap: preempted requests' K/V "
+                         "written under --disk-dir; its default with --disk-dir)")
     ap.add_argument("--prefix-cache", help="kvpolicy-server's prefix cache directory (its "
                                            "RAM tier --prefix-cache-ram is the same bytes as "
                                            "--kv-budget when given)")
@@ -220,6 +232,8 @@ def main():
             budget_flags += ["--disk-dir", a.disk_dir, "--host-kv-budget", a.kv_budget]
     if a.ctx_size:
         budget_flags += ["--ctx-size", str(a.ctx_size)]
+    if a.preemption_mode:
+        budget_flags += ["--preemption-mode", a.preemption_mode]
     if a.prefix_cache:
         budget_flags += ["--prefix-cache", a.prefix_cache]
         if a.kv_budget and not a.prefix_cache_ram:
@@ -246,6 +260,7 @@ def main():
         results, wall = load(url, prompts, a.clients, a.requests, a.seed, a.timeout)
         budget = f", KV budget {a.kv_budget}" if a.kv_budget else ""
         budget += ", prefix cache" if a.prefix_cache else ""
+        budget += f", preemption {a.preemption_mode}" if a.preemption_mode else ""
         budget += (f", prefix cache RAM {a.prefix_cache_ram}" if a.prefix_cache_ram else "")
         rows.append(summarize(f"kvpolicy-server ({a.policy}, --batch-invariant, "
                               f"--max-batch {a.max_batch}{budget})", results, wall,

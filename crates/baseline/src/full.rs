@@ -22,7 +22,8 @@ use kvpolicy_core::{
     attend_partial_runs, window_capacity, Advice, AttnStep, DeviceMeter, Knob, KvError, KvPolicy,
     KvShape, KvStats, PolicyOption, PolicyOptions, Result,
 };
-use kvpolicy_core::{KvCodec, KvLease, KvRestore, Need, Partial, PoolTier, ShardLocal, SharedRun};
+use kvpolicy_core::{KvCodec, KvLease, KvRestore, LayerKv, Need, Partial, PoolTier};
+use kvpolicy_core::{ShardLocal, SharedRun};
 
 use crate::held::LayerHeld;
 
@@ -294,6 +295,30 @@ impl KvRestore for FullPolicy {
             Some(held) => held.adopt(runs, &mut self.meter),
             None => Ok(false),
         }
+    }
+
+    /// The shared runs and the own buffer joined, when stored as given and no window
+    /// dropped the front.
+    fn export_kv(&mut self, _seq: usize, layer: usize) -> Result<Option<LayerKv>> {
+        let Some(shape) = self.shape.as_ref() else {
+            return Ok(None);
+        };
+        if self.codec.stored(shape.dtype, shape.head_dim) != (shape.dtype, shape.head_dim) {
+            return Ok(None);
+        }
+        let Some(seen) = self.layers.get(layer).map(|h| h.visible(0)).transpose()? else {
+            return Ok(None);
+        };
+        let Some(seen) = seen.filter(|s| s.k_pos == 0) else {
+            return Ok(None);
+        };
+        let ks: Vec<&Tensor> = seen.runs.iter().map(|(k, _)| k).collect();
+        let vs: Vec<&Tensor> = seen.runs.iter().map(|(_, v)| v).collect();
+        let cpu = Device::Cpu;
+        Ok(Some(LayerKv {
+            k: Tensor::cat(&ks, 2)?.to_device(&cpu)?.contiguous()?,
+            v: Tensor::cat(&vs, 2)?.to_device(&cpu)?.contiguous()?,
+        }))
     }
 }
 

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 
 use candle_core::Tensor;
 
-use crate::capabilities::{Batched, KvRestore, Profiled, SeqHeld};
+use crate::capabilities::{Batched, KvRestore, LayerKv, Profiled, SeqHeld};
 use crate::error::Result;
 use crate::lease::{KvLease, SharedRun};
 use crate::policy::KvPolicy;
@@ -202,6 +202,13 @@ impl KvRestore for PerSequence {
         match self.seqs.get_mut(&seq).and_then(|p| p.as_restore()) {
             Some(r) => r.adopt_kv(seq, layer, runs),
             None => Ok(false),
+        }
+    }
+
+    fn export_kv(&mut self, seq: usize, layer: usize) -> Result<Option<LayerKv>> {
+        match self.seqs.get_mut(&seq).and_then(|p| p.as_restore()) {
+            Some(r) => r.export_kv(seq, layer),
+            None => Ok(None),
         }
     }
 }

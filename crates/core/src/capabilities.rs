@@ -5,6 +5,8 @@
 //! one rank's share of a sequence ([`ShardLocal`], [`as_shard`](crate::KvPolicy::as_shard)).
 use std::ops::Range;
 
+use candle_core::Tensor;
+
 use crate::attention::Partial;
 use crate::error::Result;
 use crate::lease::{KvLease, SharedRun};
@@ -54,6 +56,28 @@ pub trait KvRestore {
         let _ = (seq, layer, runs);
         Ok(false)
     }
+
+    /// Sequence `seq`'s K/V of `layer`, every position from 0 to what it holds, on the CPU,
+    /// bit for bit what it took (computed, appended or attached) — for a scheduler that
+    /// swaps the sequence out before releasing it and appends them back when it resumes
+    /// (vLLM's swap preemption, PagedAttention SOSP '23 §4.5). `None` when it cannot hand
+    /// every position back exactly: a window dropped the layer's front, K/V stored in another
+    /// form, nothing held (the default: it cannot).
+    fn export_kv(&mut self, seq: usize, layer: usize) -> Result<Option<LayerKv>> {
+        let _ = (seq, layer);
+        Ok(None)
+    }
+}
+
+/// One layer's K and V: `(1, n_kv_heads, tokens, head_dim)` each, positional encoding
+/// applied (as the model hands them to a policy) — a prefix cache's chunk of a layer, or
+/// what [`KvRestore::export_kv`] hands back (positions `0..tokens`, on the CPU).
+#[derive(Clone, Debug)]
+pub struct LayerKv {
+    /// Keys.
+    pub k: Tensor,
+    /// Values.
+    pub v: Tensor,
 }
 
 /// A policy that keeps one cache per [`AttnStep::seq`], so that requests of different

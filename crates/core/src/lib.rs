@@ -55,7 +55,9 @@ pub use attention::{
 };
 pub use batch::{PerSequence, PolicyFactory};
 pub use buffer::{grown, move_to_front, round_up, KvBuffer};
-pub use capabilities::{check_store, Batched, KvRestore, Profiled, SeqHeld, SeqLoad, ShardLocal};
+pub use capabilities::{
+    check_store, Batched, KvRestore, LayerKv, Profiled, SeqHeld, SeqLoad, ShardLocal,
+};
 pub use error::{Advice, KvError, Result};
 pub use knob::{Knob, PolicyOption};
 pub use lease::{KeptRun, KvLease, SharedRun};

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 
 use candle_core::Tensor;
 
-use crate::capabilities::{Batched, KvRestore, Profiled, SeqLoad};
+use crate::capabilities::{Batched, KvRestore, LayerKv, Profiled, SeqLoad};
 use crate::error::{KvError, Result};
 use crate::lease::{KvLease, SharedRun};
 use crate::policy::KvPolicy;
@@ -222,6 +222,14 @@ impl KvRestore for Checked<'_> {
         match self.inner.as_restore() {
             Some(r) => r.adopt_kv(seq, layer, runs),
             None => Ok(false),
+        }
+    }
+
+    /// Hands back what was stored: the protocol's positions are unchanged.
+    fn export_kv(&mut self, seq: usize, layer: usize) -> Result<Option<LayerKv>> {
+        match self.inner.as_restore() {
+            Some(r) => r.export_kv(seq, layer),
+            None => Ok(None),
         }
     }
 }

@@ -5,7 +5,9 @@
 //! reference-counted blocks): every unit of a global layer streams its prefix from the one
 //! copy, so `auto` streams those units rather than copy the prefix to the device per
 //! sequence.
-use kvpolicy_core::{AttnStep, KvCodec, KvLease, KvRestore, PoolTier, Result, SharedRun};
+use candle_core::Device;
+use kvpolicy_core::SharedRun;
+use kvpolicy_core::{AttnStep, KvCodec, KvLease, KvRestore, LayerKv, PoolTier, Result};
 
 use crate::resident::Placed;
 use crate::runtime::OffloadPolicy;
@@ -109,6 +111,27 @@ impl KvRestore for OffloadPolicy {
         }
         self.stream_layer(layer)?;
         Ok(true)
+    }
+
+    /// From the host tier, stored as given (not a `helix` share); under `auto` the layer's
+    /// resident units go there first (the sequence is leaving; with K/V stored as given on
+    /// the device too, so nothing is converted on the way).
+    fn export_kv(&mut self, _seq: usize, layer: usize) -> Result<Option<LayerKv>> {
+        let as_given = self.host.codec() == KvCodec::Model
+            && (self.residency.is_none() || self.device_codec == KvCodec::Model);
+        if !as_given || self.shard_base.is_some() {
+            return Ok(None);
+        }
+        self.stream_layer(layer)?;
+        self.link.wait_all()?;
+        let Some(whole) = self.host.whole_layer(layer)? else {
+            return Ok(None);
+        };
+        let cpu = Device::Cpu;
+        Ok(Some(LayerKv {
+            k: whole.k.to_device(&cpu)?.contiguous()?,
+            v: whole.v.to_device(&cpu)?.contiguous()?,
+        }))
     }
 }
 

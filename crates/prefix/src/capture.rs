@@ -6,9 +6,10 @@
 use std::collections::BTreeMap;
 
 use candle_core::{Device, Tensor};
-use kvpolicy_core::{AttnStep, Batched, KvPolicy, KvRestore, KvShape, KvStats, Profiled, Result};
+use kvpolicy_core::{AttnStep, Batched, KvLease, KvPolicy, KvRestore, KvShape, LayerKv};
+use kvpolicy_core::{KvStats, PoolTier, Profiled, Result, SharedRun};
 
-use crate::chunk::{ChunkKv, LayerKv};
+use crate::chunk::ChunkKv;
 
 /// What a [`Capture`] keeps: for each watched sequence, its K/V from a position on, per
 /// layer (a batched run watches several requests at once).
@@ -176,7 +177,8 @@ impl KvPolicy for Capture<'_> {
     }
 
     fn as_restore(&mut self) -> Option<&mut dyn KvRestore> {
-        self.inner.as_restore()
+        self.inner.as_restore()?;
+        Some(self)
     }
 
     fn as_profiled(&self) -> Option<&dyn Profiled> {
@@ -185,5 +187,41 @@ impl KvPolicy for Capture<'_> {
 
     fn as_batched(&mut self) -> Option<&mut dyn Batched> {
         self.inner.as_batched()
+    }
+}
+
+/// K/V given without attention are kept as those attended (a swapped-out request's prompt
+/// coming back while its prefill is recorded); the rest is forwarded.
+impl KvRestore for Capture<'_> {
+    fn append_kv(&mut self, step: &AttnStep<'_>) -> Result<()> {
+        self.keep(step)?;
+        kvpolicy_core::append_kv(self.inner, step)
+    }
+
+    fn attaches_kv(&mut self, seq: usize) -> bool {
+        self.inner.as_restore().is_some_and(|r| r.attaches_kv(seq))
+    }
+
+    fn attach_tier(&mut self) -> Option<PoolTier> {
+        self.inner.as_restore().and_then(|r| r.attach_tier())
+    }
+
+    fn attach_kv(&mut self, step: &AttnStep<'_>, lease: &KvLease) -> Result<()> {
+        self.keep(step)?;
+        kvpolicy_core::attach_kv(self.inner, step, lease)
+    }
+
+    fn adopt_kv(&mut self, seq: usize, layer: usize, runs: &[SharedRun<'_>]) -> Result<bool> {
+        match self.inner.as_restore() {
+            Some(r) => r.adopt_kv(seq, layer, runs),
+            None => Ok(false),
+        }
+    }
+
+    fn export_kv(&mut self, seq: usize, layer: usize) -> Result<Option<LayerKv>> {
+        match self.inner.as_restore() {
+            Some(r) => r.export_kv(seq, layer),
+            None => Ok(None),
+        }
     }
 }

@@ -11,15 +11,7 @@ use crate::error::{PrefixError, Result};
 pub use crate::header::{round_up, ChunkShape, Damage, Expect, ALIGN};
 use crate::header::{Header, HEADER_PAGE};
 use crate::key::{ChunkKey, Fingerprint};
-
-/// One layer's K and V for a chunk: `(1, n_kv_heads, tokens, head_dim)` each.
-#[derive(Clone, Debug)]
-pub struct LayerKv {
-    /// Keys, positional encoding applied (as the model hands them to a policy).
-    pub k: Tensor,
-    /// Values.
-    pub v: Tensor,
-}
+pub use kvpolicy_core::LayerKv;
 
 /// Every layer's K/V for one chunk of tokens, on the host.
 #[derive(Clone, Debug)]

@@ -16,7 +16,7 @@ use kvpolicy_cli::flags as cli_flags;
 use kvpolicy_cli::reuse::refuse_unrestorable;
 
 use crate::api;
-use crate::engine::{self, EngineConfig, EngineHandle};
+use crate::engine::{self, EngineConfig, EngineHandle, MemoryRules};
 use crate::flags::{seconds, ServerArgs};
 use crate::guard::Access;
 use crate::intake::Intake;
@@ -24,6 +24,7 @@ use crate::memory::Governor;
 use crate::metrics::Metrics;
 use crate::reuse::Reuse;
 use crate::routes::{self, AppState};
+use crate::swap::{PreemptionMode, SwapSpace};
 
 /// A server ready to serve.
 pub struct App {
@@ -52,7 +53,12 @@ pub fn build(
     args.prefix.check()?;
     let access = Access::new(args.host, args.api_key.clone(), args.allowed_hosts.clone());
     let (spec, warnings) = cli_flags::run_spec(reg, matches, &args.kv.policy)?;
+    let swap = swap_space(args)?;
     for w in warnings {
+        // The server swaps preempted requests there, whatever the policy reads.
+        if swap.is_some() && w.starts_with("warning: --disk-dir does not apply") {
+            continue;
+        }
         eprintln!("{w}");
     }
     let device = args.model.device().map_err(kvpolicy_cli::errors::no_gpu)?;
@@ -132,12 +138,15 @@ pub fn build(
         },
         metrics.clone(),
         reuse,
-        Some(Governor::new(
-            pool,
-            opts.grow_tokens,
-            shape.n_layers,
-            kv_per_token,
-        )),
+        MemoryRules {
+            governor: Some(Governor::new(
+                pool,
+                opts.grow_tokens,
+                shape.n_layers,
+                kv_per_token,
+            )),
+            swap,
+        },
     )?;
     let body_timeout = seconds("--body-timeout", args.body_timeout, false)?;
     let state = Arc::new(AppState {
@@ -175,4 +184,21 @@ pub fn build(
             if lossy { ", LOSSY" } else { "" }
         ),
     })
+}
+
+/// Where preempted requests' K/V are swapped to (`--preemption-mode`; `None`: they are
+/// recomputed).
+fn swap_space(args: &ServerArgs) -> Result<Option<SwapSpace>> {
+    let dir = args.kv.disk_dir.as_deref();
+    let mode = args.preemption_mode.unwrap_or(match dir {
+        Some(_) => PreemptionMode::Swap,
+        None => PreemptionMode::Recompute,
+    });
+    match (mode, dir) {
+        (PreemptionMode::Recompute, _) => Ok(None),
+        (PreemptionMode::Swap, Some(dir)) => Ok(Some(SwapSpace::new(dir)?)),
+        (PreemptionMode::Swap, None) => anyhow::bail!(
+            "--preemption-mode swap writes preempted requests' K/V to the disk tier: give              --disk-dir DIR, or --preemption-mode recompute"
+        ),
+    }
 }

@@ -8,6 +8,8 @@ use anyhow::{ensure, Result};
 use clap::Parser;
 use kvpolicy_cli::args::{heading, parse_budget, ModelArgs, PolicyArgs, PrefixArgs};
 
+use crate::swap::PreemptionMode;
+
 /// Requests decoding together at most (`--max-batch`): past it one engine step's buffers
 /// alone would not fit a machine.
 pub const MAX_BATCH: usize = 4096;
@@ -105,6 +107,13 @@ pub struct ServerArgs {
     /// alone (slower with many requests; greedy output equals the request run alone).
     #[arg(long, help_heading = HEADING)]
     pub batch_invariant: bool,
+    /// How a request preempted for memory gets its cache back: `swap` writes its K/V to a
+    /// directory of the server's own under --disk-dir and reads them back when it resumes
+    /// (needs --disk-dir); `recompute` drops them and computes them again from its tokens.
+    /// Default: swap with --disk-dir (faster on the CPU: reading K/V back beats computing
+    /// them, see docs/serving.md), recompute without.
+    #[arg(long, value_name = "MODE", help_heading = HEADING)]
+    pub preemption_mode: Option<PreemptionMode>,
     /// Connections open at most; past it a new connection is answered 503 and closed (with
     /// 128 open files kept for the server, within `ulimit -n`).
     #[arg(long, value_name = "N", help_heading = HEADING, default_value_t = 512)]

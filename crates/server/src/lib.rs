@@ -25,3 +25,4 @@ pub mod reuse;
 pub mod routes;
 pub mod sampler;
 pub mod shutdown;
+pub mod swap;

@@ -100,6 +100,8 @@ pub struct Metrics {
     /// Bytes of the prefix cache's RAM chunks that running requests hold by reference
     /// (held once however many read them; part of `prefix_bytes{tier="ram"}`).
     pub kv_shared_bytes: Gauge<u64, AtomicU64>,
+    /// Bytes of preempted requests' K/V swapped to the disk tier now.
+    pub kv_swapped_bytes: Gauge<u64, AtomicU64>,
     /// HTTP connections open now.
     pub connections: Gauge,
     /// Connections answered 503 and closed at `--max-connections`.
@@ -143,6 +145,7 @@ impl Metrics {
             prefix_stored_chunks: Counter::default(),
             prefix_bytes: Family::default(),
             kv_shared_bytes: Gauge::default(),
+            kv_swapped_bytes: Gauge::default(),
             prefix_evictions: Family::default(),
             prefix_write_errors: Family::default(),
             connections: Gauge::default(),
@@ -274,6 +277,11 @@ impl Metrics {
             "kv_shared_bytes",
             "Bytes of K/V that running requests hold by reference: prefix cache chunks (RAM) read by one or more requests, held once",
             m.kv_shared_bytes.clone(),
+        );
+        registry.register(
+            "kv_swapped_bytes",
+            "Bytes of preempted requests' K/V swapped to the disk tier now (--preemption-mode swap)",
+            m.kv_swapped_bytes.clone(),
         );
         registry.register(
             "prefix_cache_write_errors",

@@ -4,7 +4,9 @@
 //! tokens it gets alone (`--batch-invariant`), and no pool holds more than its budget
 //! (`/metrics`: every sample's usage ≤ 1, and the peak the pool's books ever saw ≤ the
 //! budget) — under `full`, `headwise` and `auto` with a host budget and a disk tier, and
-//! the approximate `quest` (its LOSSY label intact).
+//! the approximate `quest` (its LOSSY label intact). Preemption in both of vLLM's modes
+//! (`--preemption-mode`): `full` recomputes and swaps, `headwise` swaps (its default with
+//! a disk tier); a swapped request's file is gone once it resumes.
 mod common;
 
 use anyhow::{ensure, Context, Result};
@@ -43,6 +45,8 @@ struct Load<'a> {
     requests: usize,
     /// Whether some must be preempted.
     preempts: bool,
+    /// How preempted requests get their K/V back (`--preemption-mode`).
+    mode: &'a str,
     /// Whether the policy is approximate (the server says LOSSY when it starts).
     lossy: bool,
     /// `--device-kv-budget` in MiB, when one is given.
@@ -78,18 +82,17 @@ fn check(load: &Load<'_>) -> Result<()> {
         flags.extend(["--device-kv-budget".into(), format!("{mib}MiB")]);
     }
     let disk = tempfile::tempdir()?;
-    if let Some(mib) = load.host_mib {
-        let dir = disk
-            .path()
-            .to_str()
-            .context("a UTF-8 temporary directory")?;
-        flags.extend([
-            "--disk-dir".into(),
-            dir.into(),
-            "--host-kv-budget".into(),
-            format!("{mib}MiB"),
-        ]);
+    let dir = disk
+        .path()
+        .to_str()
+        .context("a UTF-8 temporary directory")?;
+    if load.host_mib.is_some() || load.mode == "swap" {
+        flags.extend(["--disk-dir".into(), dir.into()]);
     }
+    if let Some(mib) = load.host_mib {
+        flags.extend(["--host-kv-budget".into(), format!("{mib}MiB")]);
+    }
+    flags.extend(["--preemption-mode".into(), load.mode.into()]);
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
     let server = Server::start(&flags)?;
     ensure!(
@@ -144,11 +147,34 @@ fn check(load: &Load<'_>) -> Result<()> {
             "the {tier} pool's peak {peak} against a budget of {budget}"
         );
     }
-    let preempted = metric(&end, "kvpolicy_num_preemptions_total{mode=\"recompute\"}");
+    let preempted = |mode: &str| {
+        metric(
+            &end,
+            &format!("kvpolicy_num_preemptions_total{{mode=\"{mode}\"}}"),
+        )
+    };
     ensure!(
-        !load.preempts || preempted > Some(0.0),
-        "no request was preempted:\n{end}"
+        !load.preempts || preempted(load.mode) > Some(0.0),
+        "no request was preempted by {}:\n{end}",
+        load.mode
     );
+    if load.mode == "swap" {
+        // Every preempted request's K/V could be handed back: none fell back to recompute.
+        ensure!(
+            preempted("recompute").unwrap_or(0.0) == 0.0,
+            "a request was recomputed under swap:\n{end}"
+        );
+        // Every file read back and removed.
+        ensure!(
+            metric(&end, "kvpolicy_kv_swapped_bytes") == Some(0.0),
+            "swapped bytes left:\n{end}"
+        );
+        ensure!(
+            swap_files(disk.path())?.is_empty(),
+            "swap files left: {:?}",
+            swap_files(disk.path())?
+        );
+    }
     ensure!(
         metric(&end, "kvpolicy_requests_failed_total") == Some(0.0),
         "a request failed:\n{end}"
@@ -157,6 +183,23 @@ fn check(load: &Load<'_>) -> Result<()> {
 }
 
 const MIB: f64 = 1024.0 * 1024.0;
+
+/// The files in the swap directories under `dir`.
+fn swap_files(dir: &std::path::Path) -> Result<Vec<std::path::PathBuf>> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir)? {
+        let e = e?;
+        if e.file_name()
+            .to_string_lossy()
+            .starts_with(".kvpolicy-swap-")
+        {
+            for f in std::fs::read_dir(e.path())? {
+                out.push(f?.path());
+            }
+        }
+    }
+    Ok(out)
+}
 
 /// Held by the load running now.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -168,6 +211,22 @@ fn full_requests_past_the_device_budget_wait_or_are_preempted_and_stay_exact() -
         policy: "full",
         requests: 4,
         preempts: true,
+        mode: "recompute",
+        lossy: false,
+        device_mib: Some(64),
+        host_mib: None,
+    })
+}
+
+/// The same four requests preempted by swapping: the preempted one's K/V go to a file
+/// and come back bit for bit.
+#[test]
+fn full_requests_preempted_by_swapping_stay_exact() -> Result<()> {
+    check(&Load {
+        policy: "full",
+        requests: 4,
+        preempts: true,
+        mode: "swap",
         lossy: false,
         device_mib: Some(64),
         host_mib: None,
@@ -175,13 +234,15 @@ fn full_requests_past_the_device_budget_wait_or_are_preempted_and_stay_exact() -
 }
 
 /// Sixteen requests whose K/V is 4 × the host budget (16 × 11.8 MiB against 47 MiB), the
-/// device budget small enough that requests admitted together preempt one another.
+/// device budget small enough that requests admitted together preempt one another
+/// (swapped to the disk tier: the default with one).
 #[test]
 fn headwise_sixteen_requests_past_four_host_budgets_stay_exact() -> Result<()> {
     check(&Load {
         policy: "headwise",
         requests: 16,
         preempts: true,
+        mode: "swap",
         lossy: false,
         device_mib: Some(4),
         host_mib: Some(47),
@@ -197,6 +258,7 @@ fn auto_requests_share_the_device_budget_and_stay_exact() -> Result<()> {
         policy: "auto",
         requests: 8,
         preempts: false,
+        mode: "recompute",
         lossy: false,
         device_mib: Some(4),
         host_mib: Some(24),
@@ -211,6 +273,7 @@ fn quest_requests_past_the_host_budget_wait_and_stay_lossy_and_exact() -> Result
         policy: "quest",
         requests: 8,
         preempts: false,
+        mode: "recompute",
         lossy: true,
         device_mib: None,
         host_mib: Some(24),

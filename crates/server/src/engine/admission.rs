@@ -12,6 +12,7 @@ use crate::error::internal_message;
 use crate::events::Event;
 use crate::memory::Running;
 use crate::sampler::Chooser;
+use crate::swap::PreemptionMode;
 
 impl Engine {
     /// Preempted requests, then waiting ones, oldest first, into free slots while memory
@@ -90,6 +91,7 @@ impl Engine {
                         restored: 0,
                         computed: None,
                         sharing: false,
+                        swapped: None,
                         generated: Vec::new(),
                         last_token_at: None,
                         admitted: 0,
@@ -115,13 +117,27 @@ impl Engine {
                     continue;
                 }
             };
-            // (A resumed request records its prompt's K/V again from here.)
-            a.restored = restored;
+            match a.swapped.take() {
+                // (A resumed request records its prompt's K/V again from here.)
+                None => {
+                    a.restored = restored;
+                    a.pos = restored;
+                }
+                Some(s) => {
+                    if let Err(e) = self.swap_in(free, &mut a, s, restored) {
+                        a.job
+                            .events
+                            .send(Event::Failed(internal_message(&format!("{e:#}"))));
+                        self.release(free);
+                        self.metrics.failed.inc();
+                        continue;
+                    }
+                }
+            }
             a.sharing = self
                 .reuse
                 .as_mut()
                 .is_some_and(|r| r.shares(self.policy.as_mut(), free));
-            a.pos = restored;
             self.admissions += 1;
             a.admitted = self.admissions;
             self.slots[free] = Some(a);
@@ -206,9 +222,12 @@ impl Engine {
         let any = !out.is_empty();
         for seq in out {
             if let Some(mut a) = self.slots[seq].take() {
+                let mode = self.swap_out(seq, &mut a);
                 self.release(seq);
-                a.computed = None;
-                self.metrics.preempted("recompute");
+                if mode == PreemptionMode::Recompute {
+                    a.computed = None;
+                }
+                self.metrics.preempted(mode.label());
                 // Resumed oldest first.
                 let at = self
                     .preempted

@@ -13,9 +13,11 @@
 //! ([`Batched::release`](kvpolicy::core::Batched::release)) before the next step.
 //! With a device budget, (1) also waits for memory and a step may first preempt the newest
 //! requests ([`crate::memory`]); a preempted request waits ahead of the queue and, admitted
-//! again, recomputes its cache: its prompt in the same pieces as before, then its generated
-//! tokens one decode pass each (the passes they first ran in, so `--batch-invariant` gives
-//! exactly its tokens), without sampling them again.
+//! again, gets its cache back by one of vLLM's two modes (`--preemption-mode`): *swap*
+//! reads back the K/V written to the disk tier when it was preempted ([`crate::swap`]) and
+//! goes on where it stopped; *recompute* computes them again: its prompt in the same pieces
+//! as before, then its generated tokens one decode pass each (the passes they first ran in,
+//! so `--batch-invariant` gives exactly its tokens), without sampling them again.
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
@@ -34,8 +36,10 @@ use crate::passes::{forward, Passes};
 
 mod admission;
 mod prefix;
+mod swapping;
 use crate::reuse::Reuse;
 use crate::sampler::Chooser;
+use crate::swap::{SwapSpace, Swapped};
 
 /// The engine's limits.
 #[derive(Debug, Clone)]
@@ -50,8 +54,13 @@ pub struct EngineConfig {
     pub batch_invariant: bool,
 }
 
-/// The memory rules, when the server has a device budget ([`crate::memory`]).
-pub type MemoryRules = Option<Governor>;
+/// The memory rules ([`crate::memory`]) and where preempted requests' K/V go.
+pub struct MemoryRules {
+    /// Admission and preemption by memory (`None`: by slots only).
+    pub governor: Option<Governor>,
+    /// Preemption by swapping to the disk tier (`None`: by recomputation).
+    pub swap: Option<SwapSpace>,
+}
 
 /// What the server keeps of the engine.
 #[derive(Clone)]
@@ -118,6 +127,8 @@ struct Active {
     /// Whether its slot holds prefix chunks by reference (its prompt's chunks are stored
     /// and shared as soon as its prompt is in).
     sharing: bool,
+    /// Its K/V on the disk tier while it is preempted by swapping ([`crate::swap`]).
+    swapped: Option<Swapped>,
     generated: Vec<u32>,
     chooser: Chooser,
     detok: TextStream,
@@ -150,7 +161,9 @@ struct Engine {
     /// The prefix cache, when one is served.
     reuse: Option<Reuse>,
     /// Admission and preemption by memory.
-    memory: MemoryRules,
+    memory: Option<Governor>,
+    /// Where preempted requests' K/V go, when they are swapped.
+    swap: Option<SwapSpace>,
     /// Preempted requests, to be admitted again before any waiting one (oldest first).
     preempted: VecDeque<Active>,
     /// Admissions so far.
@@ -197,7 +210,8 @@ pub fn start(
         cancel,
         metrics,
         reuse,
-        memory,
+        memory: memory.governor,
+        swap: memory.swap,
         preempted: VecDeque::new(),
         admissions: 0,
         hold_resumes: false,
@@ -481,6 +495,10 @@ impl Engine {
         if let Some(g) = &self.memory {
             self.metrics.set_pool(g.pool());
         }
+        let swapped = self.preempted.iter().filter_map(|a| a.swapped.as_ref());
+        self.metrics
+            .kv_swapped_bytes
+            .set(swapped.map(|s| s.bytes).sum());
         if let Some(r) = &self.reuse {
             self.metrics.set_prefix(&r.stats());
         }

@@ -134,4 +134,20 @@ impl HostLayers {
         }
         Ok(pieces)
     }
+
+    /// Every position `layer` holds from 0, every head, on the host (the runs then the
+    /// store, joined): what a sequence swapped out hands back. `None` when it holds nothing
+    /// or a window dropped the layer's front.
+    pub fn whole_layer(&mut self, layer: usize) -> Result<Option<HistoryPiece>> {
+        let len = self.lens.get(layer).copied().unwrap_or(0);
+        let runs = self.shared.get(layer).map_or(0, |r| r.tokens());
+        let Some(heads) = self.shape.as_ref().map(|s| s.n_kv_heads) else {
+            return Ok(None);
+        };
+        if len == 0 || (runs == 0 && self.first_held(layer) > 0) {
+            return Ok(None);
+        }
+        let (k, v) = self.history(layer, HeadRange::new(0, heads), TokenRange::new(0, len))?;
+        Ok(Some(HistoryPiece { at: 0, k, v }))
+    }
 }
