@@ -112,7 +112,7 @@ pub struct ServerArgs {
     /// (needs --disk-dir); `recompute` drops them and computes them again from its tokens.
     /// Default: swap with --disk-dir (faster on the CPU: reading K/V back beats computing
     /// them, see docs/serving.md), recompute without.
-    #[arg(long, value_name = "MODE", help_heading = HEADING)]
+    #[arg(long, value_name = "swap|recompute", help_heading = HEADING, hide_possible_values = true)]
     pub preemption_mode: Option<PreemptionMode>,
     /// Connections open at most; past it a new connection is answered 503 and closed (with
     /// 128 open files kept for the server, within `ulimit -n`).

@@ -13,9 +13,10 @@
 //! before each step, the pool's bytes plus every sequence's growth this step (its new
 //! capacity at its rate) plus one layer's worth of the largest sequence (a buffer grows
 //! while the old one still exists) must fit the budget; while they do not, the most
-//! recently admitted running request is preempted — its cache dropped, to be recomputed
-//! from its tokens when it is admitted again ([`crate::engine`] replays them in the passes
-//! they first ran in, so it produces exactly the tokens it would have alone). The oldest
+//! recently admitted running request is preempted — its K/V swapped to the disk tier
+//! ([`crate::swap`]) or dropped, to be read back or recomputed from its tokens when it is
+//! admitted again ([`crate::engine`] replays them in the passes they first ran in; either
+//! way it produces exactly the tokens it would have alone). The oldest
 //! request is never preempted: it always makes progress. The policies' own meters ask the
 //! pool before every growth, so a misjudged step fails that request (a budget error)
 //! rather than exceed the budget. (3) *The host tier* (a host budget, with a disk tier): a
