@@ -10,7 +10,9 @@
 mod common;
 
 use anyhow::{ensure, Context, Result};
-use common::{agent, get, greedy_logprobs, metric, run_sampled, Sampled, Server};
+use std::time::Duration;
+
+use common::{agent, get, greedy_logprobs, metric, run_sampled, wait_for_metrics, Sampled, Server};
 use serde_json::{json, Value};
 
 // SmolLM2-135M's K/V per token in f32: 30 layers × 3 KV heads × 64 × 2 × 4 bytes = 45 KiB.
@@ -47,6 +49,9 @@ struct Load<'a> {
     preempts: bool,
     /// How preempted requests get their K/V back (`--preemption-mode`).
     mode: &'a str,
+    /// Whether a prefix cache records what the load computes (then the solo runs, last,
+    /// restore it: the chunks a request preempted and resumed stored are its prompt's K/V).
+    prefix_cache: bool,
     /// Whether the policy is approximate (the server says LOSSY when it starts).
     lossy: bool,
     /// `--device-kv-budget` in MiB, when one is given.
@@ -93,6 +98,11 @@ fn check(load: &Load<'_>) -> Result<()> {
         flags.extend(["--host-kv-budget".into(), format!("{mib}MiB")]);
     }
     flags.extend(["--preemption-mode".into(), load.mode.into()]);
+    if load.prefix_cache {
+        // Chunks of 64 tokens: each prompt stores three when it finishes.
+        let cache = ["--prefix-cache-ram", "32MiB", "--prefix-cache-chunk", "64"];
+        flags.extend(cache.map(String::from));
+    }
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
     let server = Server::start(&flags)?;
     ensure!(
@@ -102,10 +112,18 @@ fn check(load: &Load<'_>) -> Result<()> {
     );
     let url = server.url("/v1/completions");
     let a = agent();
-    let alone: Vec<Value> = prompts(load.requests)
-        .iter()
-        .map(|p| greedy(&a, &url, p))
-        .collect::<Result<_>>()?;
+    let solo = || -> Result<Vec<Value>> {
+        prompts(load.requests)
+            .iter()
+            .map(|p| greedy(&a, &url, p))
+            .collect()
+    };
+    // With a prefix cache the solo runs come last: they restore what the load stored.
+    let alone = if load.prefix_cache {
+        None
+    } else {
+        Some(solo()?)
+    };
     let Sampled {
         results: together,
         metrics: samples,
@@ -116,6 +134,10 @@ fn check(load: &Load<'_>) -> Result<()> {
             move || greedy(&a, &url, &p)
         }),
     )?;
+    let alone = match alone {
+        Some(alone) => alone,
+        None => solo()?,
+    };
     for (i, (got, want)) in together.iter().zip(&alone).enumerate() {
         ensure!(got == want, "prompt {i}: {got} together vs {want} alone");
     }
@@ -179,6 +201,10 @@ fn check(load: &Load<'_>) -> Result<()> {
         metric(&end, "kvpolicy_requests_failed_total") == Some(0.0),
         "a request failed:\n{end}"
     );
+    if load.prefix_cache {
+        let restored = metric(&end, "kvpolicy_prefix_cache_restored_tokens_total");
+        ensure!(restored > Some(0.0), "nothing restored:\n{end}");
+    }
     Ok(())
 }
 
@@ -212,6 +238,7 @@ fn full_requests_past_the_device_budget_wait_or_are_preempted_and_stay_exact() -
         requests: 4,
         preempts: true,
         mode: "recompute",
+        prefix_cache: false,
         lossy: false,
         device_mib: Some(64),
         host_mib: None,
@@ -227,6 +254,23 @@ fn full_requests_preempted_by_swapping_stay_exact() -> Result<()> {
         requests: 4,
         preempts: true,
         mode: "swap",
+        prefix_cache: false,
+        lossy: false,
+        device_mib: Some(64),
+        host_mib: None,
+    })
+}
+
+/// Swapping with a prefix cache recording the load: a request preempted and resumed stores
+/// its prompt's K/V, which the solo runs after the load restore — with the same tokens.
+#[test]
+fn full_requests_swapped_with_a_prefix_cache_store_their_prompts_exactly() -> Result<()> {
+    check(&Load {
+        policy: "full",
+        requests: 4,
+        preempts: true,
+        mode: "swap",
+        prefix_cache: true,
         lossy: false,
         device_mib: Some(64),
         host_mib: None,
@@ -243,6 +287,7 @@ fn headwise_sixteen_requests_past_four_host_budgets_stay_exact() -> Result<()> {
         requests: 16,
         preempts: true,
         mode: "swap",
+        prefix_cache: false,
         lossy: false,
         device_mib: Some(4),
         host_mib: Some(47),
@@ -259,6 +304,7 @@ fn auto_requests_share_the_device_budget_and_stay_exact() -> Result<()> {
         requests: 8,
         preempts: false,
         mode: "recompute",
+        prefix_cache: false,
         lossy: false,
         device_mib: Some(4),
         host_mib: Some(24),
@@ -274,8 +320,92 @@ fn quest_requests_past_the_host_budget_wait_and_stay_lossy_and_exact() -> Result
         requests: 8,
         preempts: false,
         mode: "recompute",
+        prefix_cache: false,
         lossy: true,
         device_mib: None,
         host_mib: Some(24),
     })
+}
+
+/// `n` token ids from `seed` (a prompt no other shares).
+fn ids(n: usize, seed: usize) -> Value {
+    json!((0..n)
+        .map(|k| 100 + (k * 53 + seed * 997) % 4000)
+        .collect::<Vec<_>>())
+}
+
+/// A request preempted in the middle of its prefill, swapped and resumed, records its whole
+/// prompt for the prefix cache. A short request (243 tokens) decodes past its buffers'
+/// 256-token step while a long one admitted after it (1,000 tokens, prefilled 64 a step)
+/// is near the end of its prefill: under 60 MiB the long one is swapped out; resumed after
+/// the short one, it finishes and stores its prompt's chunks. Alone afterwards it restores
+/// them (its 15 chunks, beside the short one's 3) and gets the same tokens.
+#[test]
+fn a_request_swapped_in_its_prefill_stores_its_whole_prompt() -> Result<()> {
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (disk, cache) = (tempfile::tempdir()?, tempfile::tempdir()?);
+    let path = |d: &tempfile::TempDir| -> Result<String> {
+        Ok(d.path().to_str().context("a UTF-8 directory")?.to_string())
+    };
+    let (disk_dir, cache_dir) = (path(&disk)?, path(&cache)?);
+    let server = Server::start(&[
+        "--ctx-size",
+        "1100",
+        "--max-batch",
+        "2",
+        "--prefill-chunk",
+        "64",
+        "--batch-invariant",
+        "--device-kv-budget",
+        "60MiB",
+        "--disk-dir",
+        &disk_dir,
+        "--preemption-mode",
+        "swap",
+        "--prefix-cache",
+        &cache_dir,
+        "--prefix-cache-ram",
+        "4MiB",
+        "--prefix-cache-chunk",
+        "64",
+    ])?;
+    let url = server.url("/v1/completions");
+    let a = agent();
+    let (short, long) = (ids(243, 1), ids(1000, 2));
+    let together = std::thread::scope(|s| -> Result<(Value, Value)> {
+        let first = s.spawn(|| greedy(&a, &url, &short));
+        // The long one comes once the short one decodes.
+        wait_for_metrics(&server, Duration::from_secs(60), "a first token", |m| {
+            metric(m, "kvpolicy_completion_tokens_total") >= Some(1.0)
+        })?;
+        let second = s.spawn(|| greedy(&a, &url, &long));
+        let join = |h: std::thread::ScopedJoinHandle<'_, Result<Value>>| {
+            h.join().map_err(|_| anyhow::anyhow!("a client panicked"))?
+        };
+        Ok((join(first)?, join(second)?))
+    })?;
+    let (_, m) = get(&a, &server.url("/metrics"))?;
+    let swaps = metric(&m, "kvpolicy_num_preemptions_total{mode=\"swap\"}");
+    ensure!(swaps >= Some(1.0), "nothing was swapped:\n{m}");
+    let before = metric(&m, "kvpolicy_prefix_cache_restored_tokens_total").unwrap_or(0.0);
+    let alone = (greedy(&a, &url, &short)?, greedy(&a, &url, &long)?);
+    let (_, m) = get(&a, &server.url("/metrics"))?;
+    let restored = metric(&m, "kvpolicy_prefix_cache_restored_tokens_total").unwrap_or(0.0);
+    ensure!(
+        restored - before >= 900.0,
+        "the long prompt's chunks were not restored: {before} → {restored}"
+    );
+    ensure!(
+        together.0 == alone.0,
+        "the short request: {} vs {}",
+        together.0,
+        alone.0
+    );
+    ensure!(
+        together.1 == alone.1,
+        "the long request: {} vs {}",
+        together.1,
+        alone.1
+    );
+    Ok(())
 }

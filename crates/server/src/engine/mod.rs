@@ -232,6 +232,8 @@ impl Engine {
             }
         }
         let _down = Down(self.alive.clone());
+        // The pools' budgets and usage in /metrics from the start.
+        self.publish();
         loop {
             let idle = self.waiting.is_empty()
                 && self.preempted.is_empty()
