@@ -312,12 +312,18 @@ impl KvRestore for FullPolicy {
         let Some(seen) = seen.filter(|s| s.k_pos == 0) else {
             return Ok(None);
         };
-        let ks: Vec<&Tensor> = seen.runs.iter().map(|(k, _)| k).collect();
-        let vs: Vec<&Tensor> = seen.runs.iter().map(|(_, v)| v).collect();
-        let cpu = Device::Cpu;
+        // Each run to the host first: nothing more is allocated on the device (a scheduler
+        // swaps a sequence out when the device is full).
+        let host = |t: &Tensor| t.to_device(&Device::Cpu)?.contiguous();
+        let mut ks = Vec::with_capacity(seen.runs.len());
+        let mut vs = Vec::with_capacity(seen.runs.len());
+        for (k, v) in &seen.runs {
+            ks.push(host(k)?);
+            vs.push(host(v)?);
+        }
         Ok(Some(LayerKv {
-            k: Tensor::cat(&ks, 2)?.to_device(&cpu)?.contiguous()?,
-            v: Tensor::cat(&vs, 2)?.to_device(&cpu)?.contiguous()?,
+            k: Tensor::cat(&ks, 2)?,
+            v: Tensor::cat(&vs, 2)?,
         }))
     }
 }

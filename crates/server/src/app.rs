@@ -96,6 +96,13 @@ pub fn build(
     let prefill_chunk = args.prefill_chunk.min(context);
     let shape = kv_shape(&info, args.max_batch, context, prefill_chunk);
     policy.prepare(&shape)?;
+    if swap.is_some() && policy.as_restore().is_none() {
+        eprintln!(
+            "warning: `{}` cannot hand a preempted request's K/V back; preempted requests are \
+             recomputed (--preemption-mode swap: full, layer, headwise, auto)",
+            args.kv.policy
+        );
+    }
     // One sequence's whole K/V per token (the memory rules' rate before any is measured).
     let kv_per_token = (shape.kv_bytes(shape.n_kv_heads, 1) / shape.batch.max(1) as u64)
         .saturating_mul(shape.n_layers as u64);
@@ -198,7 +205,7 @@ fn swap_space(args: &ServerArgs) -> Result<Option<SwapSpace>> {
         (PreemptionMode::Recompute, _) => Ok(None),
         (PreemptionMode::Swap, Some(dir)) => Ok(Some(SwapSpace::new(dir)?)),
         (PreemptionMode::Swap, None) => anyhow::bail!(
-            "--preemption-mode swap writes preempted requests' K/V to the disk tier: give              --disk-dir DIR, or --preemption-mode recompute"
+            "--preemption-mode swap writes preempted requests' K/V to the disk tier: give --disk-dir DIR, or --preemption-mode recompute"
         ),
     }
 }

@@ -1,16 +1,17 @@
 //! Preemption by swapping (`--preemption-mode swap`): a preempted request's K/V — every
 //! layer's, every position it holds, bit for bit what its policy stored
-//! ([`KvRestore::export_kv`]) — go to a file of its own on the disk tier, and its cache is
-//! freed; admitted again, the file is read and appended back
-//! ([`restore_kv`](kvpolicy::prefix::restore_kv)) and the request goes on from where it
-//! stopped, computing nothing twice (vLLM's swap preemption, Kwon et al., PagedAttention,
-//! SOSP '23 §4.5, there to host RAM; here to the tier below it). The files live in a
-//! directory of this process's own under `--disk-dir` (mode 0700, removed when the server
-//! stops), one per preempted request, removed when it resumes or leaves; a request whose
-//! policy cannot hand every layer back (a window dropped a layer's front, K/V stored
-//! converted) is preempted by recomputation instead.
+//! ([`KvRestore::export_kv`](kvpolicy::core::KvRestore::export_kv)) — go to a file of its
+//! own on the disk tier, and its cache is freed; admitted again, the file is read and
+//! appended back ([`restore_kv`](kvpolicy::prefix::restore_kv)) and the request goes on from
+//! where it stopped, computing nothing twice (vLLM's swap preemption, Kwon et al.,
+//! PagedAttention, SOSP '23 §4.5, there to host RAM; here to the tier below it). The files
+//! live in a directory of this process's own under `--disk-dir` (mode 0700, removed when the
+//! server stops — a server killed outright leaves it), one file (mode 0600) per preempted
+//! request, removed when it resumes or leaves; a request whose policy cannot hand every
+//! layer back (a window dropped a layer's front, K/V stored converted) is preempted by
+//! recomputation instead.
 use std::io::Write;
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use anyhow::{ensure, Context, Result};
@@ -77,6 +78,7 @@ impl SwapSpace {
     pub fn new(parent: &Path) -> Result<Self> {
         let dir = tempfile::Builder::new()
             .prefix(".kvpolicy-swap-")
+            .permissions(std::fs::Permissions::from_mode(0o700))
             .tempdir_in(parent)
             .with_context(|| {
                 format!(
@@ -106,6 +108,7 @@ impl SwapSpace {
         let file = std::fs::OpenOptions::new()
             .write(true)
             .create_new(true)
+            .mode(0o600)
             .open(&path)
             .with_context(|| format!("creating {}", path.display()))?;
         let mut out = Swapped {
@@ -122,6 +125,9 @@ impl SwapSpace {
             };
             let (_, heads, n, head_dim) = kv.k.dims4()?;
             if n != tokens || kv.v.dims4()? != (1, heads, n, head_dim) {
+                return Ok(None);
+            }
+            if layer > 0 && kv.k.dtype() != out.dtype {
                 return Ok(None);
             }
             out.dtype = kv.k.dtype();

@@ -210,8 +210,9 @@ fn check(load: &Load<'_>) -> Result<()> {
 
 const MIB: f64 = 1024.0 * 1024.0;
 
-/// The files in the swap directories under `dir`.
+/// The files in the swap directories under `dir`, which only their owner may enter.
 fn swap_files(dir: &std::path::Path) -> Result<Vec<std::path::PathBuf>> {
+    use std::os::unix::fs::PermissionsExt;
     let mut out = Vec::new();
     for e in std::fs::read_dir(dir)? {
         let e = e?;
@@ -219,6 +220,8 @@ fn swap_files(dir: &std::path::Path) -> Result<Vec<std::path::PathBuf>> {
             .to_string_lossy()
             .starts_with(".kvpolicy-swap-")
         {
+            let mode = e.metadata()?.permissions().mode() & 0o777;
+            ensure!(mode == 0o700, "the swap directory has mode {mode:o}");
             for f in std::fs::read_dir(e.path())? {
                 out.push(f?.path());
             }

@@ -102,37 +102,13 @@ impl Engine {
                 self.metrics.cancelled.inc();
                 continue;
             }
-            if let Some(b) = self.policy.as_batched() {
-                // Its cache sized for its prompt and the most it may generate.
-                b.expect(free, a.planned());
-            }
-            let restored = match self.restore(free, &a.job.prompt) {
-                Ok(n) => n,
-                Err(e) => {
-                    a.job
-                        .events
-                        .send(Event::Failed(internal_message(&format!("{e:#}"))));
-                    self.release(free);
-                    self.metrics.failed.inc();
-                    continue;
-                }
-            };
-            match a.swapped.take() {
-                // (A resumed request records its prompt's K/V again from here.)
-                None => {
-                    a.restored = restored;
-                    a.pos = restored;
-                }
-                Some(s) => {
-                    if let Err(e) = self.swap_in(free, &mut a, s, restored) {
-                        a.job
-                            .events
-                            .send(Event::Failed(internal_message(&format!("{e:#}"))));
-                        self.release(free);
-                        self.metrics.failed.inc();
-                        continue;
-                    }
-                }
+            if let Err(e) = self.start_in(free, &mut a) {
+                a.job
+                    .events
+                    .send(Event::Failed(internal_message(&format!("{e:#}"))));
+                self.release(free);
+                self.metrics.failed.inc();
+                continue;
             }
             a.sharing = self
                 .reuse
@@ -142,6 +118,32 @@ impl Engine {
             a.admitted = self.admissions;
             self.slots[free] = Some(a);
         }
+    }
+
+    /// Slot `seq` made ready for request `a`: its cache sized for its prompt and the most it
+    /// may generate, the longest cached prefix of its prompt restored, then, when it was
+    /// swapped out, its K/V read back — a read that fails costs a recomputation (said on
+    /// stderr) — or else its cache computed again from where the prefix ends.
+    fn start_in(&mut self, seq: usize, a: &mut Active) -> anyhow::Result<()> {
+        if let Some(b) = self.policy.as_batched() {
+            b.expect(seq, a.planned());
+        }
+        let restored = self.restore(seq, &a.job.prompt)?;
+        if let Some(s) = a.swapped.take() {
+            match self.swap_in(seq, a, s, restored) {
+                Ok(()) => return Ok(()),
+                Err(e) => {
+                    eprintln!("swap: {e:#}; the request is recomputed instead");
+                    self.release(seq);
+                    a.computed = None;
+                    return self.start_in(seq, a);
+                }
+            }
+        }
+        // (A resumed request records its prompt's K/V again from here.)
+        a.restored = restored;
+        a.pos = restored;
+        Ok(())
     }
 
     /// Whether `prompt` shares whole chunks with the prompt of a running request that is

@@ -50,6 +50,14 @@ impl Engine {
         // In the pieces its prefill ran in (the buffers they need fit: it was admitted), one
         // piece of every layer read at a time.
         let piece = self.cfg.prefill_chunk.max(1);
+        // Its prompt was in: what it recorded was taken then (and `restored` stays what that
+        // recording started from); nothing read back is recorded.
+        let prompt_in = n >= a.job.prompt.len();
+        if prompt_in {
+            if let Some(r) = self.reuse.as_mut() {
+                r.forget(seq);
+            }
+        }
         let mut from = restored;
         while from < n {
             let len = piece.min(n - from);
@@ -59,7 +67,7 @@ impl Engine {
                 pos: from,
                 piece: 0,
             };
-            match self.reuse.as_mut() {
+            match self.reuse.as_mut().filter(|_| !prompt_in) {
                 Some(r) => {
                     r.recording(self.policy.as_mut(), |p| restore_kv(p, &part, at, &specs))?
                 }
@@ -68,13 +76,7 @@ impl Engine {
             from += len;
         }
         drop(s);
-        if n >= a.job.prompt.len() {
-            // Its prompt was in: what it recorded was taken then (and `restored` stays what
-            // that recording started from).
-            if let Some(r) = self.reuse.as_mut() {
-                r.forget(seq);
-            }
-        } else {
+        if !prompt_in {
             a.restored = restored;
         }
         a.pos = n.max(restored);
