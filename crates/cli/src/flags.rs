@@ -76,12 +76,14 @@ pub fn setting_flag(key: &str) -> Option<&'static str> {
 
 /// The spec the run asks for: `--policy`'s spec with the alias flags given on the command
 /// line put first (so a key the spec sets itself wins), and a warning for each alias or
-/// option flag the policy does not read. An unknown policy adds nothing and warns of
-/// nothing (building it fails with the list of names).
+/// option flag the policy does not read — save the options in `caller_reads`, which the
+/// program reads itself (the server's swap space under `--disk-dir`). An unknown policy adds
+/// nothing and warns of nothing (building it fails with the list of names).
 pub fn run_spec(
     reg: &PolicyRegistry,
     matches: &ArgMatches,
     policy: &str,
+    caller_reads: &[PolicyOption],
 ) -> anyhow::Result<(PolicySpec, Vec<String>)> {
     let mut spec = PolicySpec::parse(policy)?;
     let Ok(info) = reg.info(&spec.name) else {
@@ -109,7 +111,8 @@ pub fn run_spec(
     }
     for o in PolicyOption::ALL {
         let flag = option_flag(o);
-        if given(option_id(o)) && !info.reads.contains(&o) {
+        let read = info.reads.contains(&o) || caller_reads.contains(&o);
+        if given(option_id(o)) && !read {
             warnings.push(format!(
                 "warning: {flag} does not apply to the `{}` policy and is ignored (it is read by {})",
                 spec.name,

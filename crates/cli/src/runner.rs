@@ -54,7 +54,7 @@ pub fn main(
         eprintln!("error: {}", errors::for_cli(&e, errors::Frontend::Runner));
         ExitCode::FAILURE
     };
-    let spec = match flags::run_spec(&reg, &matches, &args.kv.policy) {
+    let spec = match flags::run_spec(&reg, &matches, &args.kv.policy, &[]) {
         Ok((spec, warnings)) => {
             for warning in warnings {
                 eprintln!("{warning}");

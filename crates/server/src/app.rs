@@ -11,7 +11,7 @@ use axum::Router;
 use kvpolicy::core::PoolTier;
 use kvpolicy::models::engine::generate::kv_shape;
 use kvpolicy::models::{fingerprint, layer_specs, load, resolve, CausalLm, ModelSpec};
-use kvpolicy::KvPool;
+use kvpolicy::{KvPool, PolicyOption};
 use kvpolicy_cli::flags as cli_flags;
 use kvpolicy_cli::reuse::refuse_unrestorable;
 
@@ -52,13 +52,14 @@ pub fn build(
     args.check()?;
     args.prefix.check()?;
     let access = Access::new(args.host, args.api_key.clone(), args.allowed_hosts.clone());
-    let (spec, warnings) = cli_flags::run_spec(reg, matches, &args.kv.policy)?;
     let swap = swap_space(args)?;
+    // With a swap space the server reads --disk-dir itself, whatever the policy reads.
+    let ours: &[PolicyOption] = match swap {
+        Some(_) => &[PolicyOption::DiskDir],
+        None => &[],
+    };
+    let (spec, warnings) = cli_flags::run_spec(reg, matches, &args.kv.policy, ours)?;
     for w in warnings {
-        // The server swaps preempted requests there, whatever the policy reads.
-        if swap.is_some() && w.starts_with("warning: --disk-dir does not apply") {
-            continue;
-        }
         eprintln!("{w}");
     }
     let device = args.model.device().map_err(kvpolicy_cli::errors::no_gpu)?;
