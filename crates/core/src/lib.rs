@@ -69,7 +69,7 @@ pub use protocol::Checked;
 pub use ranges::{HeadRange, TokenRange};
 pub use regen::{KvRegen, NoRegen};
 pub use registry::{PolicyBuilder, PolicyInfo, PolicyRegistry, BUDGET_KEY};
-pub use restore::{append_kv, attach_kv};
+pub use restore::{adopt_kv, append_kv, attach_kv, export_kv};
 pub use settings::{NoSettings, PolicySettings, PolicySpec, SettingDoc};
 pub use shared::{not_shareable, ReaderStash, StashedUnit};
 pub use size::{format_bytes, parse_bytes};

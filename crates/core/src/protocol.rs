@@ -219,18 +219,12 @@ impl KvRestore for Checked<'_> {
 
     /// Holds no new tokens: the protocol's positions are unchanged.
     fn adopt_kv(&mut self, seq: usize, layer: usize, runs: &[SharedRun<'_>]) -> Result<bool> {
-        match self.inner.as_restore() {
-            Some(r) => r.adopt_kv(seq, layer, runs),
-            None => Ok(false),
-        }
+        crate::restore::adopt_kv(self.inner, seq, layer, runs)
     }
 
     /// Hands back what was stored: the protocol's positions are unchanged.
     fn export_kv(&mut self, seq: usize, layer: usize) -> Result<Option<LayerKv>> {
-        match self.inner.as_restore() {
-            Some(r) => r.export_kv(seq, layer),
-            None => Ok(None),
-        }
+        crate::restore::export_kv(self.inner, seq, layer)
     }
 }
 

@@ -212,16 +212,10 @@ impl KvRestore for Capture<'_> {
     }
 
     fn adopt_kv(&mut self, seq: usize, layer: usize, runs: &[SharedRun<'_>]) -> Result<bool> {
-        match self.inner.as_restore() {
-            Some(r) => r.adopt_kv(seq, layer, runs),
-            None => Ok(false),
-        }
+        kvpolicy_core::adopt_kv(self.inner, seq, layer, runs)
     }
 
     fn export_kv(&mut self, seq: usize, layer: usize) -> Result<Option<LayerKv>> {
-        match self.inner.as_restore() {
-            Some(r) => r.export_kv(seq, layer),
-            None => Ok(None),
-        }
+        kvpolicy_core::export_kv(self.inner, seq, layer)
     }
 }
