@@ -5,44 +5,27 @@
 //! Either way its attention is the attention over one buffer holding the same K/V, bit for
 //! bit (chunks of whole kernel tiles). A sliding-window layer copies (its window starts
 //! inside a chunk), with the same outputs.
+mod common;
+
 use anyhow::{ensure, Result};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
+use common::synthetic::{kv, Synthetic, DIM, HEADS};
 use kvpolicy::prefix::{
-    adopt_prefix, restore_prefix, store_new, ChunkKv, FingerprintBuilder, LayerKv, LayerSpecs,
+    adopt_prefix, restore_kv, restore_prefix, store_new, ChunkKv, FingerprintBuilder, Placement,
     PrefixCache, PrefixConfig, Resume,
 };
-use kvpolicy::{build_policy, AttnSpec, AttnStep, KvPolicy, KvShape, NoRegen, PolicyOptions};
+use kvpolicy::{KvPolicy, PolicyOptions};
 
-const LAYERS: usize = 2;
-const HEADS: usize = 2;
-const DIM: usize = 64;
 /// Tokens per chunk: one kernel tile.
 const CHUNK: usize = 256;
 const WINDOW: usize = 300;
 
 /// Layer 0 global, layer 1 a sliding window of `WINDOW` tokens (copied, never shared: a
 /// window starts inside a chunk).
-fn specs() -> LayerSpecs {
-    let mut specs = vec![AttnSpec::new(2 * HEADS, HEADS, DIM); LAYERS];
-    specs[1].sliding_window = Some(WINDOW);
-    LayerSpecs {
-        specs,
-        hidden: 2 * HEADS * DIM,
-        device: Device::Cpu,
-        dtype: DType::F32,
-    }
-}
-
-/// Random K/V of `tokens` tokens, every layer.
-fn kv(tokens: usize) -> Result<ChunkKv> {
-    let layers = (0..LAYERS)
-        .map(|_| -> Result<LayerKv> {
-            let r = || Tensor::randn(0f32, 1.0, (1, HEADS, tokens, DIM), &Device::Cpu);
-            Ok(LayerKv { k: r()?, v: r()? })
-        })
-        .collect::<Result<Vec<_>>>()?;
-    Ok(ChunkKv { layers })
-}
+const MODEL: Synthetic = Synthetic {
+    window: Some(WINDOW),
+    step_tokens: CHUNK,
+};
 
 /// A prepared `full` policy for one sequence of up to 1,024 tokens.
 fn full() -> Result<Box<dyn KvPolicy>> {
@@ -51,72 +34,23 @@ fn full() -> Result<Box<dyn KvPolicy>> {
 
 /// Policy `name` built with `opts`, prepared for one sequence of up to 1,024 tokens.
 fn prepared(name: &str, opts: &PolicyOptions) -> Result<Box<dyn KvPolicy>> {
-    let mut p = build_policy(name, opts)?;
-    p.prepare(&KvShape {
-        n_layers: LAYERS,
-        n_heads: 2 * HEADS,
-        n_kv_heads: HEADS,
-        head_dim: DIM,
-        hidden: 2 * HEADS * DIM,
-        batch: 1,
-        dtype: DType::F32,
-        max_tokens: 1024,
-        step_tokens: CHUNK,
-        activation_bytes_per_token: 0,
-        windows: vec![None, Some(WINDOW)],
-        readers: Vec::new(),
-    })?;
-    Ok(p)
+    MODEL.prepared(name, opts)
 }
 
 /// One step of `kv` at `pos` through every layer (`attend`), with queries `q`; the
 /// outputs.
 fn step(p: &mut dyn KvPolicy, q: &Tensor, kv: &ChunkKv, pos: usize) -> Result<Vec<Tensor>> {
-    let specs = specs();
-    let x = Tensor::zeros((1, q.dim(2)?, specs.hidden), DType::F32, &Device::Cpu)?;
-    let mut out = Vec::new();
-    for (layer, (l, spec)) in kv.layers.iter().zip(&specs.specs).enumerate() {
-        out.push(p.attend(&AttnStep {
-            layer,
-            seq: 0,
-            q,
-            k: &l.k,
-            v: &l.v,
-            x: &x,
-            pos,
-            spec,
-            regen: &NoRegen,
-        })?);
-    }
-    Ok(out)
+    MODEL.step(p, q, kv, pos)
 }
 
 /// `kv` stored in `p` without attention (a copy), from position 0.
 fn append(p: &mut dyn KvPolicy, kv: &ChunkKv) -> Result<()> {
-    let q = Tensor::zeros((1, 2 * HEADS, 1, DIM), DType::F32, &Device::Cpu)?;
-    let specs = specs();
-    let x = Tensor::zeros(
-        (1, kv.shape()?.tokens, specs.hidden),
-        DType::F32,
-        &Device::Cpu,
-    )?;
-    for (layer, (l, spec)) in kv.layers.iter().zip(&specs.specs).enumerate() {
-        kvpolicy::core::append_kv(
-            p,
-            &AttnStep {
-                layer,
-                seq: 0,
-                q: &q,
-                k: &l.k,
-                v: &l.v,
-                x: &x,
-                pos: 0,
-                spec,
-                regen: &NoRegen,
-            },
-        )?;
-    }
-    Ok(())
+    let at = Placement {
+        seq: 0,
+        pos: 0,
+        piece: 0,
+    };
+    Ok(restore_kv(p, kv, at, &MODEL.specs())?)
 }
 
 fn cache(ram_chunks: u64) -> Result<PrefixCache> {
@@ -152,7 +86,7 @@ fn restored(cache: &mut PrefixCache, p: &mut dyn KvPolicy, prompt: &[u32]) -> Re
         piece: CHUNK,
         seq: 0,
     };
-    Ok(restore_prefix(cache, p, prompt, &specs(), resume)?
+    Ok(restore_prefix(cache, p, prompt, &MODEL.specs(), resume)?
         .reuse
         .tokens)
 }

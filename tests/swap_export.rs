@@ -6,71 +6,36 @@
 //! dropped is not handed back (the server then recomputes); and K/V appended through a
 //! `Capture` are recorded as those attended (a swapped request's prompt coming back while its
 //! prefill is recorded for the prefix cache).
+mod common;
+
 use anyhow::{ensure, Context, Result};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
+use common::synthetic::{kv, Synthetic, DIM, HEADS, LAYERS};
 use kvpolicy::prefix::{
     restore_kv, restore_prefix, store_new, Capture, ChunkKv, FingerprintBuilder, LayerKv,
     LayerSpecs, Placement, PrefixCache, PrefixConfig, Resume,
 };
-use kvpolicy::{build_policy, AttnSpec, AttnStep, KvPolicy, KvShape, NoRegen, PolicyOptions};
+use kvpolicy::{KvPolicy, PolicyOptions};
 
-const LAYERS: usize = 2;
-const HEADS: usize = 2;
-const DIM: usize = 64;
 const PIECE: usize = 64;
 const WINDOW: usize = 100;
 
-/// Both layers global, or layer 1 a sliding window of `WINDOW` tokens.
-fn specs(windowed: bool) -> LayerSpecs {
-    let mut specs = vec![AttnSpec::new(2 * HEADS, HEADS, DIM); LAYERS];
-    if windowed {
-        specs[1].sliding_window = Some(WINDOW);
-    }
-    LayerSpecs {
-        specs,
-        hidden: 2 * HEADS * DIM,
-        device: Device::Cpu,
-        dtype: DType::F32,
-    }
-}
-
-/// Random K/V of `tokens` tokens, every layer.
-fn kv(tokens: usize) -> Result<ChunkKv> {
-    let layers = (0..LAYERS)
-        .map(|_| -> Result<LayerKv> {
-            let r = || Tensor::randn(0f32, 1.0, (1, HEADS, tokens, DIM), &Device::Cpu);
-            Ok(LayerKv { k: r()?, v: r()? })
-        })
-        .collect::<Result<Vec<_>>>()?;
-    Ok(ChunkKv { layers })
-}
-
-/// Policy `name` built with `opts`, prepared for one sequence of up to 1,024 tokens.
-fn prepared(name: &str, opts: &PolicyOptions, windowed: bool) -> Result<Box<dyn KvPolicy>> {
-    let mut p = build_policy(name, opts)?;
-    p.prepare(&KvShape {
-        n_layers: LAYERS,
-        n_heads: 2 * HEADS,
-        n_kv_heads: HEADS,
-        head_dim: DIM,
-        hidden: 2 * HEADS * DIM,
-        batch: 1,
-        dtype: DType::F32,
-        max_tokens: 1024,
+/// Both layers global, or layer 1 a sliding window of `WINDOW` tokens; steps of `PIECE`.
+fn model(windowed: bool) -> Synthetic {
+    Synthetic {
+        window: windowed.then_some(WINDOW),
         step_tokens: PIECE,
-        activation_bytes_per_token: 0,
-        windows: specs(windowed)
-            .specs
-            .iter()
-            .map(|s| s.sliding_window)
-            .collect(),
-        readers: Vec::new(),
-    })?;
-    Ok(p)
+    }
 }
 
-/// One step of `kv` at `pos` through every layer (`attend`) with random queries; the
-/// outputs.
+fn specs(windowed: bool) -> LayerSpecs {
+    model(windowed).specs()
+}
+
+fn prepared(name: &str, opts: &PolicyOptions, windowed: bool) -> Result<Box<dyn KvPolicy>> {
+    model(windowed).prepared(name, opts)
+}
+
 fn step(
     p: &mut dyn KvPolicy,
     q: &Tensor,
@@ -78,29 +43,14 @@ fn step(
     pos: usize,
     w: bool,
 ) -> Result<Vec<Tensor>> {
-    let specs = specs(w);
-    let x = Tensor::zeros((1, q.dim(2)?, specs.hidden), DType::F32, &Device::Cpu)?;
-    let mut out = Vec::new();
-    for (layer, (l, spec)) in kv.layers.iter().zip(&specs.specs).enumerate() {
-        out.push(p.attend(&AttnStep {
-            layer,
-            seq: 0,
-            q,
-            k: &l.k,
-            v: &l.v,
-            x: &x,
-            pos,
-            spec,
-            regen: &NoRegen,
-        })?);
-    }
-    Ok(out)
+    model(w).step(p, q, kv, pos)
 }
 
-/// `history` prefilled into `p` in pieces of `PIECE`, with attention.
-fn prefill(p: &mut dyn KvPolicy, history: &ChunkKv, windowed: bool) -> Result<()> {
+/// `history` from position `from` on, prefilled into `p` in pieces of `PIECE`, with
+/// attention (random queries).
+fn prefill(p: &mut dyn KvPolicy, history: &ChunkKv, from: usize, windowed: bool) -> Result<()> {
     let n = history.shape()?.tokens;
-    let mut at = 0;
+    let mut at = from;
     while at < n {
         let len = PIECE.min(n - at);
         let q = Tensor::randn(0f32, 1.0, (1, 2 * HEADS, len, DIM), &Device::Cpu)?;
@@ -144,7 +94,7 @@ fn exported_kv_continue_a_fresh_policy_bit_for_bit() -> Result<()> {
     let history = kv(300)?;
     for (name, opts) in exporting() {
         let mut first = prepared(name, &opts, false)?;
-        prefill(first.as_mut(), &history, false)?;
+        prefill(first.as_mut(), &history, 0, false)?;
         let layers = exported(first.as_mut())?;
         let mut back = Vec::new();
         for (l, got) in layers.into_iter().enumerate() {
@@ -216,7 +166,7 @@ fn a_prefix_held_by_reference_is_handed_back_with_the_rest() -> Result<()> {
             cache.stats().shared_bytes > 0,
             "{name}: not held by reference"
         );
-        prefill_from(p.as_mut(), &history, 2 * chunk)?;
+        prefill(p.as_mut(), &history, 2 * chunk, false)?;
         for (l, got) in exported(p.as_mut())?.into_iter().enumerate() {
             let got = got.with_context(|| format!("{name}: layer {l} not handed back"))?;
             ensure!(
@@ -228,24 +178,11 @@ fn a_prefix_held_by_reference_is_handed_back_with_the_rest() -> Result<()> {
     Ok(())
 }
 
-/// `history` from `from` on, prefilled in pieces (global layers).
-fn prefill_from(p: &mut dyn KvPolicy, history: &ChunkKv, from: usize) -> Result<()> {
-    let n = history.shape()?.tokens;
-    let mut at = from;
-    while at < n {
-        let len = PIECE.min(n - at);
-        let q = Tensor::randn(0f32, 1.0, (1, 2 * HEADS, len, DIM), &Device::Cpu)?;
-        step(p, &q, &history.narrow(at, len)?, at, false)?;
-        at += len;
-    }
-    Ok(())
-}
-
 #[test]
 fn a_layer_whose_window_dropped_its_front_is_not_handed_back() -> Result<()> {
     let history = kv(300)?;
     let mut p = prepared("full", &PolicyOptions::default(), true)?;
-    prefill(p.as_mut(), &history, true)?;
+    prefill(p.as_mut(), &history, 0, true)?;
     let layers = exported(p.as_mut())?;
     ensure!(layers[0].is_some(), "the global layer is handed back");
     ensure!(

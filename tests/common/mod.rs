@@ -3,6 +3,7 @@
 pub mod cli;
 pub mod fuzz;
 pub mod help;
+pub mod synthetic;
 mod unnamed;
 #[allow(unused_imports)] // not every test file looks at the disk tier's files
 pub use unnamed::unnamed_files;
