@@ -46,6 +46,18 @@ fn bad_flags_are_refused_naming_the_flag() -> Result<()> {
             "--allowed-hosts api.example:8080",
         ),
         (&["--send-timeout", "0"][..], "--send-timeout 0"),
+        // Swapping needs a directory, one that exists.
+        (&["--preemption-mode", "swap"][..], "--preemption-mode swap"),
+        (&["--preemption-mode", "evict"][..], "--preemption-mode"),
+        (
+            &[
+                "--preemption-mode",
+                "swap",
+                "--disk-dir",
+                "/nonexistent/kvpolicy-swap",
+            ][..],
+            "--disk-dir /nonexistent/kvpolicy-swap",
+        ),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_kvpolicy-server"))
             .args(["--cpu", "--port", "0"])
