@@ -198,10 +198,7 @@ pub fn build(
 /// recomputed).
 fn swap_space(args: &ServerArgs) -> Result<Option<SwapSpace>> {
     let dir = args.kv.disk_dir.as_deref();
-    let mode = args.preemption_mode.unwrap_or(match dir {
-        Some(_) => PreemptionMode::Swap,
-        None => PreemptionMode::Recompute,
-    });
+    let mode = args.preemption_mode.unwrap_or(PreemptionMode::Recompute);
     match (mode, dir) {
         (PreemptionMode::Recompute, _) => Ok(None),
         (PreemptionMode::Swap, Some(dir)) => Ok(Some(SwapSpace::new(dir)?)),

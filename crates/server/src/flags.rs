@@ -110,8 +110,8 @@ pub struct ServerArgs {
     /// How a request preempted for memory gets its cache back: `swap` writes its K/V to a
     /// directory of the server's own under --disk-dir and reads them back when it resumes
     /// (needs --disk-dir); `recompute` drops them and computes them again from its tokens.
-    /// Default: swap with --disk-dir (faster on the CPU: reading K/V back beats computing
-    /// them, see docs/serving.md), recompute without.
+    /// Default: recompute (swap is faster under `full`, but under the streaming policies a
+    /// resumed request can take the device past its budget: see docs/serving.md).
     #[arg(long, value_name = "swap|recompute", help_heading = HEADING, hide_possible_values = true)]
     pub preemption_mode: Option<PreemptionMode>,
     /// Connections open at most; past it a new connection is answered 503 and closed (with

@@ -5,8 +5,8 @@
 //! (`/metrics`: every sample's usage ≤ 1, and the peak the pool's books ever saw ≤ the
 //! budget) — under `full`, `headwise` and `auto` with a host budget and a disk tier, and
 //! the approximate `quest` (its LOSSY label intact). Preemption in both of vLLM's modes
-//! (`--preemption-mode`): `full` recomputes and swaps, `headwise` swaps (its default with
-//! a disk tier); a swapped request's file is gone once it resumes.
+//! (`--preemption-mode`) under `full`: recomputed and swapped; a swapped request's file is
+//! gone once it resumes. `headwise` recomputes (the default).
 mod common;
 
 use anyhow::{ensure, Context, Result};
@@ -282,14 +282,14 @@ fn full_requests_swapped_with_a_prefix_cache_store_their_prompts_exactly() -> Re
 
 /// Sixteen requests whose K/V is 4 × the host budget (16 × 11.8 MiB against 47 MiB), the
 /// device budget small enough that requests admitted together preempt one another
-/// (swapped to the disk tier: the default with one).
+/// (recomputed: the default).
 #[test]
 fn headwise_sixteen_requests_past_four_host_budgets_stay_exact() -> Result<()> {
     check(&Load {
         policy: "headwise",
         requests: 16,
         preempts: true,
-        mode: "swap",
+        mode: "recompute",
         prefix_cache: false,
         lossy: false,
         device_mib: Some(4),
